@@ -1,0 +1,68 @@
+# Orchard — the one entry point for people. `make help` lists the targets.
+#
+#   make demo    set up, then run the main job on embedded defaults
+#   make test    set up, then check generated code, lint, and run every test
+#
+# Everything lives in the repository: the virtual environment in .venv, buf in .tools.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+BUF_VERSION := 1.75.0
+BUF := .tools/node_modules/.bin/buf
+SETUP_STAMP := $(VENV)/.setup-done
+PYPROJECTS := $(wildcard libs/*/pyproject.toml services/*/pyproject.toml)
+INAGENT_BUNDLE := services/inagent/dist/orchard-inagent/orchard-inagent
+INAGENT_SOURCES := $(shell find services/inagent/src services/inagent/bundle libs/core/src libs/proto/src \
+	-type f \( -name '*.py' -o -name '*.c' -o -name '*.sh' -o -name '*.spec' \) 2>/dev/null)
+PYTEST_ARGS ?=
+
+.PHONY: help setup test demo proto proto-check lint bench inagent-binary clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
+
+setup: $(SETUP_STAMP) $(BUF) ## create .venv, install every package editable, etcd, buf and tools (idempotent)
+
+$(SETUP_STAMP): requirements-dev.txt $(PYPROJECTS) tools/setup-system.sh
+	bash tools/setup-system.sh
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
+	$(BIN)/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+	touch $@
+
+$(BUF):
+	bash tools/setup-system.sh
+	npm install --silent --no-audit --no-fund --prefix .tools @bufbuild/buf@$(BUF_VERSION)
+	touch $@
+
+proto: setup ## regenerate Python from protos/ into libs/proto/src
+	cd protos && ../$(BUF) lint
+	$(BIN)/python tools/proto.py generate
+
+proto-check: setup ## fail when libs/proto/src is stale against protos/
+	$(BIN)/python tools/proto.py check
+
+lint: setup ## buf lint, ruff and mypy on every package
+	cd protos && ../$(BUF) lint
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy libs/core/src services/inagent/src tools bench
+
+test: setup proto-check lint ## check generated code, lint, run every test
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+inagent-binary: $(INAGENT_BUNDLE) ## build the self-contained inagent bundle
+
+$(INAGENT_BUNDLE): $(SETUP_STAMP) $(INAGENT_SOURCES)
+	bash services/inagent/bundle/build.sh
+
+demo: setup inagent-binary ## run the main job on embedded defaults
+	$(BIN)/python tools/demo.py
+
+bench: setup inagent-binary ## run the benchmarks; results in bench/results/*.json
+	$(BIN)/python bench/inagent_bench.py
+
+clean: ## remove build outputs (keeps .venv and .tools)
+	rm -rf services/inagent/build services/inagent/dist bench/results/*.json

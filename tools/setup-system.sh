@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs the system packages Orchard's development workspace needs, when they are missing.
+# Idempotent; installs nothing when everything is present. Needs root (or sudo) to install.
+#   python3 + venv   the workspace interpreter (3.11 or newer)
+#   npm              installs buf (protobuf lint) from the npm registry
+#   gcc, libc6-dev   builds the inagent bundle's static launcher
+#   busybox-static   the minimal root filesystem the bundle is tested in
+#   unshare          (util-linux) namespaces for sandbox tests
+set -euo pipefail
+
+missing=()
+python3 -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null || missing+=(python3)
+python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
+command -v npm >/dev/null || missing+=(npm)
+command -v gcc >/dev/null || missing+=(gcc)
+[ -e /usr/lib/x86_64-linux-gnu/libc.a ] || [ -e /usr/lib/aarch64-linux-gnu/libc.a ] || [ -e /usr/lib/libc.a ] || missing+=(libc6-dev)
+dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q "ok installed" || missing+=(busybox-static)
+command -v unshare >/dev/null || missing+=(util-linux)
+
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+echo "setup: installing system packages: ${missing[*]}"
+sudo=""
+if [ "$(id -u)" -ne 0 ]; then
+  command -v sudo >/dev/null || { echo "setup: need root to install ${missing[*]}; install them and rerun" >&2; exit 1; }
+  sudo="sudo"
+fi
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq
+$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
