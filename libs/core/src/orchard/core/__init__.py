@@ -1,0 +1,1 @@
+"""What every Orchard service shares."""

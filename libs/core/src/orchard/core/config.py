@@ -1,0 +1,514 @@
+"""Configuration: one typed, frozen object per service, loaded once at the entry point.
+
+Layers, lowest precedence first:
+
+1. the defaults declared on the model,
+2. a YAML file (``--config FILE``, else ``$ORCHARD_CONFIG``, else the ``yaml_path`` argument),
+3. environment variables ``ORCHARD_<KEY>``, nesting with a double underscore:
+   ``ORCHARD_SERVER__GRACE_PERIOD_S=5`` sets ``server.grace_period_s``,
+4. command-line flags: ``--set key.sub=value`` (repeatable, applied in order), then the typed
+   convenience flags (``--listen``, ``--log-level``, ...), which win.
+
+Values from the environment and ``--set`` are strings that pydantic converts to the field's type;
+a value starting with ``[`` or ``{`` is read as JSON, and a plain string given for a list field
+is split on commas (``ORCHARD_SERVER__LISTEN=127.0.0.1:0,unix:/run/a.sock``).
+
+Every mistake is a :class:`ConfigError` whose message names the key and where the value came
+from, e.g. ``server.grace_period_s: Input should be a valid number, got 'abc' (from
+ORCHARD_SERVER__GRACE_PERIOD_S)``. Unknown keys are mistakes too, in every layer. A service's
+``main`` prints the message and exits with status 2 (see :func:`orchard.core.server.run_service`).
+
+A service declares its configuration as a :class:`ServiceConfig` (which has the ``server:``
+:class:`ServerConfig` section) plus whatever else it needs::
+
+    class AgentConfig(ServiceConfig):
+        server: ServerConfig = ServerConfig(listen=["unix:/run/orchard/agent.sock"])
+        max_output_bytes: int = Field(1 << 20, gt=0, description="Cap on captured output.")
+
+    config = load_config(AgentConfig, argv=sys.argv[1:])
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, NoReturn, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from orchard.core.addresses import parse_listen_address
+
+__all__ = [
+    "CONFIG_FILE_ENV",
+    "ENV_PREFIX",
+    "NON_CONFIG_ENV",
+    "SERVER_FLAGS",
+    "ConfigError",
+    "ConfigFlag",
+    "ConfigModel",
+    "ServerConfig",
+    "ServiceConfig",
+    "add_config_arguments",
+    "config_from_args",
+    "load_config",
+]
+
+ENV_PREFIX = "ORCHARD_"
+"""Environment variables with this prefix are configuration, every one of them."""
+CONFIG_FILE_ENV = "ORCHARD_CONFIG"
+"""Names the YAML file when ``--config`` is not given; not itself a configuration key."""
+NON_CONFIG_ENV = frozenset({CONFIG_FILE_ENV, "ORCHARD_ETCD_BINARY"})
+"""``ORCHARD_*`` variables that are not configuration keys (read elsewhere); never an error.
+Keep this list short: each name here is one a typo check cannot catch."""
+
+_ENV_NESTING = "__"
+_DISABLED_WORDS = frozenset({"", "off", "none", "disabled", "false"})
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class ConfigError(ValueError):
+    """The configuration is unusable; the message says which key, why, and where it came from."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        if len(self.problems) == 1:
+            text = f"invalid configuration: {self.problems[0]}"
+        else:
+            text = "invalid configuration:\n" + "\n".join(f"  {p}" for p in self.problems)
+        super().__init__(text)
+
+
+class ConfigModel(BaseModel):
+    """Base for every configuration model: immutable, and unknown keys are errors."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+
+
+class ServerConfig(ConfigModel):
+    """How a gRPC server listens, drains and reports; shared by every Orchard service."""
+
+    listen: list[str] = Field(
+        default_factory=lambda: ["127.0.0.1:0"],
+        min_length=1,
+        description=(
+            "Addresses to serve gRPC on: HOST:PORT, [IPv6]:PORT or unix:PATH. "
+            "Port 0 picks a free port, reported in the 'serving' log line."
+        ),
+    )
+    grace_period_s: float = Field(
+        default=10.0,
+        ge=0,
+        description=(
+            "On SIGTERM/SIGINT, how long in-flight calls may run before they are cancelled."
+        ),
+    )
+    max_concurrent_rpcs: int = Field(
+        default=100_000,
+        ge=1,
+        description=(
+            "Calls served at once before new ones get RESOURCE_EXHAUSTED; also the queue "
+            "limit of pending calls (gRPC's own default of 1000 cancels calls past it)."
+        ),
+    )
+    max_message_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=1024,
+        description="Largest message the server accepts or sends, in bytes.",
+    )
+    metrics_address: str | None = Field(
+        default=None,
+        description=(
+            "HOST:PORT of the Prometheus /metrics endpoint; port 0 picks a free port. "
+            "Unset, empty or 'off' disables metrics (and never imports prometheus_client)."
+        ),
+    )
+    unix_socket_mode: int = Field(
+        default=0o660,
+        ge=0,
+        le=0o777,
+        description="Permissions of Unix sockets the server creates (octal string accepted).",
+    )
+    log_level: LogLevel = Field(default="INFO", description="Lowest level of log records written.")
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, value: list[str]) -> list[str]:
+        return [str(parse_listen_address(item)) for item in value]
+
+    @field_validator("metrics_address", mode="before")
+    @classmethod
+    def _check_metrics_address(cls, value: object) -> object:
+        if isinstance(value, str):
+            if value.strip().lower() in _DISABLED_WORDS:
+                return None
+            address = parse_listen_address(value)
+            if address.is_unix:
+                raise ValueError("metrics are served over TCP: use HOST:PORT")
+            return str(address)
+        return value
+
+    @field_validator("unix_socket_mode", mode="before")
+    @classmethod
+    def _octal_mode(cls, value: object) -> object:
+        if isinstance(value, str):
+            try:
+                return int(value, 8)
+            except ValueError:
+                raise ValueError(f"expected an octal mode such as 0660, got {value!r}") from None
+        return value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper_level(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value
+
+
+class ServiceConfig(ConfigModel):
+    """Base for a service's configuration: a ``server`` section plus the service's own keys.
+
+    Override the default to give a service its own listen address::
+
+        class AgentConfig(ServiceConfig):
+            server: ServerConfig = ServerConfig(listen=["unix:/run/orchard/agent.sock"])
+    """
+
+    server: ServerConfig = Field(
+        default_factory=ServerConfig, description="How the gRPC server listens and drains."
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+@dataclass(frozen=True)
+class ConfigFlag:
+    """A typed command-line shortcut for one configuration key (``--listen`` for server.listen)."""
+
+    flag: str
+    """The option, e.g. ``--log-level``."""
+    key: str
+    """The dotted configuration key it sets, e.g. ``server.log_level``."""
+    help: str
+    """One line for ``--help``."""
+    repeatable: bool = False
+    """Given several times, the values form a list (for list fields)."""
+    metavar: str | None = None
+    """Placeholder shown in ``--help``."""
+
+    @property
+    def dest(self) -> str:
+        """Attribute of the parsed arguments that holds the flag's value."""
+        return "config_flag:" + self.key
+
+
+_FLAGS_DEST = "config_flags"
+
+SERVER_FLAGS: tuple[ConfigFlag, ...] = (
+    ConfigFlag(
+        "--listen",
+        "server.listen",
+        "serve gRPC on ADDR (HOST:PORT, [IPv6]:PORT, unix:PATH); repeat for several",
+        repeatable=True,
+        metavar="ADDR",
+    ),
+    ConfigFlag("--grace-period-s", "server.grace_period_s", "drain time on SIGTERM", metavar="S"),
+    ConfigFlag(
+        "--metrics-address",
+        "server.metrics_address",
+        "serve Prometheus /metrics on HOST:PORT ('off' disables)",
+        metavar="ADDR",
+    ),
+    ConfigFlag(
+        "--log-level", "server.log_level", "DEBUG, INFO, WARNING, ERROR or CRITICAL", metavar="L"
+    ),
+)
+"""The convenience flags every service with a ``server: ServerConfig`` field gets."""
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """An argument parser that raises ConfigError instead of printing usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError([f"command line: {message}"])
+
+
+def add_config_arguments(
+    parser: argparse.ArgumentParser, flags: Sequence[ConfigFlag] = SERVER_FLAGS
+) -> None:
+    """Add ``--config FILE``, ``--set KEY=VALUE`` and the given typed flags to ``parser``."""
+    group = parser.add_argument_group("configuration")
+    group.add_argument(
+        "--config",
+        metavar="FILE",
+        dest="config_file",
+        help=f"YAML configuration file (default: ${CONFIG_FILE_ENV})",
+    )
+    group.add_argument(
+        "--set",
+        metavar="KEY=VALUE",
+        dest="config_set",
+        action="append",
+        default=[],
+        help="set one configuration key, e.g. --set server.grace_period_s=5; repeatable",
+    )
+    parser.set_defaults(**{_FLAGS_DEST: tuple(flags)})
+    for flag in flags:
+        group.add_argument(
+            flag.flag,
+            dest=flag.dest,
+            action="append" if flag.repeatable else "store",
+            metavar=flag.metavar,
+            help=f"{flag.help} (sets {flag.key})",
+        )
+
+
+def config_from_args(
+    model_cls: type[M],
+    args: argparse.Namespace,
+    *,
+    env: Mapping[str, str] | None = None,
+    yaml_path: str | os.PathLike[str] | None = None,
+) -> M:
+    """Build ``model_cls`` from parsed arguments (see :func:`add_config_arguments`) and layers."""
+    env = os.environ if env is None else env
+    layers: list[_Layer] = [_default_layer(model_cls)]
+    file_name = getattr(args, "config_file", None) or env.get(CONFIG_FILE_ENV) or yaml_path
+    if file_name:
+        layers.append(_yaml_layer(Path(file_name)))
+    layers.append(_env_layer(model_cls, env))
+    layers.append(_set_layer(model_cls, getattr(args, "config_set", None) or []))
+    layers.append(_flag_layer(model_cls, args, getattr(args, _FLAGS_DEST, ())))
+    return _validate(model_cls, layers)
+
+
+def load_config(
+    model_cls: type[M],
+    *,
+    argv: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    yaml_path: str | os.PathLike[str] | None = None,
+    flags: Sequence[ConfigFlag] | None = None,
+    prog: str | None = None,
+) -> M:
+    """Parse ``argv`` (configuration options only) and load ``model_cls`` from all layers.
+
+    ``flags`` defaults to :data:`SERVER_FLAGS` when the model has a ``server`` field, else none.
+    Raises :class:`ConfigError`, also for a malformed command line.
+    """
+    if flags is None:
+        flags = SERVER_FLAGS if "server" in model_cls.model_fields else ()
+    parser = _RaisingParser(prog=prog, add_help=False)
+    add_config_arguments(parser, flags)
+    args = parser.parse_args(list(argv))
+    return config_from_args(model_cls, args, env=env, yaml_path=yaml_path)
+
+
+# A layer is a nested dict of raw values plus, per dotted key, where each value came from.
+@dataclass
+class _Layer:
+    values: dict[str, Any]
+    sources: dict[str, str]
+
+
+def _default_layer(model_cls: type[BaseModel]) -> _Layer:
+    """Defaults that are model instances, so a partial override keeps the rest of them.
+
+    Without this, ``ORCHARD_SERVER__GRACE_PERIOD_S`` would rebuild ``server`` from the class
+    defaults of ServerConfig and drop a service's own default listen address.
+    """
+    values: dict[str, Any] = {}
+    for name, field in model_cls.model_fields.items():
+        if field.is_required():
+            continue
+        default = field.get_default(call_default_factory=True, validated_data={})
+        if isinstance(default, BaseModel):
+            values[name] = default.model_dump()
+    return _Layer(values, {})
+
+
+def _yaml_layer(path: Path) -> _Layer:
+    import yaml  # noqa: PLC0415 - only services that use a file pay for the import
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([f"config file {path}: {exc.strerror or exc}"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"config file {path}: not valid YAML: {exc}"]) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"config file {path}: expected a mapping of keys at the top level"])
+    sources: dict[str, str] = {}
+    _record_sources(data, (), f"config file {path}", sources)
+    return _Layer(data, sources)
+
+
+def _record_sources(value: Any, prefix: tuple[str, ...], source: str, out: dict[str, str]) -> None:
+    if prefix:
+        out[".".join(prefix)] = source
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _record_sources(item, (*prefix, str(key)), source, out)
+
+
+def _env_layer(model_cls: type[BaseModel], env: Mapping[str, str]) -> _Layer:
+    layer = _Layer({}, {})
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX) or name in NON_CONFIG_ENV:
+            continue
+        path = tuple(part.lower() for part in name[len(ENV_PREFIX) :].split(_ENV_NESTING))
+        if not all(path):
+            raise ConfigError([f"{name}: empty key part; nest keys with '__' (ORCHARD_A__B)"])
+        _put(layer, path, _coerce(model_cls, path, env[name]), name)
+    return layer
+
+
+def _set_layer(model_cls: type[BaseModel], assignments: Sequence[str]) -> _Layer:
+    layer = _Layer({}, {})
+    for item in assignments:
+        key, sep, value = item.partition("=")
+        path = tuple(key.strip().split("."))
+        if not sep or not all(path):
+            raise ConfigError([f"--set {item!r}: expected KEY=VALUE, e.g. server.log_level=DEBUG"])
+        _put(layer, path, _coerce(model_cls, path, value), f"--set {item}")
+    return layer
+
+
+def _flag_layer(
+    model_cls: type[BaseModel], args: argparse.Namespace, flags: Sequence[ConfigFlag]
+) -> _Layer:
+    layer = _Layer({}, {})
+    for flag in flags:
+        value = getattr(args, flag.dest, None)
+        if value is None:
+            continue
+        path = tuple(flag.key.split("."))
+        raw = value if isinstance(value, list) else _coerce(model_cls, path, value)
+        _put(layer, path, raw, flag.flag)
+    return layer
+
+
+def _put(layer: _Layer, path: tuple[str, ...], value: Any, source: str) -> None:
+    node = layer.values
+    for part in path[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+    node[path[-1]] = value
+    layer.sources[".".join(path)] = source
+
+
+def _coerce(model_cls: type[BaseModel], path: tuple[str, ...], text: str) -> Any:
+    """Turn a string from the environment or --set into the shape its field expects."""
+    stripped = text.strip()
+    if stripped[:1] in ("[", "{"):
+        try:
+            return json.loads(stripped)
+        except ValueError:
+            return text  # let validation report it against the key
+    if _is_list_field(model_cls, path):
+        return [part.strip() for part in stripped.split(",") if part.strip()]
+    return text
+
+
+def _is_list_field(model_cls: type[BaseModel], path: tuple[str, ...]) -> bool:
+    annotation: Any = model_cls
+    for part in path:
+        model = _model_in(annotation)
+        if model is None or part not in model.model_fields:
+            return False
+        annotation = model.model_fields[part].annotation
+    return any(
+        typing.get_origin(arm) in (list, tuple, set, frozenset, Sequence)
+        for arm in _arms(annotation)
+    )
+
+
+def _arms(annotation: Any) -> list[Any]:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [arm for arm in typing.get_args(annotation) if arm is not type(None)]
+    return [annotation]
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    for arm in _arms(annotation):
+        if isinstance(arm, type) and issubclass(arm, BaseModel):
+            return arm
+    return None
+
+
+def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _validate(model_cls: type[M], layers: Sequence[_Layer]) -> M:
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for layer in layers:
+        values = _merge(values, layer.values)
+        sources.update(layer.sources)
+    try:
+        return model_cls.model_validate(values)
+    except ValidationError as exc:
+        problems = [_describe(model_cls, error, sources) for error in exc.errors()]
+        raise ConfigError(problems) from None
+
+
+def _describe(model_cls: type[BaseModel], error: Any, sources: Mapping[str, str]) -> str:
+    loc = [str(part) for part in error["loc"]]
+    key = ".".join(loc) or "(top level)"
+    if error["type"] == "extra_forbidden":
+        text = f"{key}: unknown key{_suggestion(model_cls, loc)}"
+    else:
+        message = str(error["msg"])
+        if message.startswith("Value error, "):
+            message = message[len("Value error, ") :]
+        text = f"{key}: {message}"
+        if not isinstance(error.get("input"), dict) and "input" in error:
+            text += f", got {error['input']!r}"
+    source = _source_of(loc, sources)
+    return f"{text} (from {source})" if source else text
+
+
+def _source_of(loc: Sequence[str], sources: Mapping[str, str]) -> str | None:
+    for end in range(len(loc), 0, -1):
+        source = sources.get(".".join(loc[:end]))
+        if source is not None:
+            return source
+    return None
+
+
+def _suggestion(model_cls: type[BaseModel], loc: Sequence[str]) -> str:
+    annotation: Any = model_cls
+    for part in loc[:-1]:
+        model = _model_in(annotation)
+        if model is None or part not in model.model_fields:
+            return ""
+        annotation = model.model_fields[part].annotation
+    model = _model_in(annotation)
+    if model is None:
+        return ""
+    close = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""

@@ -1,0 +1,269 @@
+"""Errors: one table of reasons, each bound to a gRPC status code, shared by server and client.
+
+A failure a client can act on is an :class:`OrchardError` carrying a *reason*. On the wire it
+becomes a rich status: the reason's gRPC code, the message, and a ``google.rpc.Status`` detail
+``google.rpc.ErrorInfo{reason, domain="orchard", metadata}`` in the trailing metadata, so any
+gRPC client sees the right code and ours can branch on the reason.
+
+Servicers just raise; :class:`ErrorInterceptor` (installed by
+:class:`orchard.core.server.GrpcServer`) does the rest for all four kinds of RPC::
+
+    raise OrchardError(Reason.NOT_FOUND, f"no sandbox {sid!r}", metadata={"sandbox_id": sid})
+
+Anything else a handler raises: an ``OSError`` is mapped by its errno (ENOENT → NOT_FOUND,
+EACCES → PERMISSION_DENIED, ENOSPC → RESOURCE_EXHAUSTED, ...; see :func:`from_os_error`);
+any other exception becomes ``INTERNAL`` with a generic message and an incident id, while the
+traceback goes to the log under the same id, never to the client.
+
+A service with failures of its own declares its own table, a subclass of :class:`ErrorReason`
+whose members are ``(status code, when it happens)``::
+
+    class AgentReason(ErrorReason):
+        PROCESS_NOT_FOUND = (grpc.StatusCode.NOT_FOUND, "No process with that id.")
+        OUTPUT_TRUNCATED = (grpc.StatusCode.RESOURCE_EXHAUSTED, "Output passed its cap.")
+
+Clients branch with :func:`error_info`::
+
+    except grpc.RpcError as exc:
+        info = error_info(exc)
+        if info is not None and info.reason == "NOT_FOUND": ...
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import logging
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from orchard.core._handlers import wrap_handler
+
+if TYPE_CHECKING:
+    from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped]
+
+__all__ = [
+    "ERROR_DOMAIN",
+    "ErrorInterceptor",
+    "ErrorReason",
+    "OrchardError",
+    "Reason",
+    "error_info",
+    "from_os_error",
+    "rich_status",
+]
+
+ERROR_DOMAIN = "orchard"
+"""The ``ErrorInfo.domain`` of every error an Orchard service raises."""
+
+_STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+log = logging.getLogger(__name__)
+
+
+class ErrorReason(enum.Enum):
+    """Base of every reason table: member name = ErrorInfo reason, value = (code, description).
+
+    Subclass it per service; the member's name is what goes on the wire, so keep names unique
+    across Orchard and never rename a released one.
+    """
+
+    def __init__(self, code: grpc.StatusCode, description: str) -> None:
+        self.code = code
+        self.description = description
+
+    @property
+    def reason(self) -> str:
+        """The ``ErrorInfo.reason`` string, e.g. ``"NOT_FOUND"``."""
+        return self.name
+
+
+@enum.unique
+class Reason(ErrorReason):
+    """Reasons common to every Orchard service."""
+
+    INVALID_ARGUMENT = (grpc.StatusCode.INVALID_ARGUMENT, "A request field is malformed.")
+    INVALID_PATH = (grpc.StatusCode.INVALID_ARGUMENT, "A path is malformed or not allowed.")
+    NOT_FOUND = (grpc.StatusCode.NOT_FOUND, "The named thing does not exist.")
+    ALREADY_EXISTS = (grpc.StatusCode.ALREADY_EXISTS, "The thing to create exists already.")
+    PERMISSION_DENIED = (grpc.StatusCode.PERMISSION_DENIED, "The caller may not do this.")
+    FAILED_PRECONDITION = (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "The system is not in a state that allows the operation (e.g. sandbox not ready).",
+    )
+    IS_A_DIRECTORY = (grpc.StatusCode.FAILED_PRECONDITION, "Expected a file, found a directory.")
+    NOT_A_DIRECTORY = (grpc.StatusCode.FAILED_PRECONDITION, "Expected a directory.")
+    DIRECTORY_NOT_EMPTY = (grpc.StatusCode.FAILED_PRECONDITION, "The directory is not empty.")
+    OUTPUT_LIMIT = (grpc.StatusCode.RESOURCE_EXHAUSTED, "Output passed its size cap.")
+    RESOURCE_EXHAUSTED = (grpc.StatusCode.RESOURCE_EXHAUSTED, "A quota, disk or memory ran out.")
+    DEADLINE_EXCEEDED = (grpc.StatusCode.DEADLINE_EXCEEDED, "The operation ran out of time.")
+    ABORTED = (grpc.StatusCode.ABORTED, "A concurrent change won; retry the whole sequence.")
+    UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, "Temporarily unavailable; safe to retry.")
+    UNIMPLEMENTED = (grpc.StatusCode.UNIMPLEMENTED, "Not supported here.")
+    INTERNAL = (grpc.StatusCode.INTERNAL, "A bug or unexpected failure on the server.")
+
+
+class OrchardError(Exception):
+    """An error for the client: a reason (hence a status code), a message and metadata."""
+
+    def __init__(
+        self, reason: ErrorReason, message: str, *, metadata: Mapping[str, str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.metadata: dict[str, str] = {k: str(v) for k, v in (metadata or {}).items()}
+
+    @property
+    def code(self) -> grpc.StatusCode:
+        """The gRPC status code the reason maps to."""
+        return self.reason.code
+
+    def to_status(self) -> grpc.Status:
+        """The rich status (code, message, ErrorInfo detail) to abort a call with."""
+        # Loaded on first use: the protobuf modules cost ~40 ms at import.
+        from google.protobuf import any_pb2  # noqa: PLC0415
+        from google.rpc import error_details_pb2, status_pb2  # noqa: PLC0415
+        from grpc_status import rpc_status  # noqa: PLC0415
+
+        detail = any_pb2.Any()
+        detail.Pack(
+            error_details_pb2.ErrorInfo(
+                reason=self.reason.reason, domain=ERROR_DOMAIN, metadata=self.metadata
+            )
+        )
+        status = status_pb2.Status(code=self.code.value[0], message=self.message, details=[detail])
+        return rpc_status.to_status(status)
+
+    def __repr__(self) -> str:
+        return f"OrchardError({self.reason.reason}, {self.message!r})"
+
+
+# errno → reason; anything not listed is INTERNAL.
+_ERRNO_REASONS: dict[int, ErrorReason] = {
+    errno.ENOENT: Reason.NOT_FOUND,
+    errno.ESRCH: Reason.NOT_FOUND,
+    errno.EACCES: Reason.PERMISSION_DENIED,
+    errno.EPERM: Reason.PERMISSION_DENIED,
+    errno.EROFS: Reason.PERMISSION_DENIED,
+    errno.EEXIST: Reason.ALREADY_EXISTS,
+    errno.EISDIR: Reason.IS_A_DIRECTORY,
+    errno.ENOTDIR: Reason.NOT_A_DIRECTORY,
+    errno.ENOTEMPTY: Reason.DIRECTORY_NOT_EMPTY,
+    errno.EBUSY: Reason.FAILED_PRECONDITION,
+    errno.ETXTBSY: Reason.FAILED_PRECONDITION,
+    errno.EXDEV: Reason.FAILED_PRECONDITION,
+    errno.EINVAL: Reason.INVALID_ARGUMENT,
+    errno.ENAMETOOLONG: Reason.INVALID_PATH,
+    errno.ELOOP: Reason.INVALID_PATH,
+    errno.ENOSPC: Reason.RESOURCE_EXHAUSTED,
+    errno.EDQUOT: Reason.RESOURCE_EXHAUSTED,
+    errno.EFBIG: Reason.RESOURCE_EXHAUSTED,
+    errno.EMFILE: Reason.RESOURCE_EXHAUSTED,
+    errno.ENFILE: Reason.RESOURCE_EXHAUSTED,
+    errno.ENOMEM: Reason.RESOURCE_EXHAUSTED,
+    errno.ETIMEDOUT: Reason.DEADLINE_EXCEEDED,
+    errno.EAGAIN: Reason.UNAVAILABLE,
+    errno.ECONNREFUSED: Reason.UNAVAILABLE,
+    errno.ECONNRESET: Reason.UNAVAILABLE,
+    errno.EHOSTUNREACH: Reason.UNAVAILABLE,
+    errno.ENETUNREACH: Reason.UNAVAILABLE,
+    errno.ENOSYS: Reason.UNIMPLEMENTED,
+    errno.EOPNOTSUPP: Reason.UNIMPLEMENTED,
+}
+
+
+def from_os_error(exc: OSError, message: str | None = None) -> OrchardError:
+    """Translate an OSError by its errno; metadata carries ``errno`` (its name) and ``path``.
+
+    The default message is the OS's own text with the path, e.g.
+    ``No such file or directory: '/data/x'``.
+    """
+    reason = _ERRNO_REASONS.get(exc.errno or 0, Reason.INTERNAL)
+    metadata: dict[str, str] = {}
+    if exc.errno is not None:
+        metadata["errno"] = errno.errorcode.get(exc.errno, str(exc.errno))
+    if exc.filename is not None:
+        metadata["path"] = str(exc.filename)
+    if message is None:
+        message = exc.strerror or str(exc)
+        if exc.filename is not None:
+            message += f": {str(exc.filename)!r}"
+    return OrchardError(reason, message, metadata=metadata)
+
+
+def rich_status(rpc_error: grpc.RpcError) -> status_pb2.Status | None:
+    """The ``google.rpc.Status`` a server attached to a failed call, or None.
+
+    Works with errors from sync stubs (``grpc.RpcError``) and grpc.aio (``AioRpcError``).
+    """
+    from google.rpc import status_pb2  # noqa: PLC0415
+
+    trailing = getattr(rpc_error, "trailing_metadata", None)
+    metadata = trailing() if callable(trailing) else None
+    for key, value in metadata or ():
+        if key == _STATUS_DETAILS_KEY:
+            status = status_pb2.Status()
+            status.ParseFromString(value)
+            return status
+    return None
+
+
+def error_info(rpc_error: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
+    """The ``ErrorInfo`` (reason, domain, metadata) of a failed call, or None if it has none."""
+    from google.rpc import error_details_pb2  # noqa: PLC0415
+
+    status = rich_status(rpc_error)
+    if status is None:
+        return None
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return info
+    return None
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Turns exceptions raised by handlers into statuses, for unary and streaming RPCs.
+
+    - :class:`OrchardError` → its code, message and ErrorInfo,
+    - ``OSError`` → :func:`from_os_error`,
+    - ``context.abort(...)`` by the handler itself and cancellation → passed through,
+    - anything else → INTERNAL "internal error (incident ID)", traceback logged with that ID.
+    """
+
+    async def intercept_service(
+        self, continuation: Any, handler_call_details: grpc.HandlerCallDetails
+    ) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        return wrap_handler(handler, handler_call_details.method, _translate_errors)
+
+
+@asynccontextmanager
+async def _translate_errors(method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    try:
+        yield
+    except grpc.aio.AbortError:
+        raise
+    except OrchardError as exc:
+        await context.abort_with_status(exc.to_status())
+    except OSError as exc:
+        await context.abort_with_status(from_os_error(exc).to_status())
+    except Exception:
+        incident = uuid.uuid4().hex[:12]
+        log.exception(
+            "unexpected error in %s", method, extra={"method": method, "incident": incident}
+        )
+        error = OrchardError(
+            Reason.INTERNAL,
+            f"internal error (incident {incident}); the server log has the details",
+            metadata={"incident": incident},
+        )
+        await context.abort_with_status(error.to_status())

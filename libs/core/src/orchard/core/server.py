@@ -1,0 +1,509 @@
+"""One way to run an Orchard gRPC service: health, reflection, errors, metrics, graceful drain.
+
+Two entry points:
+
+- :func:`run_service` for a service's ``main()``: parses the command line, loads configuration
+  (:mod:`orchard.core.config`), configures JSON logging, starts the server, marks it ready, and
+  drains on SIGTERM/SIGINT. Returns the exit status (0 after a drain, 2 for bad configuration,
+  1 when the server cannot start)::
+
+      def main() -> None:
+          sys.exit(run_service("inagent", AgentConfig, lambda config: [
+              ServiceBinding.servicer(
+                  "orchard.inagent.v1.AgentService",
+                  agent_service_pb2_grpc.add_AgentServiceServicer_to_server,
+                  AgentServicer(config),
+              ),
+          ]))
+
+- :class:`GrpcServer`, an async context manager for tests and embedding::
+
+      async with GrpcServer("inagent", bindings, config.server) as server:
+          await server.set_serving()
+          channel = grpc.aio.insecure_channel(server.addresses[0])
+
+Every server serves the stock ``grpc.health.v1.Health`` and reflection
+(``grpc.reflection.v1alpha``) for its services, health and reflection itself. Health says
+NOT_SERVING, for ``""`` and each service, until :meth:`GrpcServer.set_serving` and again from
+the moment a drain starts. Handlers raise :class:`orchard.core.errors.OrchardError`; the
+:class:`~orchard.core.errors.ErrorInterceptor` turns it into a status with ``ErrorInfo``.
+
+Drain on stop: health goes NOT_SERVING (open health ``Watch`` streams get that update and end),
+the listeners close so new calls are refused, in-flight calls get up to ``grace_period_s`` to
+finish, the rest are cancelled, ``on_stop`` runs, Unix socket files are removed. A second
+signal during a drain cancels the remaining calls at once.
+
+Importing this module costs little beyond ``grpc``: health, reflection, pydantic and
+prometheus_client load only when a server starts or a configuration is loaded, and
+prometheus_client only when metrics are enabled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import signal
+import socket
+import stat
+import sys
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import grpc
+
+from orchard.core.addresses import ListenAddress, parse_listen_address
+from orchard.core.errors import ErrorInterceptor
+
+if TYPE_CHECKING:
+    from orchard.core.config import ConfigFlag, ServiceConfig
+    from orchard.core.metrics import MetricsEndpoint, ServiceMetrics
+
+__all__ = ["GrpcServer", "ServerHook", "ServerSettings", "ServiceBinding", "run_service"]
+
+log = logging.getLogger(__name__)
+
+HEALTH_SERVICE = "grpc.health.v1.Health"
+_HEALTH_WATCH = f"/{HEALTH_SERVICE}/Watch"
+# Open Watch streams have this long to deliver NOT_SERVING before a drain ends them.
+_WATCH_FAREWELL_S = 0.1
+
+ServerHook = Callable[["GrpcServer"], Awaitable[None]]
+"""An async callback given the server: ``on_start`` (after binding) or ``on_stop`` (after drain)."""
+
+C = TypeVar("C", bound="ServiceConfig")
+
+
+class ServerSettings(Protocol):
+    """What GrpcServer reads from its configuration.
+
+    :class:`orchard.core.config.ServerConfig` (validated, pydantic) is the usual one; any
+    object with these attributes will do, for a process that must start without pydantic.
+    """
+
+    @property
+    def listen(self) -> Sequence[str]: ...
+    @property
+    def grace_period_s(self) -> float: ...
+    @property
+    def max_concurrent_rpcs(self) -> int: ...
+    @property
+    def max_message_bytes(self) -> int: ...
+    @property
+    def metrics_address(self) -> str | None: ...
+    @property
+    def unix_socket_mode(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class ServiceBinding:
+    """One gRPC service to serve: its full name (for health and reflection) and how to add it."""
+
+    name: str
+    """Full service name, e.g. ``orchard.inagent.v1.AgentService``."""
+    register: Callable[[grpc.aio.Server], None]
+    """Adds the service's handlers to a server (called once, before it starts)."""
+
+    @classmethod
+    def servicer(
+        cls,
+        name: str,
+        add_to_server: Callable[[Any, grpc.aio.Server], None],
+        servicer: object,
+    ) -> ServiceBinding:
+        """Bind a generated ``add_XServicer_to_server`` function and a servicer instance."""
+        return cls(name, lambda server: add_to_server(servicer, server))
+
+    @classmethod
+    def generic(cls, handler: grpc.GenericRpcHandler, name: str | None = None) -> ServiceBinding:
+        """Bind a generic handler, e.g. from ``grpc.method_handlers_generic_handler``."""
+        service_name = name if name is not None else handler.service_name()
+        if not service_name:
+            raise ValueError("generic handler has no service name; pass name=")
+        return cls(service_name, lambda server: server.add_generic_rpc_handlers((handler,)))
+
+
+class GrpcServer:
+    """A grpc.aio server with health, reflection, error translation, metrics and drain.
+
+    Use ``async with`` (or :meth:`start` and :meth:`stop`). ``config`` defaults to
+    ``ServerConfig()`` (127.0.0.1 on a free port, no metrics).
+    """
+
+    def __init__(
+        self,
+        service: str,
+        services: Sequence[ServiceBinding],
+        config: ServerSettings | None = None,
+        *,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        on_start: ServerHook | None = None,
+        on_stop: ServerHook | None = None,
+    ) -> None:
+        if config is None:
+            from orchard.core.config import ServerConfig  # noqa: PLC0415
+
+            config = ServerConfig()
+        self.service = service
+        self.config: ServerSettings = config
+        self._bindings = list(services)
+        self._interceptors = list(interceptors)
+        self._on_start = on_start
+        self._on_stop = on_stop
+        self._server: grpc.aio.Server | None = None
+        self._health: Any = None
+        self._addresses: list[str] = []
+        self._unix_paths: list[Path] = []
+        self._draining = asyncio.Event()
+        self._stop_task: asyncio.Task[None] | None = None
+        self._stopped = asyncio.Event()
+        self.metrics: ServiceMetrics | None = None
+        """The server's metrics (registry, RPC metrics), or None when metrics are disabled."""
+        self._metrics_endpoint: MetricsEndpoint | None = None
+
+    # -- properties --------------------------------------------------------------------------
+
+    @property
+    def addresses(self) -> list[str]:
+        """Bound addresses, as clients dial them: ``127.0.0.1:41234``, ``unix:/run/a.sock``."""
+        return list(self._addresses)
+
+    @property
+    def port(self) -> int:
+        """The port of the first TCP address (handy with port 0); error if none is TCP."""
+        for address in self._addresses:
+            parsed = parse_listen_address(address)
+            if not parsed.is_unix:
+                return parsed.port
+        raise RuntimeError("server has no TCP address")
+
+    @property
+    def metrics_address(self) -> str | None:
+        """``host:port`` of the bound /metrics endpoint, or None when metrics are disabled."""
+        return self._metrics_endpoint.address if self._metrics_endpoint else None
+
+    @property
+    def service_names(self) -> list[str]:
+        """Full names of the services bound (without health and reflection)."""
+        return [binding.name for binding in self._bindings]
+
+    @property
+    def draining(self) -> bool:
+        """True from the moment :meth:`stop` begins."""
+        return self._draining.is_set()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind every address, start serving (health NOT_SERVING), then run ``on_start``."""
+        if self._server is not None:
+            raise RuntimeError("server already started")
+        from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
+        from grpc_health.v1.health import aio as health_aio  # noqa: PLC0415
+        from grpc_reflection.v1alpha import reflection  # noqa: PLC0415
+
+        interceptors: list[Any] = []
+        if self.config.metrics_address is not None:
+            from orchard.core.metrics import MetricsInterceptor, ServiceMetrics  # noqa: PLC0415
+
+            self.metrics = ServiceMetrics(self.service)
+            interceptors.append(MetricsInterceptor(self.metrics))
+        interceptors += [_WatchDrainInterceptor(self._draining), ErrorInterceptor()]
+        interceptors += self._interceptors
+
+        limit = self.config.max_concurrent_rpcs
+        server = grpc.aio.server(
+            interceptors=interceptors,
+            maximum_concurrent_rpcs=limit,
+            options=[
+                ("grpc.server.max_pending_requests", limit),
+                ("grpc.server.max_pending_requests_hard_limit", limit * 2),
+                ("grpc.max_receive_message_length", self.config.max_message_bytes),
+                ("grpc.max_send_message_length", self.config.max_message_bytes),
+                ("grpc.so_reuseport", 0),  # a port already in use must fail, not be shared
+            ],
+        )
+        for binding in self._bindings:
+            binding.register(server)
+        self._health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        for name in ("", *self.service_names):
+            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        reflection.enable_server_reflection(
+            (*self.service_names, HEALTH_SERVICE, reflection.SERVICE_NAME), server
+        )
+
+        self._server = server
+        try:
+            for text in self.config.listen:
+                self._addresses.append(self._bind(server, parse_listen_address(text)))
+            await server.start()
+            for path in self._unix_paths:
+                os.chmod(path, self.config.unix_socket_mode)
+            if self.metrics is not None and self.config.metrics_address is not None:
+                from orchard.core.metrics import MetricsEndpoint  # noqa: PLC0415
+
+                self._metrics_endpoint = MetricsEndpoint(
+                    self.config.metrics_address, self.metrics.registry
+                )
+                self._metrics_endpoint.start()
+            if self._on_start is not None:
+                await self._on_start(self)
+        except BaseException:
+            await self.stop(grace=0)
+            raise
+        log.info(
+            "serving",
+            extra={"addresses": self.addresses, "metrics_address": self.metrics_address},
+        )
+
+    def _bind(self, server: grpc.aio.Server, address: ListenAddress) -> str:
+        if address.unix_path is not None:
+            path = Path(address.unix_path)
+            _prepare_unix_socket(path)
+            self._bind_port(server, address)
+            self._unix_paths.append(path)
+            return address.grpc_target()
+        port = self._bind_port(server, address)
+        return address.with_port(port).grpc_target()
+
+    @staticmethod
+    def _bind_port(server: grpc.aio.Server, address: ListenAddress) -> int:
+        try:
+            port = server.add_insecure_port(address.grpc_target())
+        except RuntimeError as exc:
+            raise OSError(errno.EADDRNOTAVAIL, f"cannot listen on {address}: {exc}") from None
+        if port == 0 and not address.is_unix:
+            raise OSError(errno.EADDRINUSE, f"cannot listen on {address} (in use?)")
+        return int(port)
+
+    async def set_serving(self, serving: bool = True) -> None:
+        """Declare the server ready (SERVING) or not, for ``""`` and every bound service.
+
+        Ignored once a drain has started: from then on health stays NOT_SERVING.
+        """
+        if self._health is None:
+            raise RuntimeError("server not started")
+        from grpc_health.v1 import health_pb2  # noqa: PLC0415
+
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", *self.service_names):
+            await self._health.set(name, status)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain and stop; ``grace`` defaults to ``config.grace_period_s``. Idempotent.
+
+        A second call with a smaller grace (e.g. 0 on a second signal) cuts the drain short.
+        """
+        if grace is None:
+            grace = self.config.grace_period_s
+        if self._stop_task is None:
+            self._stop_task = asyncio.create_task(self._drain(grace))
+        elif self._server is not None and not self._stop_task.done():
+            await self._server.stop(grace)
+        await asyncio.shield(self._stop_task)
+
+    async def _drain(self, grace: float) -> None:
+        started = time.monotonic()
+        try:
+            if self._health is not None:
+                await self._health.enter_graceful_shutdown()
+            self._draining.set()
+            if self._server is not None:
+                log.info("draining", extra={"grace_period_s": grace})
+                await self._server.stop(grace)
+            if self._on_stop is not None and self._server is not None:
+                await self._on_stop(self)
+        finally:
+            if self._metrics_endpoint is not None:
+                await asyncio.to_thread(self._metrics_endpoint.stop)
+            for path in self._unix_paths:
+                with contextlib.suppress(FileNotFoundError):
+                    if stat.S_ISSOCK(path.lstat().st_mode):
+                        path.unlink()
+            self._stopped.set()
+            log.info("stopped", extra={"drain_s": round(time.monotonic() - started, 3)})
+
+    async def wait_for_termination(self) -> None:
+        """Return once the server has stopped."""
+        await self._stopped.wait()
+
+    async def __aenter__(self) -> GrpcServer:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+
+def _prepare_unix_socket(path: Path) -> None:
+    """Create the parent directory; remove a stale socket, refuse to replace a live one."""
+    if len(os.fsencode(path)) >= 108:
+        raise OSError(errno.ENAMETOOLONG, f"unix socket path too long (max 107 bytes): {path}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise OSError(errno.EEXIST, f"{path} exists and is not a socket; not replacing it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(os.fspath(path))
+    except OSError:
+        path.unlink()  # nobody listens: a leftover from a process that died
+    else:
+        raise OSError(errno.EADDRINUSE, f"{path}: another process is serving on this socket")
+    finally:
+        probe.close()
+
+
+class _WatchDrainInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Ends open health Watch streams (OK) when a drain starts, so they do not hold it up."""
+
+    def __init__(self, draining: asyncio.Event) -> None:
+        self._draining = draining
+
+    async def intercept_service(
+        self, continuation: Any, handler_call_details: grpc.HandlerCallDetails
+    ) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method != _HEALTH_WATCH:
+            return handler
+        behaviour = handler.unary_stream
+        if behaviour is None or not asyncio.iscoroutinefunction(behaviour):
+            return handler
+        draining = self._draining
+
+        async def watch(request: Any, context: grpc.aio.ServicerContext) -> None:
+            task = asyncio.ensure_future(behaviour(request, context))
+            waiter = asyncio.ensure_future(draining.wait())
+            try:
+                await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                if task.done():
+                    return task.result()  # type: ignore[no-any-return]
+                await asyncio.wait({task}, timeout=_WATCH_FAREWELL_S)
+            finally:
+                waiter.cancel()
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            return None
+
+        return handler._replace(unary_stream=watch)
+
+
+# ---------------------------------------------------------------------------------------------
+# main() helper
+
+
+def run_service(
+    service: str,
+    config_cls: type[C],
+    services: Callable[[C], Sequence[ServiceBinding]],
+    *,
+    argv: Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    description: str | None = None,
+    flags: Sequence[ConfigFlag] | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    on_start: Callable[[C, GrpcServer], Awaitable[None]] | None = None,
+    on_stop: Callable[[C, GrpcServer], Awaitable[None]] | None = None,
+    ready_on_start: bool = True,
+) -> int:
+    """Run a service until SIGTERM/SIGINT; return the process exit status.
+
+    ``services(config)`` builds the bindings; ``on_start(config, server)`` runs after the
+    server is bound (start background work there), ``on_stop(config, server)`` after the
+    drain. With ``ready_on_start`` the server declares itself SERVING once ``on_start``
+    returns; otherwise the service calls ``server.set_serving()`` itself when ready.
+    Command line: ``--config FILE``, ``--set KEY=VALUE`` and ``flags`` (default
+    :data:`orchard.core.config.SERVER_FLAGS`).
+    """
+    from orchard.core.config import (  # noqa: PLC0415
+        SERVER_FLAGS,
+        ConfigError,
+        add_config_arguments,
+        config_from_args,
+    )
+    from orchard.core.logging import configure_logging  # noqa: PLC0415
+
+    program = f"orchard-{service}"
+    parser = argparse.ArgumentParser(prog=program, description=description)
+    add_config_arguments(parser, SERVER_FLAGS if flags is None else flags)
+    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    try:
+        config = config_from_args(config_cls, args, env=env)
+    except ConfigError as exc:
+        print(f"{program}: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(service, config.server.log_level)
+
+    async def hook_start(server: GrpcServer) -> None:
+        if on_start is not None:
+            await on_start(config, server)
+
+    async def hook_stop(server: GrpcServer) -> None:
+        if on_stop is not None:
+            await on_stop(config, server)
+
+    async def serve() -> int:
+        stop_requested = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        cutoffs: list[asyncio.Task[None]] = []
+        server: GrpcServer | None = None
+
+        def on_signal(signum: int) -> None:
+            name = signal.Signals(signum).name
+            if not stop_requested.is_set():
+                log.info("signal received, draining", extra={"signal": name})
+                stop_requested.set()
+            elif server is not None:
+                log.warning("second signal, cancelling remaining calls", extra={"signal": name})
+                cutoffs.append(loop.create_task(server.stop(grace=0)))
+
+        # Installed before binding, so a signal during startup drains instead of killing.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, on_signal, signum)
+        try:
+            try:
+                server = GrpcServer(
+                    service,
+                    services(config),
+                    config.server,
+                    interceptors=interceptors,
+                    on_start=hook_start,
+                    on_stop=hook_stop,
+                )
+                await server.start()
+            except Exception:
+                log.exception("cannot start %s", program)
+                return 1
+            try:
+                if ready_on_start and not stop_requested.is_set():
+                    await server.set_serving()
+                await stop_requested.wait()
+            finally:
+                await server.stop()
+        finally:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(signum)
+        return 0
+
+    return asyncio.run(serve())
