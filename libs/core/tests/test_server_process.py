@@ -59,7 +59,7 @@ async def service(tmp_path: Path) -> AsyncIterator[ServiceProcess]:
         "--set",
         "greeting=hi",
         stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "ORCHARD_SERVER__LOG_LEVEL": "INFO"},
+        env={**os.environ, "ORCHARD_SLOW_SERVER__LOG_LEVEL": "INFO"},
     )
     try:
         yield ServiceProcess(process)
@@ -135,7 +135,7 @@ async def test_bad_configuration_exits_2_naming_the_key() -> None:
         "--set",
         "server.grace_period_s=abc",
         stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "ORCHARD_GREETNG": "x"},
+        env={**os.environ, "ORCHARD_SLOW_GREETNG": "x", "ORCHARD_OTHER_GREETNG": "ignored"},
     )
     try:
         async with asyncio.timeout(20):
@@ -148,4 +148,5 @@ async def test_bad_configuration_exits_2_naming_the_key() -> None:
     text = stderr.decode()
     assert "server.grace_period_s: Input should be a valid number" in text
     assert "(from --set server.grace_period_s=abc)" in text
-    assert "greetng: unknown key; did you mean 'greeting'? (from ORCHARD_GREETNG)" in text
+    assert "greetng: unknown key; did you mean 'greeting'? (from ORCHARD_SLOW_GREETNG)" in text
+    assert "ORCHARD_OTHER" not in text

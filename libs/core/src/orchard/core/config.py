@@ -3,9 +3,11 @@
 Layers, lowest precedence first:
 
 1. the defaults declared on the model,
-2. a YAML file (``--config FILE``, else ``$ORCHARD_CONFIG``, else the ``yaml_path`` argument),
-3. environment variables ``ORCHARD_<KEY>``, nesting with a double underscore:
-   ``ORCHARD_SERVER__GRACE_PERIOD_S=5`` sets ``server.grace_period_s``,
+2. a YAML file (``--config FILE``, else ``$<PREFIX>CONFIG``, else the ``yaml_path`` argument),
+3. environment variables ``<PREFIX><KEY>``, nesting with a double underscore. The prefix is
+   ``ORCHARD_`` by default; :func:`orchard.core.server.run_service` scopes it to the service
+   (``ORCHARD_INAGENT_``), so services started from one shell never read each other's settings:
+   ``ORCHARD_INAGENT_SERVER__GRACE_PERIOD_S=5`` sets the agent's ``server.grace_period_s``,
 4. command-line flags: ``--set key.sub=value`` (repeatable, applied in order), then the typed
    convenience flags (``--listen``, ``--log-level``, ...), which win.
 
@@ -58,12 +60,14 @@ __all__ = [
     "add_config_arguments",
     "config_from_args",
     "load_config",
+    "service_env_prefix",
 ]
 
 ENV_PREFIX = "ORCHARD_"
-"""Environment variables with this prefix are configuration, every one of them."""
+"""Default prefix: environment variables with it are configuration, every one of them."""
 CONFIG_FILE_ENV = "ORCHARD_CONFIG"
-"""Names the YAML file when ``--config`` is not given; not itself a configuration key."""
+"""Names the YAML file when ``--config`` is not given (``<prefix>CONFIG`` for another prefix);
+not itself a configuration key."""
 NON_CONFIG_ENV = frozenset({CONFIG_FILE_ENV, "ORCHARD_ETCD_BINARY"})
 """``ORCHARD_*`` variables that are not configuration keys (read elsewhere); never an error.
 Keep this list short: each name here is one a typo check cannot catch."""
@@ -253,7 +257,7 @@ def add_config_arguments(
         "--config",
         metavar="FILE",
         dest="config_file",
-        help=f"YAML configuration file (default: ${CONFIG_FILE_ENV})",
+        help="YAML configuration file (default: $<PREFIX>CONFIG, e.g. $ORCHARD_INAGENT_CONFIG)",
     )
     group.add_argument(
         "--set",
@@ -280,17 +284,28 @@ def config_from_args(
     *,
     env: Mapping[str, str] | None = None,
     yaml_path: str | os.PathLike[str] | None = None,
+    env_prefix: str = ENV_PREFIX,
 ) -> M:
-    """Build ``model_cls`` from parsed arguments (see :func:`add_config_arguments`) and layers."""
+    """Build ``model_cls`` from parsed arguments (see :func:`add_config_arguments`) and layers.
+
+    Environment variables starting with ``env_prefix`` are configuration; ``<env_prefix>CONFIG``
+    names the YAML file when ``--config`` is not given.
+    """
     env = os.environ if env is None else env
     layers: list[_Layer] = [_default_layer(model_cls)]
-    file_name = getattr(args, "config_file", None) or env.get(CONFIG_FILE_ENV) or yaml_path
+    file_env = f"{env_prefix}CONFIG"
+    file_name = getattr(args, "config_file", None) or env.get(file_env) or yaml_path
     if file_name:
         layers.append(_yaml_layer(Path(file_name)))
-    layers.append(_env_layer(model_cls, env))
+    layers.append(_env_layer(model_cls, env, env_prefix))
     layers.append(_set_layer(model_cls, getattr(args, "config_set", None) or []))
     layers.append(_flag_layer(model_cls, args, getattr(args, _FLAGS_DEST, ())))
     return _validate(model_cls, layers)
+
+
+def service_env_prefix(service: str) -> str:
+    """The environment prefix of one service: ``ORCHARD_INAGENT_`` for ``inagent``."""
+    return f"{ENV_PREFIX}{service.upper().replace('-', '_')}_"
 
 
 def load_config(
@@ -301,6 +316,7 @@ def load_config(
     yaml_path: str | os.PathLike[str] | None = None,
     flags: Sequence[ConfigFlag] | None = None,
     prog: str | None = None,
+    env_prefix: str = ENV_PREFIX,
 ) -> M:
     """Parse ``argv`` (configuration options only) and load ``model_cls`` from all layers.
 
@@ -312,7 +328,7 @@ def load_config(
     parser = _RaisingParser(prog=prog, add_help=False)
     add_config_arguments(parser, flags)
     args = parser.parse_args(list(argv))
-    return config_from_args(model_cls, args, env=env, yaml_path=yaml_path)
+    return config_from_args(model_cls, args, env=env, yaml_path=yaml_path, env_prefix=env_prefix)
 
 
 # A layer is a nested dict of raw values plus, per dotted key, where each value came from.
@@ -366,14 +382,14 @@ def _record_sources(value: Any, prefix: tuple[str, ...], source: str, out: dict[
             _record_sources(item, (*prefix, str(key)), source, out)
 
 
-def _env_layer(model_cls: type[BaseModel], env: Mapping[str, str]) -> _Layer:
+def _env_layer(model_cls: type[BaseModel], env: Mapping[str, str], prefix: str) -> _Layer:
     layer = _Layer({}, {})
     for name in sorted(env):
-        if not name.startswith(ENV_PREFIX) or name in NON_CONFIG_ENV:
+        if not name.startswith(prefix) or name in NON_CONFIG_ENV or name == f"{prefix}CONFIG":
             continue
-        path = tuple(part.lower() for part in name[len(ENV_PREFIX) :].split(_ENV_NESTING))
+        path = tuple(part.lower() for part in name[len(prefix) :].split(_ENV_NESTING))
         if not all(path):
-            raise ConfigError([f"{name}: empty key part; nest keys with '__' (ORCHARD_A__B)"])
+            raise ConfigError([f"{name}: empty key part; nest keys with '__' ({prefix}A__B)"])
         _put(layer, path, _coerce(model_cls, path, env[name]), name)
     return layer
 

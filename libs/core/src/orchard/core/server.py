@@ -441,6 +441,7 @@ def run_service(
         ConfigError,
         add_config_arguments,
         config_from_args,
+        service_env_prefix,
     )
     from orchard.core.logging import configure_logging  # noqa: PLC0415
 
@@ -449,7 +450,7 @@ def run_service(
     add_config_arguments(parser, SERVER_FLAGS if flags is None else flags)
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
-        config = config_from_args(config_cls, args, env=env)
+        config = config_from_args(config_cls, args, env=env, env_prefix=service_env_prefix(service))
     except ConfigError as exc:
         print(f"{program}: {exc}", file=sys.stderr)
         return 2
