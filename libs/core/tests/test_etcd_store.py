@@ -16,6 +16,7 @@ from orchard.core.etcd import (
     DeleteResult,
     EmbeddedEtcd,
     EtcdClosed,
+    EtcdError,
     EtcdStore,
     EventType,
     GetOp,
@@ -278,3 +279,10 @@ async def test_closed_store_raises(etcd: EmbeddedEtcd) -> None:
         await store.delete("closed-test")
     with pytest.raises(EtcdClosed):
         await store.get("x")
+
+
+async def test_iterating_an_unstarted_watch_says_how_to_start_it(etcd: EmbeddedEtcd) -> None:
+    async with EtcdStore(etcd.endpoint, namespace="unstarted-watch/") as store:
+        watch = store.watch_prefix("")
+        with pytest.raises(EtcdError, match="watch not started"):
+            await anext(watch)

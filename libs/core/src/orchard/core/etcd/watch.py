@@ -155,8 +155,14 @@ class Watch:
 
     async def __anext__(self) -> WatchEvent:
         while not self._pending:
-            if self._closed or self._call is None:
+            if self._closed:
                 raise StopAsyncIteration
+            if self._call is None:
+                # Iterating a watch that was never started would end at once and look like
+                # "no changes"; say what to do instead.
+                raise EtcdError(
+                    "watch not started: use `async with watch:` or `await watch.start()`"
+                )
             response = await self._read()
             if response.compact_revision or response.canceled:
                 await self.close()
