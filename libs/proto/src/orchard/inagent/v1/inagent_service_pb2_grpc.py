@@ -86,10 +86,12 @@ class AgentServiceServicer:
         """Runs a command to completion and returns its exit status and captured output.
         Side effects: whatever the command does. A timeout kills the command's whole process group;
         the result then says `timed_out`. Output past the cap is read and dropped, never buffered.
-        Errors: INVALID_ARGUMENT (neither or both of argv and shell, empty argv[0], bad timeout or
-        cap, bad environment name, bad working directory path), NOT_FOUND (executable or working
-        directory missing), PERMISSION_DENIED (not executable), CANCELLED (the call was cancelled:
-        the process group was killed).
+        Errors: INVALID_ARGUMENT (neither or both of argv and shell, empty argv[0], NUL bytes, bad
+        timeout or cap, bad environment name, bad working directory path or one that is not a
+        directory, a request that does not parse: reason MALFORMED_REQUEST), NOT_FOUND (executable or
+        working directory missing), PERMISSION_DENIED (not executable), FAILED_PRECONDITION (the
+        kernel cannot execute the file, e.g. a script without `#!`), CANCELLED (the call was
+        cancelled: the process group was killed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -109,8 +111,8 @@ class AgentServiceServicer:
         data. The file is written to a temporary sibling and renamed into place when the stream
         ends, so readers never see a partial file; a failed or cancelled write leaves the old file
         (if any) unchanged. Errors: INVALID_ARGUMENT (missing header, header not first, bad path or
-        mode), NOT_FOUND (parent missing and `make_parents` false), FAILED_PRECONDITION (path is a
-        directory, or exists and `overwrite` is false: reason ALREADY_EXISTS), PERMISSION_DENIED,
+        mode), NOT_FOUND (parent missing and `make_parents` false), ALREADY_EXISTS (the file exists
+        and `no_overwrite` is set), FAILED_PRECONDITION (path is a directory), PERMISSION_DENIED,
         RESOURCE_EXHAUSTED (disk full).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -1,0 +1,90 @@
+"""``orchard-inagent``: run the agent until SIGTERM.
+
+    orchard-inagent --listen unix:/run/orchard/inagent.sock --working-dir /workspace
+    orchard-inagent --listen 127.0.0.1:0 --address-file /run/orchard/inagent.addr
+
+Logs are JSON lines on stderr; nothing else is printed. Health turns SERVING once every address
+is bound (and the address file, if asked for, is written). On SIGTERM the server drains
+(in-flight calls get ``server.grace_period_s``, then are cancelled, which kills their process
+groups), then every process group the agent started that is still alive is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from orchard.core.server import GrpcServer, ServiceBinding, run_service
+from orchard.inagent.config import AGENT_FLAGS, AgentConfig
+from orchard.inagent.process import ProcessSupervisor
+from orchard.inagent.service import SERVICE_NAME, AgentServicer
+
+__all__ = ["main", "run"]
+
+log = logging.getLogger(__name__)
+
+
+class _Agent:
+    """What lives as long as the server: the process supervisor and the start/stop hooks."""
+
+    def __init__(self) -> None:
+        self.supervisor: ProcessSupervisor | None = None
+
+    def bindings(self, config: AgentConfig) -> list[ServiceBinding]:
+        # Called on the running event loop, before the server binds: commands can run as soon
+        # as a call arrives.
+        self.supervisor = ProcessSupervisor(reap_orphans=config.should_reap_orphans())
+        self.supervisor.start()
+        servicer = AgentServicer(
+            supervisor=self.supervisor,
+            working_dir=config.resolved_working_dir(),
+            base_env=config.base_env(),
+            limits=config.limits,
+            shell=config.shell,
+        )
+        return [ServiceBinding(SERVICE_NAME, servicer.register)]
+
+    async def on_start(self, config: AgentConfig, server: GrpcServer) -> None:
+        if config.address_file:
+            _write_address_file(config.address_file, server.addresses)
+
+    async def on_stop(self, config: AgentConfig, server: GrpcServer) -> None:
+        if self.supervisor is not None:
+            self.supervisor.close()
+        if config.address_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(config.address_file)
+
+
+def _write_address_file(path: str, addresses: Sequence[str]) -> None:
+    temp = f"{path}.tmp{os.getpid()}"
+    with open(temp, "w", encoding="utf-8") as file:
+        file.write("".join(f"{address}\n" for address in addresses))
+    os.replace(temp, path)
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """Run the agent with ``argv`` (default: the process's arguments); return the exit status."""
+    agent = _Agent()
+    return run_service(
+        "inagent",
+        AgentConfig,
+        agent.bindings,
+        argv=argv,
+        description="The Orchard sandbox agent: exec, files and health over gRPC.",
+        flags=AGENT_FLAGS,
+        on_start=agent.on_start,
+        on_stop=agent.on_stop,
+    )
+
+
+def main() -> None:
+    """Console entry point of ``orchard-inagent``."""
+    sys.exit(run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,528 @@
+"""Running commands: spawn in a new session, read both pipes, watch the exit, kill the group.
+
+Everything is driven by event-loop callbacks, not by the coroutine that waits for the result,
+so a cancelled call still ends with the process group killed and the child reaped:
+
+- the child is spawned by ``subprocess.Popen`` (``vfork``/``exec``, a new session via
+  ``setsid``, all other descriptors closed) with pipes the supervisor owns;
+- its exit is watched through a pidfd (``os.pidfd_open`` + ``loop.add_reader``) and reaped
+  with ``waitpid`` on that pid only; a thread per child waits where pidfds are missing;
+- stdout and stderr are read concurrently with non-blocking reads into one reused buffer;
+  bytes past the cap are counted and dropped without being copied;
+- a timeout or :meth:`RunningCommand.kill` sends SIGKILL to the whole process group.
+
+A command is done when its leader has exited and both pipes are closed, or, if something it
+left behind in the background still holds a pipe, a short grace after the leader's exit.
+Process groups that outlive their leader are remembered and killed at :meth:`close`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import enum
+import errno
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+
+from orchard.core.errors import OrchardError, Reason, from_os_error
+from orchard.inagent.commands import CommandSpec
+from orchard.inagent.reaper import OrphanReaper
+from orchard.inagent.reasons import AgentReason
+
+__all__ = [
+    "OutputCap",
+    "OutputQueue",
+    "ProcessResult",
+    "ProcessSupervisor",
+    "RunningCommand",
+    "Stream",
+]
+
+log = logging.getLogger(__name__)
+
+_READ_BYTES = 64 * 1024  # the default pipe capacity: one read empties a full pipe
+_READS_PER_WAKEUP = 8
+_QUEUE_MERGE_BYTES = 1024 * 1024
+
+
+class Stream(enum.IntEnum):
+    """Which output a chunk came from."""
+
+    STDOUT = 1
+    STDERR = 2
+
+
+class OutputCap:
+    """Counts every byte of one output stream and lets through only the first ``limit``."""
+
+    __slots__ = ("kept", "limit", "total")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.kept = 0
+        self.total = 0
+
+    def accept(self, chunk: memoryview) -> memoryview:
+        """Count ``chunk`` and return the part of it that still fits under the cap."""
+        self.total += len(chunk)
+        room = self.limit - self.kept
+        if room <= 0:
+            return chunk[:0]
+        part = chunk[:room]
+        self.kept += len(part)
+        return part
+
+    @property
+    def truncated(self) -> bool:
+        """True once bytes have been dropped."""
+        return self.total > self.kept
+
+
+@dataclass(frozen=True)
+class ProcessResult:
+    """How a command ended, and what it wrote."""
+
+    exit_code: int | None
+    """Exit code when the command exited by itself, else None."""
+    signal: int | None
+    """Signal that ended the command, else None."""
+    timed_out: bool
+    """True when the timeout passed and the process group was killed."""
+    duration_s: float
+    """Seconds from spawn to the leader's exit."""
+    stdout: bytes
+    """Captured stdout (empty when the output was streamed)."""
+    stderr: bytes
+    """Captured stderr (empty when the output was streamed)."""
+    stdout_bytes: int
+    stderr_bytes: int
+    stdout_truncated: bool
+    stderr_truncated: bool
+
+
+class OutputQueue:
+    """Output chunks in the order read, for a streamed command, then the result.
+
+    Adjacent chunks of the same stream are merged while the reader lags, so a slow client gets
+    fewer, larger messages rather than a backlog of small ones. The backlog is bounded by the
+    output caps (bytes past a cap are never queued).
+    """
+
+    def __init__(self) -> None:
+        self._chunks: collections.deque[tuple[Stream, bytearray]] = collections.deque()
+        self._ready = asyncio.Event()
+        self.result: ProcessResult | None = None
+
+    def push(self, stream: Stream, data: memoryview) -> None:
+        """Add a chunk (called by the reading side)."""
+        if self._chunks:
+            last_stream, last = self._chunks[-1]
+            if last_stream == stream and len(last) + len(data) <= _QUEUE_MERGE_BYTES:
+                last += data
+                return
+        self._chunks.append((stream, bytearray(data)))
+        self._ready.set()
+
+    def finish(self, result: ProcessResult) -> None:
+        """Record the result; :meth:`get` returns it after the last chunk."""
+        self.result = result
+        self._ready.set()
+
+    async def get(self) -> tuple[Stream, bytes] | ProcessResult:
+        """The next chunk, or the result once every chunk has been taken."""
+        while True:
+            if self._chunks:
+                stream, data = self._chunks.popleft()
+                return stream, bytes(data)
+            if self.result is not None:
+                return self.result
+            self._ready.clear()
+            await self._ready.wait()
+
+
+class _Pipe:
+    """The read end of one output pipe and its cap."""
+
+    __slots__ = ("cap", "captured", "fd", "stream")
+
+    def __init__(self, fd: int, stream: Stream, limit: int) -> None:
+        self.fd = fd
+        self.stream = stream
+        self.cap = OutputCap(limit)
+        self.captured = bytearray()
+
+
+class RunningCommand:
+    """One spawned command. Created by :meth:`ProcessSupervisor.spawn`."""
+
+    def __init__(
+        self,
+        supervisor: ProcessSupervisor,
+        popen: subprocess.Popen[bytes],
+        *,
+        stdout: _Pipe,
+        stderr: _Pipe,
+        stdin_fd: int,
+        spec: CommandSpec,
+        queue: OutputQueue | None,
+        started_at: float,
+    ) -> None:
+        self.pid = popen.pid
+        self.spec = spec
+        self._supervisor = supervisor
+        self._loop = supervisor.loop
+        self._popen = popen  # kept until reaped, so Popen's own cleanup never waits on the pid
+        self._outputs = (stdout, stderr)
+        self._pipes = [stdout, stderr]
+        self._queue = queue
+        self._started_at = started_at
+        self._done: asyncio.Future[ProcessResult] = self._loop.create_future()
+        self._wait_status: int | None = None
+        self._ended_at = 0.0
+        self._pidfd = -1
+        self._timed_out = False
+        self._killed = False
+        self._grace_timer: asyncio.TimerHandle | None = None
+        self._stdin_fd = stdin_fd
+        self._stdin_view = memoryview(spec.stdin)
+        self._timer = self._loop.call_later(spec.timeout_s, self._on_timeout)
+        for pipe in self._pipes:
+            self._loop.add_reader(pipe.fd, self._on_readable, pipe)
+        if stdin_fd >= 0:
+            self._write_stdin()
+            if self._stdin_fd >= 0:
+                self._loop.add_writer(self._stdin_fd, self._write_stdin)
+        self._watch_exit()
+
+    # --- what callers use
+
+    async def wait(self) -> ProcessResult:
+        """The result once the command is done; cancelling the wait kills the process group."""
+        try:
+            return await asyncio.shield(self._done)
+        except asyncio.CancelledError:
+            self.kill()
+            raise
+
+    @property
+    def done(self) -> bool:
+        """True once the result is known."""
+        return self._done.done()
+
+    def kill(self) -> None:
+        """Send SIGKILL to the command's whole process group, once; a no-op when done."""
+        if self._killed or self._done.done():
+            return
+        self._killed = True
+        _kill_group(self.pid)
+
+    # --- exit
+
+    def _watch_exit(self) -> None:
+        try:
+            self._pidfd = os.pidfd_open(self.pid)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSYS, errno.EPERM, errno.EINVAL):
+                raise
+            threading.Thread(
+                target=self._wait_in_thread, name=f"wait-{self.pid}", daemon=True
+            ).start()
+            return
+        self._loop.add_reader(self._pidfd, self._on_pidfd_readable)
+
+    def _wait_in_thread(self) -> None:
+        _, status = os.waitpid(self.pid, 0)
+        self._loop.call_soon_threadsafe(self._on_exit, status)
+
+    def _on_pidfd_readable(self) -> None:
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:  # reaped elsewhere (should not happen): status unknown
+            pid, status = self.pid, 0
+        if pid == 0:
+            return
+        self._loop.remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        self._pidfd = -1
+        self._on_exit(status)
+
+    def _on_exit(self, status: int) -> None:
+        self._ended_at = time.monotonic()
+        self._wait_status = status
+        self._popen.returncode = os.waitstatus_to_exitcode(status)
+        self._supervisor._untrack(self)
+        if self._pipes:
+            # Something left in the background may hold a pipe open; do not wait on it long.
+            self._grace_timer = self._loop.call_later(
+                self._supervisor.drain_grace_s, self._stop_reading
+            )
+        else:
+            self._finish()
+
+    def _on_timeout(self) -> None:
+        self._timed_out = True
+        self.kill()
+
+    # --- pipes
+
+    def _on_readable(self, pipe: _Pipe) -> None:
+        buffer = self._supervisor.read_buffer
+        for _ in range(_READS_PER_WAKEUP):
+            try:
+                count = os.readv(pipe.fd, [buffer])
+            except BlockingIOError:
+                return
+            except OSError:
+                count = 0
+            if count == 0:
+                self._close_pipe(pipe)
+                return
+            kept = pipe.cap.accept(buffer[:count])
+            if kept:
+                if self._queue is not None:
+                    self._queue.push(pipe.stream, kept)
+                else:
+                    pipe.captured += kept
+            if count < len(buffer):
+                return  # the pipe is empty for now
+
+    def _close_pipe(self, pipe: _Pipe) -> None:
+        self._loop.remove_reader(pipe.fd)
+        os.close(pipe.fd)
+        self._pipes.remove(pipe)
+        if not self._pipes and self._wait_status is not None:
+            self._finish()
+
+    def _stop_reading(self) -> None:
+        for pipe in list(self._pipes):
+            self._close_pipe(pipe)
+
+    def _write_stdin(self) -> None:
+        try:
+            while self._stdin_view:
+                written = os.write(self._stdin_fd, self._stdin_view)
+                self._stdin_view = self._stdin_view[written:]
+        except BlockingIOError:
+            return
+        except OSError:  # EPIPE: the command closed stdin without reading it all
+            pass
+        self._close_stdin()
+
+    def _close_stdin(self) -> None:
+        if self._stdin_fd >= 0:
+            self._loop.remove_writer(self._stdin_fd)
+            os.close(self._stdin_fd)
+            self._stdin_fd = -1
+            self._stdin_view = memoryview(b"")
+
+    # --- end
+
+    def _finish(self) -> None:
+        if self._done.done():
+            return
+        self._timer.cancel()
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
+        self._close_stdin()
+        status = self._wait_status or 0
+        stdout, stderr = self._outputs
+        result = ProcessResult(
+            exit_code=os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+            signal=os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+            timed_out=self._timed_out,
+            duration_s=self._ended_at - self._started_at,
+            stdout=bytes(stdout.captured),
+            stderr=bytes(stderr.captured),
+            stdout_bytes=stdout.cap.total,
+            stderr_bytes=stderr.cap.total,
+            stdout_truncated=stdout.cap.truncated,
+            stderr_truncated=stderr.cap.truncated,
+        )
+        if not self._killed:
+            self._supervisor._remember_group(self.pid)
+        if self._queue is not None:
+            self._queue.finish(result)
+        self._done.set_result(result)
+
+
+class ProcessSupervisor:
+    """Spawns commands, tracks them until reaped, and kills what is left at :meth:`close`.
+
+    With ``reap_orphans`` (the agent is PID 1 of a pid namespace), processes reparented to the
+    agent are reaped too, without touching the exit status of commands it tracks.
+    """
+
+    def __init__(self, *, reap_orphans: bool, drain_grace_s: float = 0.2) -> None:
+        self.reap_orphans = reap_orphans
+        self.drain_grace_s = drain_grace_s
+        self.read_buffer = memoryview(bytearray(_READ_BYTES))
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._devnull = -1
+        self._running: dict[int, RunningCommand] = {}
+        self._lingering_groups: set[int] = set()
+        self._reaper: OrphanReaper | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the supervisor was started on."""
+        if self._loop is None:
+            raise RuntimeError("ProcessSupervisor.start() was not called")
+        return self._loop
+
+    def start(self) -> None:
+        """Bind to the running event loop; install the orphan reaper when asked to."""
+        self._loop = asyncio.get_running_loop()
+        self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        if self.reap_orphans:
+            self._reaper = OrphanReaper(lambda pid: pid in self._running)
+            self._reaper.start(self._loop)
+
+    @property
+    def running(self) -> int:
+        """Commands whose leader has not been reaped yet."""
+        return len(self._running)
+
+    def spawn(self, spec: CommandSpec, queue: OutputQueue | None = None) -> RunningCommand:
+        """Start ``spec`` in a new session; output goes to ``queue`` or into the result."""
+        out_read, out_write = os.pipe2(os.O_CLOEXEC)
+        err_read, err_write = os.pipe2(os.O_CLOEXEC)
+        stdin_read, stdin_write = os.pipe2(os.O_CLOEXEC) if spec.stdin else (self._devnull, -1)
+        started_at = time.monotonic()
+        try:
+            popen = subprocess.Popen(
+                spec.argv,
+                executable=spec.executable,
+                stdin=stdin_read,
+                stdout=out_write,
+                stderr=err_write,
+                cwd=spec.cwd,
+                env=spec.env,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except BaseException as exc:
+            for fd in (out_read, err_read, stdin_write):
+                if fd >= 0:
+                    os.close(fd)
+            if isinstance(exc, OSError):
+                raise _spawn_error(exc, spec) from None
+            raise
+        finally:
+            os.close(out_write)
+            os.close(err_write)
+            if stdin_write >= 0:
+                os.close(stdin_read)
+        for fd in (out_read, err_read, stdin_write):
+            if fd >= 0:
+                os.set_blocking(fd, False)
+        stdout = _Pipe(out_read, Stream.STDOUT, spec.output_limit_bytes)
+        stderr = _Pipe(err_read, Stream.STDERR, spec.output_limit_bytes)
+        try:
+            command = RunningCommand(
+                self,
+                popen,
+                stdout=stdout,
+                stderr=stderr,
+                stdin_fd=stdin_write,
+                spec=spec,
+                queue=queue,
+                started_at=started_at,
+            )
+        except BaseException:
+            _kill_group(popen.pid)
+            popen.wait()
+            raise
+        # No loop callback (hence no reaper sweep) can run between the spawn and this line.
+        self._running[popen.pid] = command
+        return command
+
+    def _untrack(self, command: RunningCommand) -> None:
+        self._running.pop(command.pid, None)
+        if self._reaper is not None:
+            # A tracked zombie hides later ones from the reaper's peek; look again now.
+            self._reaper.sweep()
+
+    def _remember_group(self, pgid: int) -> None:
+        """Keep ``pgid`` for :meth:`close` if anything is left in it after its leader exited."""
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        except PermissionError:
+            pass
+        self._lingering_groups.add(pgid)
+
+    def close(self) -> None:
+        """Kill every running command's process group and every group left behind."""
+        groups = set(self._running) | self._lingering_groups
+        for pgid in groups:
+            _kill_group(pgid)
+        if groups:
+            log.info("killed leftover process groups", extra={"groups": len(groups)})
+        self._lingering_groups.clear()
+        if self._reaper is not None:
+            self._reaper.stop()
+            self._reaper = None
+        if self._devnull >= 0:
+            os.close(self._devnull)
+            self._devnull = -1
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _spawn_error(exc: OSError, spec: CommandSpec) -> OrchardError:
+    """Explain a failed spawn: exec and chdir errors come back from the child as OSError."""
+    program = spec.argv[0]
+    if exc.filename is not None and os.fsdecode(exc.filename) == spec.cwd:
+        if exc.errno == errno.ENOENT:
+            return OrchardError(
+                AgentReason.WORKING_DIR_NOT_FOUND,
+                f"working directory {spec.cwd!r} does not exist",
+                metadata={"path": spec.cwd},
+            )
+        return from_os_error(exc, f"cannot enter working directory {spec.cwd!r}: {exc.strerror}")
+    on_path = spec.executable is None
+    search_path = spec.env.get("PATH", os.defpath)
+    if on_path and exc.errno in (errno.ENOENT, errno.ENOTDIR):
+        return OrchardError(
+            AgentReason.EXECUTABLE_NOT_FOUND,
+            f"executable {program!r} not found on PATH ({search_path})",
+            metadata={"executable": program},
+        )
+    if on_path and exc.errno == errno.EACCES:
+        return OrchardError(
+            AgentReason.NOT_EXECUTABLE,
+            f"{program!r} found on PATH ({search_path}) but it cannot be executed: permission "
+            "denied (no execute permission, or a directory)",
+            metadata={"executable": program},
+        )
+    if exc.errno == errno.ENOENT:
+        return OrchardError(
+            AgentReason.EXECUTABLE_NOT_FOUND,
+            f"cannot execute {program!r}: it, or the interpreter its #! line names, does not exist",
+            metadata={"executable": program},
+        )
+    if exc.errno == errno.EACCES:
+        return OrchardError(
+            AgentReason.NOT_EXECUTABLE,
+            f"cannot execute {program!r}: permission denied",
+            metadata={"executable": program},
+        )
+    if exc.errno == errno.ENOEXEC:
+        return OrchardError(
+            Reason.FAILED_PRECONDITION,
+            f"cannot execute {program!r}: not a valid executable (no #! line, or built for "
+            "another architecture)",
+            metadata={"executable": program},
+        )
+    return from_os_error(exc, f"cannot execute {program!r}: {exc.strerror}")

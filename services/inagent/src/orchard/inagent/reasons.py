@@ -1,0 +1,33 @@
+"""The agent's own error reasons, on top of the common table in :mod:`orchard.core.errors`."""
+
+from __future__ import annotations
+
+import enum
+
+import grpc
+
+from orchard.core.errors import ErrorReason
+
+__all__ = ["AgentReason"]
+
+
+@enum.unique
+class AgentReason(ErrorReason):
+    """Failures specific to the agent; the member name is the ``ErrorInfo.reason``."""
+
+    EXECUTABLE_NOT_FOUND = (
+        grpc.StatusCode.NOT_FOUND,
+        "The command's executable does not exist (or is not on PATH).",
+    )
+    NOT_EXECUTABLE = (
+        grpc.StatusCode.PERMISSION_DENIED,
+        "The command's executable exists but may not be executed.",
+    )
+    WORKING_DIR_NOT_FOUND = (
+        grpc.StatusCode.NOT_FOUND,
+        "The command's working directory does not exist.",
+    )
+    MALFORMED_REQUEST = (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "The request bytes are not a valid message of the method's request type.",
+    )
