@@ -15,7 +15,7 @@ SETUP_STAMP := $(VENV)/.setup-done
 PYPROJECTS := $(wildcard libs/*/pyproject.toml services/*/pyproject.toml)
 INAGENT_BUNDLE := services/inagent/dist/orchard-inagent/orchard-inagent
 INAGENT_SOURCES := $(shell find services/inagent/src services/inagent/bundle libs/core/src libs/proto/src \
-	-type f \( -name '*.py' -o -name '*.c' -o -name '*.sh' -o -name '*.spec' \) 2>/dev/null)
+	-type f \( -name '*.py' -o -name '*.c' -o -name '*.spec' \) 2>/dev/null)
 PYTEST_ARGS ?=
 
 .PHONY: help setup test demo proto proto-check lint bench inagent-binary clean
@@ -50,13 +50,13 @@ lint: setup ## buf lint, ruff and mypy on every package
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy libs/core/src services/inagent/src tools bench
 
-test: setup proto-check lint ## check generated code, lint, run every test
+test: setup proto-check lint inagent-binary ## check generated code, lint, run every test
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 inagent-binary: $(INAGENT_BUNDLE) ## build the self-contained inagent bundle
 
 $(INAGENT_BUNDLE): $(SETUP_STAMP) $(INAGENT_SOURCES)
-	bash services/inagent/bundle/build.sh
+	$(BIN)/python services/inagent/bundle/build.py
 
 demo: setup inagent-binary ## run the main job on embedded defaults
 	$(BIN)/python tools/demo.py

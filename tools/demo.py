@@ -39,7 +39,7 @@ def step(title: str) -> None:
 
 
 def show(label: str, text: str) -> None:
-    print(f"  {DIM}{label:<10}{RESET} {text}")
+    print(f"  {DIM}{label:<14}{RESET} {text}")
 
 
 def command(*argv: str, shell: str = "", timeout_s: float = 0, cap: int = 0) -> exec_pb2.Command:

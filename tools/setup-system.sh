@@ -4,6 +4,7 @@
 #   python3 + venv   the workspace interpreter (3.11 or newer)
 #   npm              installs buf (protobuf lint) from the npm registry
 #   gcc, libc6-dev   builds the inagent bundle's static launcher
+#   binutils         objdump, which PyInstaller uses to find shared libraries
 #   busybox-static   the minimal root filesystem the bundle is tested in
 #   unshare          (util-linux) namespaces for sandbox tests
 set -euo pipefail
@@ -13,6 +14,7 @@ python3 -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null || missi
 python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
 command -v npm >/dev/null || missing+=(npm)
 command -v gcc >/dev/null || missing+=(gcc)
+command -v objdump >/dev/null || missing+=(binutils)
 [ -e /usr/lib/x86_64-linux-gnu/libc.a ] || [ -e /usr/lib/aarch64-linux-gnu/libc.a ] || [ -e /usr/lib/libc.a ] || missing+=(libc6-dev)
 dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q "ok installed" || missing+=(busybox-static)
 command -v unshare >/dev/null || missing+=(util-linux)

@@ -241,3 +241,11 @@ def test_reason_codes() -> None:
     assert Reason.INVALID_PATH.code == grpc.StatusCode.INVALID_ARGUMENT
     assert Reason.INVALID_PATH.reason == "INVALID_PATH"
     assert all(member.description for member in Reason)
+
+
+def test_os_error_with_a_bytes_path_reads_as_text() -> None:
+    error = from_os_error(OSError(errno.ENOENT, "No such file or directory", b"/data/caf\xe9/x"))
+    assert error.reason is Reason.NOT_FOUND
+    assert error.metadata["path"] == "/data/caf\\xe9/x"
+    assert "b'" not in str(error)
+    assert "/data/caf\\xe9/x" in str(error)

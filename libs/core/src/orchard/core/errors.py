@@ -34,6 +34,7 @@ from __future__ import annotations
 import enum
 import errno
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -187,13 +188,23 @@ def from_os_error(exc: OSError, message: str | None = None) -> OrchardError:
     metadata: dict[str, str] = {}
     if exc.errno is not None:
         metadata["errno"] = errno.errorcode.get(exc.errno, str(exc.errno))
-    if exc.filename is not None:
-        metadata["path"] = str(exc.filename)
+    path = _show_path(exc.filename)
+    if path is not None:
+        metadata["path"] = path
     if message is None:
         message = exc.strerror or str(exc)
-        if exc.filename is not None:
-            message += f": {str(exc.filename)!r}"
+        if path is not None:
+            message += f": '{path}'"
     return OrchardError(reason, message, metadata=metadata)
+
+
+def _show_path(filename: object) -> str | None:
+    """A path as a person reads it: bytes decoded, bytes that are not UTF-8 as ``\\xNN``."""
+    if filename is None:
+        return None
+    if isinstance(filename, bytes):
+        return filename.decode("utf-8", "backslashreplace")
+    return os.fsdecode(filename) if isinstance(filename, os.PathLike) else str(filename)
 
 
 def rich_status(rpc_error: grpc.RpcError) -> status_pb2.Status | None:
