@@ -130,7 +130,7 @@ def make_devices(rootfs: Path) -> None:
 
 def busybox_rootfs(root: Path, busybox: Path) -> Path:
     """A root filesystem with a static busybox and its applets, nothing else."""
-    for name in ("bin", "proc", "tmp", "run/orchard", ".orchard/inagent"):
+    for name in ("bin", "proc", "tmp", "workspace", "run/orchard", ".orchard/inagent"):
         (root / name).mkdir(parents=True)
     shutil.copy2(busybox, root / "bin" / "busybox")
     for applet in APPLETS:
@@ -297,7 +297,7 @@ def test_bundle_serves_in_busybox_image_without_python_or_glibc(
             setup,
             "/.orchard/inagent/orchard-inagent",
             rootfs / "run" / "orchard",
-            workdir="/tmp",
+            workdir="/workspace",
         ) as sandbox,
         connect(sandbox) as stub,
     ):
@@ -333,17 +333,17 @@ def test_bundle_serves_in_busybox_image_without_python_or_glibc(
         read_back = b"".join(
             chunk.data
             for chunk in stub.ReadFile(
-                inagent_service_pb2.ReadFileRequest(path="/tmp/notes/a.txt"), timeout=30
+                inagent_service_pb2.ReadFileRequest(path="/workspace/notes/a.txt"), timeout=30
             )
         )
         assert read_back == content
-        assert (rootfs / "tmp" / "notes" / "a.txt").read_bytes() == content
+        assert (rootfs / "workspace" / "notes" / "a.txt").read_bytes() == content
         assert exec_argv(stub, ["cat", "notes/a.txt"]).stdout == content
 
         info = stub.GetAgentInfo(inagent_service_pb2.GetAgentInfoRequest(), timeout=30)
         assert info.pid == 1
         assert info.version == __version__
-        assert info.working_dir == "/tmp"
+        assert info.working_dir == "/workspace"
 
         # The bundle is mounted read-only and the agent still runs: it writes nothing there.
         touched = exec_argv(stub, ["touch", "/.orchard/inagent/probe"])
