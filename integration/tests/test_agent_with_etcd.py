@@ -15,14 +15,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from orchard.core.etcd import EmbeddedEtcd, EtcdStore, EventType, find_etcd_binary
+from orchard.core.etcd import EmbeddedEtcd, EtcdStore, EventType
 from orchard.inagent.v1 import inagent_service_pb2 as pb
 from orchard.inagent.v1 import inagent_service_pb2_grpc as pb_grpc
 from orchard.types.v1 import exec_pb2
@@ -35,16 +35,6 @@ def agent_argv() -> list[str]:
     if BUNDLE.exists():
         return [str(BUNDLE)]
     return [str(Path(sys.executable).parent / "orchard-inagent")]
-
-
-@pytest.fixture(scope="module")
-def etcd() -> Iterator[EmbeddedEtcd]:
-    try:
-        find_etcd_binary()
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
-    with EmbeddedEtcd() as server:
-        yield server
 
 
 @pytest.fixture
@@ -78,6 +68,7 @@ async def agent(tmp_path: Path) -> AsyncIterator[tuple[subprocess.Popen[bytes], 
         process.wait()
 
 
+# `etcd` is the workspace's session etcd (conftest.py at the root).
 async def test_record_under_lease_drives_exec_and_expires(
     etcd: EmbeddedEtcd, agent: tuple[subprocess.Popen[bytes], str]
 ) -> None:

@@ -1,4 +1,4 @@
-"""Shared fixtures for orchard-core tests."""
+"""Fixtures shared by every test in the workspace."""
 
 from __future__ import annotations
 
