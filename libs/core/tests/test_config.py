@@ -12,6 +12,7 @@ from orchard.core.config import (
     ConfigError,
     ConfigFlag,
     ConfigModel,
+    PlainServerConfig,
     ServerConfig,
     ServiceConfig,
     add_config_arguments,
@@ -181,3 +182,7 @@ def test_argparse_integration_with_service_flags() -> None:
 def test_unix_socket_mode_octal_string() -> None:
     config = load_config(ToyConfig, argv=["--set", "server.unix_socket_mode=0600"], env={})
     assert config.server.unix_socket_mode == 0o600
+
+
+def test_plain_server_config_matches_the_model() -> None:
+    assert PlainServerConfig.from_values(ServerConfig().model_dump()) == PlainServerConfig()

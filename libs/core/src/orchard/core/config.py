@@ -28,6 +28,11 @@ A service declares its configuration as a :class:`ServiceConfig` (which has the 
         max_output_bytes: int = Field(1 << 20, gt=0, description="Cap on captured output.")
 
     config = load_config(AgentConfig, argv=sys.argv[1:])
+
+Importing pydantic and building the models costs a process about 0.2 s. The parts that need no
+pydantic (the command line, the raw layers, :class:`ConfigError`) live in
+:mod:`orchard.core.config_sources`, with a quick path a service that must start fast can take
+when every value is plainly valid, falling back to its model here otherwise.
 """
 
 from __future__ import annotations
@@ -41,11 +46,27 @@ import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, NoReturn, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from orchard.core.addresses import parse_listen_address
+from orchard.core.config_sources import (
+    CONFIG_FILE_ENV,
+    DISABLED_WORDS,
+    ENV_PREFIX,
+    NON_CONFIG_ENV,
+    SERVER_FLAGS,
+    ConfigError,
+    ConfigFlag,
+    PlainServerConfig,
+    RaisingParser,
+    RawSetting,
+    add_config_arguments,
+    config_file_name,
+    raw_settings,
+    service_env_prefix,
+)
 
 __all__ = [
     "CONFIG_FILE_ENV",
@@ -55,6 +76,7 @@ __all__ = [
     "ConfigError",
     "ConfigFlag",
     "ConfigModel",
+    "PlainServerConfig",
     "ServerConfig",
     "ServiceConfig",
     "add_config_arguments",
@@ -63,31 +85,7 @@ __all__ = [
     "service_env_prefix",
 ]
 
-ENV_PREFIX = "ORCHARD_"
-"""Default prefix: environment variables with it are configuration, every one of them."""
-CONFIG_FILE_ENV = "ORCHARD_CONFIG"
-"""Names the YAML file when ``--config`` is not given (``<prefix>CONFIG`` for another prefix);
-not itself a configuration key."""
-NON_CONFIG_ENV = frozenset({CONFIG_FILE_ENV, "ORCHARD_ETCD_BINARY"})
-"""``ORCHARD_*`` variables that are not configuration keys (read elsewhere); never an error.
-Keep this list short: each name here is one a typo check cannot catch."""
-
-_ENV_NESTING = "__"
-_DISABLED_WORDS = frozenset({"", "off", "none", "disabled", "false"})
-
 M = TypeVar("M", bound=BaseModel)
-
-
-class ConfigError(ValueError):
-    """The configuration is unusable; the message says which key, why, and where it came from."""
-
-    def __init__(self, problems: Sequence[str]) -> None:
-        self.problems = list(problems)
-        if len(self.problems) == 1:
-            text = f"invalid configuration: {self.problems[0]}"
-        else:
-            text = "invalid configuration:\n" + "\n".join(f"  {p}" for p in self.problems)
-        super().__init__(text)
 
 
 class ConfigModel(BaseModel):
@@ -154,7 +152,7 @@ class ServerConfig(ConfigModel):
     @classmethod
     def _check_metrics_address(cls, value: object) -> object:
         if isinstance(value, str):
-            if value.strip().lower() in _DISABLED_WORDS:
+            if value.strip().lower() in DISABLED_WORDS:
                 return None
             address = parse_listen_address(value)
             if address.is_unix:
@@ -196,88 +194,6 @@ class ServiceConfig(ConfigModel):
 # Loading
 
 
-@dataclass(frozen=True)
-class ConfigFlag:
-    """A typed command-line shortcut for one configuration key (``--listen`` for server.listen)."""
-
-    flag: str
-    """The option, e.g. ``--log-level``."""
-    key: str
-    """The dotted configuration key it sets, e.g. ``server.log_level``."""
-    help: str
-    """One line for ``--help``."""
-    repeatable: bool = False
-    """Given several times, the values form a list (for list fields)."""
-    metavar: str | None = None
-    """Placeholder shown in ``--help``."""
-
-    @property
-    def dest(self) -> str:
-        """Attribute of the parsed arguments that holds the flag's value."""
-        return "config_flag:" + self.key
-
-
-_FLAGS_DEST = "config_flags"
-
-SERVER_FLAGS: tuple[ConfigFlag, ...] = (
-    ConfigFlag(
-        "--listen",
-        "server.listen",
-        "serve gRPC on ADDR (HOST:PORT, [IPv6]:PORT, unix:PATH); repeat for several",
-        repeatable=True,
-        metavar="ADDR",
-    ),
-    ConfigFlag("--grace-period-s", "server.grace_period_s", "drain time on SIGTERM", metavar="S"),
-    ConfigFlag(
-        "--metrics-address",
-        "server.metrics_address",
-        "serve Prometheus /metrics on HOST:PORT ('off' disables)",
-        metavar="ADDR",
-    ),
-    ConfigFlag(
-        "--log-level", "server.log_level", "DEBUG, INFO, WARNING, ERROR or CRITICAL", metavar="L"
-    ),
-)
-"""The convenience flags every service with a ``server: ServerConfig`` field gets."""
-
-
-class _RaisingParser(argparse.ArgumentParser):
-    """An argument parser that raises ConfigError instead of printing usage and exiting."""
-
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError([f"command line: {message}"])
-
-
-def add_config_arguments(
-    parser: argparse.ArgumentParser, flags: Sequence[ConfigFlag] = SERVER_FLAGS
-) -> None:
-    """Add ``--config FILE``, ``--set KEY=VALUE`` and the given typed flags to ``parser``."""
-    group = parser.add_argument_group("configuration")
-    group.add_argument(
-        "--config",
-        metavar="FILE",
-        dest="config_file",
-        help="YAML configuration file (default: $<PREFIX>CONFIG, e.g. $ORCHARD_INAGENT_CONFIG)",
-    )
-    group.add_argument(
-        "--set",
-        metavar="KEY=VALUE",
-        dest="config_set",
-        action="append",
-        default=[],
-        help="set one configuration key, e.g. --set server.grace_period_s=5; repeatable",
-    )
-    parser.set_defaults(**{_FLAGS_DEST: tuple(flags)})
-    for flag in flags:
-        group.add_argument(
-            flag.flag,
-            dest=flag.dest,
-            action="append" if flag.repeatable else "store",
-            metavar=flag.metavar,
-            help=f"{flag.help} (sets {flag.key})",
-        )
-
-
 def config_from_args(
     model_cls: type[M],
     args: argparse.Namespace,
@@ -293,19 +209,12 @@ def config_from_args(
     """
     env = os.environ if env is None else env
     layers: list[_Layer] = [_default_layer(model_cls)]
-    file_env = f"{env_prefix}CONFIG"
-    file_name = getattr(args, "config_file", None) or env.get(file_env) or yaml_path
+    file_name = config_file_name(args, env, env_prefix, yaml_path)
     if file_name:
         layers.append(_yaml_layer(Path(file_name)))
-    layers.append(_env_layer(model_cls, env, env_prefix))
-    layers.append(_set_layer(model_cls, getattr(args, "config_set", None) or []))
-    layers.append(_flag_layer(model_cls, args, getattr(args, _FLAGS_DEST, ())))
+    raw = raw_settings(args, env, env_prefix)
+    layers += [_string_layer(model_cls, settings) for settings in (raw.env, raw.set, raw.flags)]
     return _validate(model_cls, layers)
-
-
-def service_env_prefix(service: str) -> str:
-    """The environment prefix of one service: ``ORCHARD_INAGENT_`` for ``inagent``."""
-    return f"{ENV_PREFIX}{service.upper().replace('-', '_')}_"
 
 
 def load_config(
@@ -325,7 +234,7 @@ def load_config(
     """
     if flags is None:
         flags = SERVER_FLAGS if "server" in model_cls.model_fields else ()
-    parser = _RaisingParser(prog=prog, add_help=False)
+    parser = RaisingParser(prog=prog, add_help=False)
     add_config_arguments(parser, flags)
     args = parser.parse_args(list(argv))
     return config_from_args(model_cls, args, env=env, yaml_path=yaml_path, env_prefix=env_prefix)
@@ -382,40 +291,12 @@ def _record_sources(value: Any, prefix: tuple[str, ...], source: str, out: dict[
             _record_sources(item, (*prefix, str(key)), source, out)
 
 
-def _env_layer(model_cls: type[BaseModel], env: Mapping[str, str], prefix: str) -> _Layer:
+def _string_layer(model_cls: type[BaseModel], settings: Sequence[RawSetting]) -> _Layer:
     layer = _Layer({}, {})
-    for name in sorted(env):
-        if not name.startswith(prefix) or name in NON_CONFIG_ENV or name == f"{prefix}CONFIG":
-            continue
-        path = tuple(part.lower() for part in name[len(prefix) :].split(_ENV_NESTING))
-        if not all(path):
-            raise ConfigError([f"{name}: empty key part; nest keys with '__' ({prefix}A__B)"])
-        _put(layer, path, _coerce(model_cls, path, env[name]), name)
-    return layer
-
-
-def _set_layer(model_cls: type[BaseModel], assignments: Sequence[str]) -> _Layer:
-    layer = _Layer({}, {})
-    for item in assignments:
-        key, sep, value = item.partition("=")
-        path = tuple(key.strip().split("."))
-        if not sep or not all(path):
-            raise ConfigError([f"--set {item!r}: expected KEY=VALUE, e.g. server.log_level=DEBUG"])
-        _put(layer, path, _coerce(model_cls, path, value), f"--set {item}")
-    return layer
-
-
-def _flag_layer(
-    model_cls: type[BaseModel], args: argparse.Namespace, flags: Sequence[ConfigFlag]
-) -> _Layer:
-    layer = _Layer({}, {})
-    for flag in flags:
-        value = getattr(args, flag.dest, None)
-        if value is None:
-            continue
-        path = tuple(flag.key.split("."))
-        raw = value if isinstance(value, list) else _coerce(model_cls, path, value)
-        _put(layer, path, raw, flag.flag)
+    for setting in settings:
+        value = setting.value
+        raw = value if isinstance(value, list) else _coerce(model_cls, setting.path, value)
+        _put(layer, setting.path, raw, setting.source)
     return layer
 
 

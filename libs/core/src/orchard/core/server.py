@@ -63,10 +63,18 @@ from orchard.core.addresses import ListenAddress, parse_listen_address
 from orchard.core.errors import ErrorInterceptor
 
 if TYPE_CHECKING:
-    from orchard.core.config import ConfigFlag, ServiceConfig
+    from orchard.core.config_sources import ConfigFlag
     from orchard.core.metrics import MetricsEndpoint, ServiceMetrics
 
-__all__ = ["GrpcServer", "ServerHook", "ServerSettings", "ServiceBinding", "run_service"]
+__all__ = [
+    "ConfigLoader",
+    "GrpcServer",
+    "ServerHook",
+    "ServerSettings",
+    "ServiceBinding",
+    "ServiceSettings",
+    "run_service",
+]
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +85,6 @@ _WATCH_FAREWELL_S = 0.1
 
 ServerHook = Callable[["GrpcServer"], Awaitable[None]]
 """An async callback given the server: ``on_start`` (after binding) or ``on_stop`` (after drain)."""
-
-C = TypeVar("C", bound="ServiceConfig")
 
 
 class ServerSettings(Protocol):
@@ -100,6 +106,29 @@ class ServerSettings(Protocol):
     def metrics_address(self) -> str | None: ...
     @property
     def unix_socket_mode(self) -> int: ...
+
+
+class _RunSettings(ServerSettings, Protocol):
+    @property
+    def log_level(self) -> str: ...
+
+
+class ServiceSettings(Protocol):
+    """What :func:`run_service` reads from a service's configuration: its ``server`` section.
+
+    A :class:`orchard.core.config.ServiceConfig` is one; so is a plain dataclass with a
+    :class:`~orchard.core.config_sources.PlainServerConfig` ``server`` field.
+    """
+
+    @property
+    def server(self) -> _RunSettings: ...
+
+
+C = TypeVar("C", bound=ServiceSettings)
+
+ConfigLoader = Callable[[argparse.Namespace, Mapping[str, str], str], C]
+"""Builds a service's configuration from the parsed command line, the environment and the
+service's environment prefix; raises :class:`~orchard.core.config_sources.ConfigError`."""
 
 
 @dataclass(frozen=True)
@@ -415,7 +444,7 @@ class _WatchDrainInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
 def run_service(
     service: str,
-    config_cls: type[C],
+    config_cls: type[C] | ConfigLoader[C],
     services: Callable[[C], Sequence[ServiceBinding]],
     *,
     argv: Sequence[str] | None = None,
@@ -435,12 +464,15 @@ def run_service(
     returns; otherwise the service calls ``server.set_serving()`` itself when ready.
     Command line: ``--config FILE``, ``--set KEY=VALUE`` and ``flags`` (default
     :data:`orchard.core.config.SERVER_FLAGS`).
+
+    ``config_cls`` is the service's :class:`~orchard.core.config.ServiceConfig` subclass, or a
+    :data:`ConfigLoader` for a service that must start without pydantic (see
+    :mod:`orchard.core.config_sources`).
     """
-    from orchard.core.config import (  # noqa: PLC0415
+    from orchard.core.config_sources import (  # noqa: PLC0415
         SERVER_FLAGS,
         ConfigError,
         add_config_arguments,
-        config_from_args,
         service_env_prefix,
     )
     from orchard.core.logging import configure_logging  # noqa: PLC0415
@@ -449,8 +481,15 @@ def run_service(
     parser = argparse.ArgumentParser(prog=program, description=description)
     add_config_arguments(parser, SERVER_FLAGS if flags is None else flags)
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    env_prefix = service_env_prefix(service)
+    config: C
     try:
-        config = config_from_args(config_cls, args, env=env, env_prefix=service_env_prefix(service))
+        if isinstance(config_cls, type):
+            from orchard.core.config import config_from_args  # noqa: PLC0415
+
+            config = config_from_args(config_cls, args, env=env, env_prefix=env_prefix)
+        else:
+            config = config_cls(args, os.environ if env is None else env, env_prefix)
     except ConfigError as exc:
         print(f"{program}: {exc}", file=sys.stderr)
         return 2

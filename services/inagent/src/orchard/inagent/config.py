@@ -1,100 +1,76 @@
 """The agent's configuration: where it listens, where relative paths start, command limits.
 
 Loaded once by :func:`orchard.inagent.main.main` from the usual layers (defaults < YAML file <
-``ORCHARD_*`` environment < ``--set`` < flags); see :mod:`orchard.core.config`.
+``ORCHARD_INAGENT_*`` environment < ``--set`` < flags); see :mod:`orchard.core.config`.
+
+The agent runs with :class:`AgentConfig`, a plain frozen dataclass. :func:`load_agent_config`
+builds it without pydantic when every value is plainly valid (the usual start: a few flags),
+which saves about 0.2 s of start; anything else (a YAML file, JSON, the ``env`` map, a bad
+value) goes through :class:`~orchard.inagent.config_model.AgentConfigModel`, the full pydantic
+validation with its messages. Tests keep the two paths in agreement.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
-from typing import Self
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
-from pydantic import Field, field_validator, model_validator
-
-from orchard.core.config import SERVER_FLAGS, ConfigFlag, ServiceConfig
+from orchard.core.config_sources import (
+    SERVER_FLAGS,
+    SERVER_LIST_KEYS,
+    SERVER_PARSERS,
+    ConfigFlag,
+    PlainServerConfig,
+    ValueParser,
+    any_string,
+    config_file_name,
+    float_above,
+    int_at_least,
+    parse_bool,
+    quick_values,
+    raw_settings,
+    section,
+)
 from orchard.inagent.commands import ExecLimits
 
-__all__ = ["AGENT_FLAGS", "AgentConfig"]
+__all__ = ["AGENT_FLAGS", "MESSAGE_OVERHEAD_BYTES", "AgentConfig", "load_agent_config"]
 
-_MESSAGE_OVERHEAD_BYTES = 64 * 1024
+MESSAGE_OVERHEAD_BYTES = 64 * 1024
+"""Room for the rest of an Exec response beside both outputs."""
 
 
-class AgentConfig(ServiceConfig):
-    """Configuration of orchard-inagent."""
+@dataclass(frozen=True)
+class AgentConfig:
+    """Configuration of orchard-inagent; field documentation: AgentConfigModel."""
 
-    working_dir: str | None = Field(
-        None,
-        description=(
-            "Directory that relative paths (of files and of command working directories) "
-            "resolve against. Default: the agent's current directory at start."
-        ),
-    )
-    default_timeout_s: float = Field(
-        600.0, gt=0, description="Wall-clock limit of a command that sets no timeout, seconds."
-    )
-    default_output_limit_bytes: int = Field(
-        1024 * 1024,
-        gt=0,
-        description="Bytes kept of each of stdout and stderr when a command sets no cap.",
-    )
-    max_output_limit_bytes: int = Field(
-        16 * 1024 * 1024,
-        gt=0,
-        description=(
-            "Largest cap a command may ask for. Both outputs travel in one Exec response, so "
-            "twice this must fit in server.max_message_bytes."
-        ),
-    )
-    inherit_env: bool = Field(
-        True,
-        description=(
-            "Start commands' base environment from the agent's own (minus ORCHARD_* "
-            "variables, which configure the agent); false starts from nothing."
-        ),
-    )
-    env: dict[str, str] = Field(
-        default_factory=dict,
-        description="Variables added to the base environment of every command (e.g. PATH).",
-    )
-    shell: str = Field("/bin/sh", description="The shell that runs Command.shell, as SHELL -c.")
-    reap_orphans: bool | None = Field(
-        None,
-        description=(
-            "Reap orphaned processes reparented to the agent (the duty of PID 1). "
-            "Unset: only when the agent runs as PID 1."
-        ),
-    )
-    address_file: str | None = Field(
-        None,
-        description=(
-            "Write the bound addresses here, one per line, once listening (useful with port 0). "
-            "Written to a temporary sibling and renamed, so a reader never sees half of it."
-        ),
-    )
+    server: PlainServerConfig = field(default_factory=PlainServerConfig)
+    working_dir: str | None = None
+    default_timeout_s: float = 600.0
+    default_output_limit_bytes: int = 1024 * 1024
+    max_output_limit_bytes: int = 16 * 1024 * 1024
+    inherit_env: bool = True
+    env: Mapping[str, str] = field(default_factory=dict)
+    shell: str = "/bin/sh"
+    reap_orphans: bool | None = None
+    address_file: str | None = None
 
-    @field_validator("env")
-    @classmethod
-    def _check_env(cls, value: dict[str, str]) -> dict[str, str]:
-        for name, text in value.items():
-            if not name or "=" in name or "\0" in name or "\0" in text:
-                raise ValueError(f"environment variable {name!r}: bad name or NUL in value")
-        return value
-
-    @model_validator(mode="after")
-    def _check_limits(self) -> Self:
+    def limits_problem(self) -> str | None:
+        """Why the output limits do not fit together or in a message, or None."""
         if self.default_output_limit_bytes > self.max_output_limit_bytes:
-            raise ValueError(
+            return (
                 "default_output_limit_bytes must not exceed max_output_limit_bytes "
                 f"({self.default_output_limit_bytes} > {self.max_output_limit_bytes})"
             )
-        needed = 2 * self.max_output_limit_bytes + _MESSAGE_OVERHEAD_BYTES
+        needed = 2 * self.max_output_limit_bytes + MESSAGE_OVERHEAD_BYTES
         if needed > self.server.max_message_bytes:
-            raise ValueError(
+            return (
                 f"max_output_limit_bytes={self.max_output_limit_bytes}: an Exec response could "
                 f"reach {needed} bytes, above server.max_message_bytes="
                 f"{self.server.max_message_bytes}"
             )
-        return self
+        return None
 
     @property
     def limits(self) -> ExecLimits:
@@ -109,7 +85,7 @@ class AgentConfig(ServiceConfig):
         """The absolute working directory, as bytes."""
         return os.fsencode(os.path.abspath(self.working_dir or os.getcwd()))
 
-    def base_env(self, environ: dict[str, str] | None = None) -> dict[str, str]:
+    def base_env(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
         """The environment commands start from (before a request's own variables)."""
         source = os.environ if environ is None else environ
         base = (
@@ -123,6 +99,44 @@ class AgentConfig(ServiceConfig):
     def should_reap_orphans(self) -> bool:
         """Whether to reap orphans: as configured, else when running as PID 1."""
         return self.reap_orphans if self.reap_orphans is not None else os.getpid() == 1
+
+
+# The keys the quick path decides itself; `env` (a map) and anything else go to pydantic.
+_QUICK_PARSERS: dict[str, ValueParser] = {
+    **SERVER_PARSERS,
+    "working_dir": any_string,
+    "default_timeout_s": float_above(0, inclusive=False),
+    "default_output_limit_bytes": int_at_least(1),
+    "max_output_limit_bytes": int_at_least(1),
+    "inherit_env": parse_bool,
+    "shell": any_string,
+    "reap_orphans": parse_bool,
+    "address_file": any_string,
+}
+
+
+def load_agent_config(
+    args: argparse.Namespace, env: Mapping[str, str], env_prefix: str
+) -> AgentConfig:
+    """The agent's configuration from the command line and environment (a ConfigLoader).
+
+    Raises :class:`~orchard.core.config_sources.ConfigError` naming the key and its source.
+    """
+    if not config_file_name(args, env, env_prefix):
+        values = quick_values(
+            raw_settings(args, env, env_prefix).in_order(), _QUICK_PARSERS, SERVER_LIST_KEYS
+        )
+        if values is not None:
+            server = PlainServerConfig.from_values(section(values, "server"))
+            own = {key: value for key, value in values.items() if "." not in key}
+            config = AgentConfig(server=server, **own)
+            if config.limits_problem() is None:
+                return config
+    from orchard.core.config import config_from_args  # noqa: PLC0415 - pydantic, only if needed
+    from orchard.inagent.config_model import AgentConfigModel  # noqa: PLC0415
+
+    model = config_from_args(AgentConfigModel, args, env=env, env_prefix=env_prefix)
+    return model.to_config()
 
 
 AGENT_FLAGS: tuple[ConfigFlag, ...] = (

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from orchard.core.server import GrpcServer, ServiceBinding, run_service
-from orchard.inagent.config import AGENT_FLAGS, AgentConfig
+from orchard.inagent.config import AGENT_FLAGS, AgentConfig, load_agent_config
 from orchard.inagent.process import ProcessSupervisor
 from orchard.inagent.service import SERVICE_NAME, AgentServicer
 
@@ -71,7 +71,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     agent = _Agent()
     return run_service(
         "inagent",
-        AgentConfig,
+        load_agent_config,
         agent.bindings,
         argv=argv,
         description="The Orchard sandbox agent: exec, files and health over gRPC.",
