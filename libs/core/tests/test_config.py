@@ -186,3 +186,11 @@ def test_unix_socket_mode_octal_string() -> None:
 
 def test_plain_server_config_matches_the_model() -> None:
     assert PlainServerConfig.from_values(ServerConfig().model_dump()) == PlainServerConfig()
+
+
+def test_unknown_section_given_by_nested_env_names_the_variable() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(ToyConfig, env={"ORCHARD_SERVR__GRACE_PERIOD_S": "1"})
+    assert "servr: unknown key; did you mean 'server'? (from ORCHARD_SERVR__GRACE_PERIOD_S)" in str(
+        caught.value
+    )

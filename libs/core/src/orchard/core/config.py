@@ -394,7 +394,10 @@ def _source_of(loc: Sequence[str], sources: Mapping[str, str]) -> str | None:
         source = sources.get(".".join(loc[:end]))
         if source is not None:
             return source
-    return None
+    # An unknown section (`servr`) was given only through nested keys (`servr.x`): name those.
+    below = ".".join(loc) + "."
+    nested = sorted({source for key, source in sources.items() if key.startswith(below)})
+    return ", ".join(nested) or None
 
 
 def _suggestion(model_cls: type[BaseModel], loc: Sequence[str]) -> str:
