@@ -197,6 +197,7 @@ class SandboxSpec(_message.Message):
     HEARTBEAT_TIMEOUT_FIELD_NUMBER: _builtins.int
     ENV_FIELD_NUMBER: _builtins.int
     WORKING_DIR_FIELD_NUMBER: _builtins.int
+    OWNER_ID_FIELD_NUMBER: _builtins.int
     image: _builtins.str
     """The root file system, in one of these forms:
     "host" (the host's root, read-only, under a private writable layer),
@@ -207,6 +208,11 @@ class SandboxSpec(_message.Message):
     """
     working_dir: _builtins.str
     """Working directory for relative paths and commands; empty means "/"."""
+    owner_id: _builtins.str
+    """An owner (see EnvService.CreateOwner) whose lease keeps this sandbox alive instead of its
+    own heartbeats: when the owner's lease expires or the owner is deleted, the sandbox is reaped
+    with all the owner's others. Empty means the sandbox has its own lease.
+    """
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Key/value labels for selection in ListSandboxes. Keys: 1–63 characters of [a-z0-9._/-];
@@ -241,10 +247,11 @@ class SandboxSpec(_message.Message):
         heartbeat_timeout: _duration_pb2.Duration | None = ...,
         env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         working_dir: _builtins.str = ...,
+        owner_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat_timeout", b"heartbeat_timeout", "network_policy", b"network_policy", "resources", b"resources"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["env", b"env", "heartbeat_timeout", b"heartbeat_timeout", "image", b"image", "labels", b"labels", "network_policy", b"network_policy", "resources", b"resources", "working_dir", b"working_dir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["env", b"env", "heartbeat_timeout", b"heartbeat_timeout", "image", b"image", "labels", b"labels", "network_policy", b"network_policy", "owner_id", b"owner_id", "resources", b"resources", "working_dir", b"working_dir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -294,6 +301,8 @@ class Sandbox(_message.Message):
     READY_TIME_FIELD_NUMBER: _builtins.int
     EXPIRE_TIME_FIELD_NUMBER: _builtins.int
     AGENT_VERSION_FIELD_NUMBER: _builtins.int
+    QUEUE_POSITION_FIELD_NUMBER: _builtins.int
+    FORKED_FROM_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Unique id assigned by the service (output only), e.g. "sbx-8f3c2a1d9e7b"."""
     tenant: _builtins.str
@@ -304,6 +313,12 @@ class Sandbox(_message.Message):
     """The runtime that runs it, e.g. "local" or "kubernetes" (output only)."""
     agent_version: _builtins.str
     """Version of the agent inside it, once READY (output only)."""
+    queue_position: _builtins.int
+    """While PENDING and waiting for capacity: its place in the admission queue, from 1. Zero when
+    it is not queued (output only).
+    """
+    forked_from: _builtins.str
+    """The sandbox it was forked from, for forks (output only)."""
     @_builtins.property
     def spec(self) -> Global___SandboxSpec:
         """What was asked for."""
@@ -337,11 +352,80 @@ class Sandbox(_message.Message):
         ready_time: _timestamp_pb2.Timestamp | None = ...,
         expire_time: _timestamp_pb2.Timestamp | None = ...,
         agent_version: _builtins.str = ...,
+        queue_position: _builtins.int = ...,
+        forked_from: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "expire_time", b"expire_time", "failure", b"failure", "ready_time", b"ready_time", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "create_time", b"create_time", "expire_time", b"expire_time", "failure", b"failure", "id", b"id", "ready_time", b"ready_time", "runtime", b"runtime", "spec", b"spec", "state", b"state", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "create_time", b"create_time", "expire_time", b"expire_time", "failure", b"failure", "forked_from", b"forked_from", "id", b"id", "queue_position", b"queue_position", "ready_time", b"ready_time", "runtime", b"runtime", "spec", b"spec", "state", b"state", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Sandbox: _TypeAlias = Sandbox  # noqa: Y015
+
+@_typing.final
+class Owner(_message.Message):
+    """A client that holds one lease for many sandboxes (a training job, a rollout worker): one
+    heartbeat keeps all of them alive, and when the owner stops heartbeating they are reaped
+    together.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ID_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_TIMEOUT_FIELD_NUMBER: _builtins.int
+    EXPIRE_TIME_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """Unique id assigned by the service (output only), e.g. "own-3b9d0c7e21aa"."""
+    tenant: _builtins.str
+    """The tenant that owns it (output only)."""
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Free-form labels, e.g. the job name."""
+
+    @_builtins.property
+    def heartbeat_timeout(self) -> _duration_pb2.Duration:
+        """How long the owner lives without a heartbeat."""
+
+    @_builtins.property
+    def expire_time(self) -> _timestamp_pb2.Timestamp:
+        """When it will be reaped, with its sandboxes, unless a heartbeat arrives first (output only)."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        heartbeat_timeout: _duration_pb2.Duration | None = ...,
+        expire_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expire_time", b"expire_time", "heartbeat_timeout", b"heartbeat_timeout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expire_time", b"expire_time", "heartbeat_timeout", b"heartbeat_timeout", "id", b"id", "labels", b"labels", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Owner: _TypeAlias = Owner  # noqa: Y015

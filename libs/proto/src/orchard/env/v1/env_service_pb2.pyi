@@ -769,3 +769,251 @@ class UpdateNetworkPolicyResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___UpdateNetworkPolicyResponse: _TypeAlias = UpdateNetworkPolicyResponse  # noqa: Y015
+
+@_typing.final
+class ForkSandboxRequest(_message.Message):
+    """Request of EnvService.ForkSandbox."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    """Id of the READY sandbox to copy."""
+    count: _builtins.int
+    """How many forks to make, 1–64."""
+    request_id: _builtins.str
+    """A client-chosen id that makes retries safe."""
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Labels of the forks, added to the source's."""
+
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        count: _builtins.int = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "labels", b"labels", "request_id", b"request_id", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForkSandboxRequest: _TypeAlias = ForkSandboxRequest  # noqa: Y015
+
+@_typing.final
+class ForkSandboxResponse(_message.Message):
+    """Response of EnvService.ForkSandbox."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOXES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def sandboxes(self) -> _containers.RepeatedCompositeFieldContainer[_env_pb2.Sandbox]:
+        """The new sandboxes, PENDING or already READY."""
+
+    def __init__(
+        self,
+        *,
+        sandboxes: _abc.Iterable[_env_pb2.Sandbox] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sandboxes", b"sandboxes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForkSandboxResponse: _TypeAlias = ForkSandboxResponse  # noqa: Y015
+
+@_typing.final
+class CreateOwnerRequest(_message.Message):
+    """Request of EnvService.CreateOwner."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    LABELS_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_TIMEOUT_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """A client-chosen id that makes retries safe."""
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Labels of the owner."""
+
+    @_builtins.property
+    def heartbeat_timeout(self) -> _duration_pb2.Duration:
+        """How long the owner lives without a heartbeat; unset means the service default."""
+
+    def __init__(
+        self,
+        *,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        heartbeat_timeout: _duration_pb2.Duration | None = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat_timeout", b"heartbeat_timeout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_timeout", b"heartbeat_timeout", "labels", b"labels", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateOwnerRequest: _TypeAlias = CreateOwnerRequest  # noqa: Y015
+
+@_typing.final
+class CreateOwnerResponse(_message.Message):
+    """Response of EnvService.CreateOwner."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OWNER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def owner(self) -> _env_pb2.Owner:
+        """The new owner."""
+
+    def __init__(
+        self,
+        *,
+        owner: _env_pb2.Owner | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["owner", b"owner"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["owner", b"owner"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateOwnerResponse: _TypeAlias = CreateOwnerResponse  # noqa: Y015
+
+@_typing.final
+class HeartbeatOwnerRequest(_message.Message):
+    """Request of EnvService.HeartbeatOwner."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OWNER_ID_FIELD_NUMBER: _builtins.int
+    owner_id: _builtins.str
+    """Id of the owner."""
+    def __init__(
+        self,
+        *,
+        owner_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["owner_id", b"owner_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeartbeatOwnerRequest: _TypeAlias = HeartbeatOwnerRequest  # noqa: Y015
+
+@_typing.final
+class HeartbeatOwnerResponse(_message.Message):
+    """Response of EnvService.HeartbeatOwner."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXPIRE_TIME_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def expire_time(self) -> _timestamp_pb2.Timestamp:
+        """When the owner and its sandboxes will be reaped unless another heartbeat arrives."""
+
+    def __init__(
+        self,
+        *,
+        expire_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expire_time", b"expire_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expire_time", b"expire_time"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeartbeatOwnerResponse: _TypeAlias = HeartbeatOwnerResponse  # noqa: Y015
+
+@_typing.final
+class DeleteOwnerRequest(_message.Message):
+    """Request of EnvService.DeleteOwner."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OWNER_ID_FIELD_NUMBER: _builtins.int
+    owner_id: _builtins.str
+    """Id of the owner."""
+    def __init__(
+        self,
+        *,
+        owner_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["owner_id", b"owner_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteOwnerRequest: _TypeAlias = DeleteOwnerRequest  # noqa: Y015
+
+@_typing.final
+class DeleteOwnerResponse(_message.Message):
+    """Response of EnvService.DeleteOwner."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOXES_DELETED_FIELD_NUMBER: _builtins.int
+    sandboxes_deleted: _builtins.int
+    """How many sandboxes were reaped with it."""
+    def __init__(
+        self,
+        *,
+        sandboxes_deleted: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sandboxes_deleted", b"sandboxes_deleted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteOwnerResponse: _TypeAlias = DeleteOwnerResponse  # noqa: Y015

@@ -101,6 +101,26 @@ class EnvServiceStub:
                 request_serializer=orchard_dot_env_dot_v1_dot_env__service__pb2.StatFileRequest.SerializeToString,
                 response_deserializer=orchard_dot_env_dot_v1_dot_env__service__pb2.StatFileResponse.FromString,
                 _registered_method=True)
+        self.ForkSandbox = channel.unary_unary(
+                '/orchard.env.v1.EnvService/ForkSandbox',
+                request_serializer=orchard_dot_env_dot_v1_dot_env__service__pb2.ForkSandboxRequest.SerializeToString,
+                response_deserializer=orchard_dot_env_dot_v1_dot_env__service__pb2.ForkSandboxResponse.FromString,
+                _registered_method=True)
+        self.CreateOwner = channel.unary_unary(
+                '/orchard.env.v1.EnvService/CreateOwner',
+                request_serializer=orchard_dot_env_dot_v1_dot_env__service__pb2.CreateOwnerRequest.SerializeToString,
+                response_deserializer=orchard_dot_env_dot_v1_dot_env__service__pb2.CreateOwnerResponse.FromString,
+                _registered_method=True)
+        self.HeartbeatOwner = channel.unary_unary(
+                '/orchard.env.v1.EnvService/HeartbeatOwner',
+                request_serializer=orchard_dot_env_dot_v1_dot_env__service__pb2.HeartbeatOwnerRequest.SerializeToString,
+                response_deserializer=orchard_dot_env_dot_v1_dot_env__service__pb2.HeartbeatOwnerResponse.FromString,
+                _registered_method=True)
+        self.DeleteOwner = channel.unary_unary(
+                '/orchard.env.v1.EnvService/DeleteOwner',
+                request_serializer=orchard_dot_env_dot_v1_dot_env__service__pb2.DeleteOwnerRequest.SerializeToString,
+                response_deserializer=orchard_dot_env_dot_v1_dot_env__service__pb2.DeleteOwnerResponse.FromString,
+                _registered_method=True)
         self.UpdateNetworkPolicy = channel.unary_unary(
                 '/orchard.env.v1.EnvService/UpdateNetworkPolicy',
                 request_serializer=orchard_dot_env_dot_v1_dot_env__service__pb2.UpdateNetworkPolicyRequest.SerializeToString,
@@ -123,8 +143,11 @@ class EnvServiceServicer:
         background. Side effects: a record in the state store bound to a lease of
         `heartbeat_timeout`, and runtime resources (processes, mounts, cgroup, network namespace or a
         Pod). A retry with the same `request_id` returns the same sandbox and creates nothing.
+        When the runtime or the tenant is at capacity, the sandbox waits in a fair admission queue
+        (PENDING, with `queue_position`); a full queue is RESOURCE_EXHAUSTED with a retry hint.
         Errors: INVALID_ARGUMENT (bad image reference, labels, resources, policy or timeout),
-        RESOURCE_EXHAUSTED (the tenant's sandbox quota), UNAVAILABLE (state store unreachable).
+        NOT_FOUND (`owner_id` unknown), RESOURCE_EXHAUSTED (quota, or the admission queue is full),
+        UNAVAILABLE (state store unreachable).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -222,6 +245,42 @@ class EnvServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForkSandbox(self, request, context):
+        """Forks a READY sandbox into `count` new sandboxes that start from a copy of its file system
+        (its writable layer at the time of the call; running processes are not copied). Each fork
+        gets its own record, lease, limits and network policy (the source's unless overridden).
+        A retry with the same `request_id` returns the same forks.
+        Errors: NOT_FOUND, FAILED_PRECONDITION (source not READY), INVALID_ARGUMENT (count outside
+        1–64), RESOURCE_EXHAUSTED (quota or admission queue full).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateOwner(self, request, context):
+        """Creates an owner: one lease that sandboxes created with `spec.owner_id` share.
+        Errors: INVALID_ARGUMENT (bad heartbeat timeout or labels).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HeartbeatOwner(self, request, context):
+        """Keeps an owner and every sandbox under it alive for another `heartbeat_timeout`.
+        Errors: NOT_FOUND (unknown, or already expired: its sandboxes are being reaped).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteOwner(self, request, context):
+        """Deletes an owner and reaps all its sandboxes. Idempotent.
+        Errors: UNAVAILABLE (state store unreachable; retry).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def UpdateNetworkPolicy(self, request, context):
         """Replaces a sandbox's network policy; the runtime applies it before the call returns.
         Errors: NOT_FOUND, INVALID_ARGUMENT (bad rule), FAILED_PRECONDITION (sandbox FAILED or
@@ -293,6 +352,26 @@ def add_EnvServiceServicer_to_server(servicer, server):
                     servicer.StatFile,
                     request_deserializer=orchard_dot_env_dot_v1_dot_env__service__pb2.StatFileRequest.FromString,
                     response_serializer=orchard_dot_env_dot_v1_dot_env__service__pb2.StatFileResponse.SerializeToString,
+            ),
+            'ForkSandbox': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkSandbox,
+                    request_deserializer=orchard_dot_env_dot_v1_dot_env__service__pb2.ForkSandboxRequest.FromString,
+                    response_serializer=orchard_dot_env_dot_v1_dot_env__service__pb2.ForkSandboxResponse.SerializeToString,
+            ),
+            'CreateOwner': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateOwner,
+                    request_deserializer=orchard_dot_env_dot_v1_dot_env__service__pb2.CreateOwnerRequest.FromString,
+                    response_serializer=orchard_dot_env_dot_v1_dot_env__service__pb2.CreateOwnerResponse.SerializeToString,
+            ),
+            'HeartbeatOwner': grpc.unary_unary_rpc_method_handler(
+                    servicer.HeartbeatOwner,
+                    request_deserializer=orchard_dot_env_dot_v1_dot_env__service__pb2.HeartbeatOwnerRequest.FromString,
+                    response_serializer=orchard_dot_env_dot_v1_dot_env__service__pb2.HeartbeatOwnerResponse.SerializeToString,
+            ),
+            'DeleteOwner': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteOwner,
+                    request_deserializer=orchard_dot_env_dot_v1_dot_env__service__pb2.DeleteOwnerRequest.FromString,
+                    response_serializer=orchard_dot_env_dot_v1_dot_env__service__pb2.DeleteOwnerResponse.SerializeToString,
             ),
             'UpdateNetworkPolicy': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateNetworkPolicy,
@@ -631,6 +710,114 @@ class EnvService:
             '/orchard.env.v1.EnvService/StatFile',
             orchard_dot_env_dot_v1_dot_env__service__pb2.StatFileRequest.SerializeToString,
             orchard_dot_env_dot_v1_dot_env__service__pb2.StatFileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkSandbox(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.env.v1.EnvService/ForkSandbox',
+            orchard_dot_env_dot_v1_dot_env__service__pb2.ForkSandboxRequest.SerializeToString,
+            orchard_dot_env_dot_v1_dot_env__service__pb2.ForkSandboxResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateOwner(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.env.v1.EnvService/CreateOwner',
+            orchard_dot_env_dot_v1_dot_env__service__pb2.CreateOwnerRequest.SerializeToString,
+            orchard_dot_env_dot_v1_dot_env__service__pb2.CreateOwnerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HeartbeatOwner(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.env.v1.EnvService/HeartbeatOwner',
+            orchard_dot_env_dot_v1_dot_env__service__pb2.HeartbeatOwnerRequest.SerializeToString,
+            orchard_dot_env_dot_v1_dot_env__service__pb2.HeartbeatOwnerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteOwner(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.env.v1.EnvService/DeleteOwner',
+            orchard_dot_env_dot_v1_dot_env__service__pb2.DeleteOwnerRequest.SerializeToString,
+            orchard_dot_env_dot_v1_dot_env__service__pb2.DeleteOwnerResponse.FromString,
             options,
             channel_credentials,
             insecure,

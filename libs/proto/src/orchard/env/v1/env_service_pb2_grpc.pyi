@@ -45,8 +45,11 @@ class EnvServiceStub:
     background. Side effects: a record in the state store bound to a lease of
     `heartbeat_timeout`, and runtime resources (processes, mounts, cgroup, network namespace or a
     Pod). A retry with the same `request_id` returns the same sandbox and creates nothing.
+    When the runtime or the tenant is at capacity, the sandbox waits in a fair admission queue
+    (PENDING, with `queue_position`); a full queue is RESOURCE_EXHAUSTED with a retry hint.
     Errors: INVALID_ARGUMENT (bad image reference, labels, resources, policy or timeout),
-    RESOURCE_EXHAUSTED (the tenant's sandbox quota), UNAVAILABLE (state store unreachable).
+    NOT_FOUND (`owner_id` unknown), RESOURCE_EXHAUSTED (quota, or the admission queue is full),
+    UNAVAILABLE (state store unreachable).
     """
     WaitSandbox: _grpc.UnaryUnaryMultiCallable[_env_service_pb2.WaitSandboxRequest, _env_service_pb2.WaitSandboxResponse]
     """Waits until the sandbox is READY or FAILED and returns it; returns at once when it already
@@ -95,6 +98,26 @@ class EnvServiceStub:
     """Describes one path in a READY sandbox. Changes nothing.
     Errors: as for Exec, plus the file errors of AgentService.StatFile.
     """
+    ForkSandbox: _grpc.UnaryUnaryMultiCallable[_env_service_pb2.ForkSandboxRequest, _env_service_pb2.ForkSandboxResponse]
+    """Forks a READY sandbox into `count` new sandboxes that start from a copy of its file system
+    (its writable layer at the time of the call; running processes are not copied). Each fork
+    gets its own record, lease, limits and network policy (the source's unless overridden).
+    A retry with the same `request_id` returns the same forks.
+    Errors: NOT_FOUND, FAILED_PRECONDITION (source not READY), INVALID_ARGUMENT (count outside
+    1–64), RESOURCE_EXHAUSTED (quota or admission queue full).
+    """
+    CreateOwner: _grpc.UnaryUnaryMultiCallable[_env_service_pb2.CreateOwnerRequest, _env_service_pb2.CreateOwnerResponse]
+    """Creates an owner: one lease that sandboxes created with `spec.owner_id` share.
+    Errors: INVALID_ARGUMENT (bad heartbeat timeout or labels).
+    """
+    HeartbeatOwner: _grpc.UnaryUnaryMultiCallable[_env_service_pb2.HeartbeatOwnerRequest, _env_service_pb2.HeartbeatOwnerResponse]
+    """Keeps an owner and every sandbox under it alive for another `heartbeat_timeout`.
+    Errors: NOT_FOUND (unknown, or already expired: its sandboxes are being reaped).
+    """
+    DeleteOwner: _grpc.UnaryUnaryMultiCallable[_env_service_pb2.DeleteOwnerRequest, _env_service_pb2.DeleteOwnerResponse]
+    """Deletes an owner and reaps all its sandboxes. Idempotent.
+    Errors: UNAVAILABLE (state store unreachable; retry).
+    """
     UpdateNetworkPolicy: _grpc.UnaryUnaryMultiCallable[_env_service_pb2.UpdateNetworkPolicyRequest, _env_service_pb2.UpdateNetworkPolicyResponse]
     """Replaces a sandbox's network policy; the runtime applies it before the call returns.
     Errors: NOT_FOUND, INVALID_ARGUMENT (bad rule), FAILED_PRECONDITION (sandbox FAILED or
@@ -118,8 +141,11 @@ class EnvServiceAsyncStub(EnvServiceStub):
     background. Side effects: a record in the state store bound to a lease of
     `heartbeat_timeout`, and runtime resources (processes, mounts, cgroup, network namespace or a
     Pod). A retry with the same `request_id` returns the same sandbox and creates nothing.
+    When the runtime or the tenant is at capacity, the sandbox waits in a fair admission queue
+    (PENDING, with `queue_position`); a full queue is RESOURCE_EXHAUSTED with a retry hint.
     Errors: INVALID_ARGUMENT (bad image reference, labels, resources, policy or timeout),
-    RESOURCE_EXHAUSTED (the tenant's sandbox quota), UNAVAILABLE (state store unreachable).
+    NOT_FOUND (`owner_id` unknown), RESOURCE_EXHAUSTED (quota, or the admission queue is full),
+    UNAVAILABLE (state store unreachable).
     """
     WaitSandbox: _aio.UnaryUnaryMultiCallable[_env_service_pb2.WaitSandboxRequest, _env_service_pb2.WaitSandboxResponse]  # type: ignore[assignment]
     """Waits until the sandbox is READY or FAILED and returns it; returns at once when it already
@@ -168,6 +194,26 @@ class EnvServiceAsyncStub(EnvServiceStub):
     """Describes one path in a READY sandbox. Changes nothing.
     Errors: as for Exec, plus the file errors of AgentService.StatFile.
     """
+    ForkSandbox: _aio.UnaryUnaryMultiCallable[_env_service_pb2.ForkSandboxRequest, _env_service_pb2.ForkSandboxResponse]  # type: ignore[assignment]
+    """Forks a READY sandbox into `count` new sandboxes that start from a copy of its file system
+    (its writable layer at the time of the call; running processes are not copied). Each fork
+    gets its own record, lease, limits and network policy (the source's unless overridden).
+    A retry with the same `request_id` returns the same forks.
+    Errors: NOT_FOUND, FAILED_PRECONDITION (source not READY), INVALID_ARGUMENT (count outside
+    1–64), RESOURCE_EXHAUSTED (quota or admission queue full).
+    """
+    CreateOwner: _aio.UnaryUnaryMultiCallable[_env_service_pb2.CreateOwnerRequest, _env_service_pb2.CreateOwnerResponse]  # type: ignore[assignment]
+    """Creates an owner: one lease that sandboxes created with `spec.owner_id` share.
+    Errors: INVALID_ARGUMENT (bad heartbeat timeout or labels).
+    """
+    HeartbeatOwner: _aio.UnaryUnaryMultiCallable[_env_service_pb2.HeartbeatOwnerRequest, _env_service_pb2.HeartbeatOwnerResponse]  # type: ignore[assignment]
+    """Keeps an owner and every sandbox under it alive for another `heartbeat_timeout`.
+    Errors: NOT_FOUND (unknown, or already expired: its sandboxes are being reaped).
+    """
+    DeleteOwner: _aio.UnaryUnaryMultiCallable[_env_service_pb2.DeleteOwnerRequest, _env_service_pb2.DeleteOwnerResponse]  # type: ignore[assignment]
+    """Deletes an owner and reaps all its sandboxes. Idempotent.
+    Errors: UNAVAILABLE (state store unreachable; retry).
+    """
     UpdateNetworkPolicy: _aio.UnaryUnaryMultiCallable[_env_service_pb2.UpdateNetworkPolicyRequest, _env_service_pb2.UpdateNetworkPolicyResponse]  # type: ignore[assignment]
     """Replaces a sandbox's network policy; the runtime applies it before the call returns.
     Errors: NOT_FOUND, INVALID_ARGUMENT (bad rule), FAILED_PRECONDITION (sandbox FAILED or
@@ -194,8 +240,11 @@ class EnvServiceServicer(metaclass=_abc_1.ABCMeta):
         background. Side effects: a record in the state store bound to a lease of
         `heartbeat_timeout`, and runtime resources (processes, mounts, cgroup, network namespace or a
         Pod). A retry with the same `request_id` returns the same sandbox and creates nothing.
+        When the runtime or the tenant is at capacity, the sandbox waits in a fair admission queue
+        (PENDING, with `queue_position`); a full queue is RESOURCE_EXHAUSTED with a retry hint.
         Errors: INVALID_ARGUMENT (bad image reference, labels, resources, policy or timeout),
-        RESOURCE_EXHAUSTED (the tenant's sandbox quota), UNAVAILABLE (state store unreachable).
+        NOT_FOUND (`owner_id` unknown), RESOURCE_EXHAUSTED (quota, or the admission queue is full),
+        UNAVAILABLE (state store unreachable).
         """
 
     @_abc_1.abstractmethod
@@ -309,6 +358,50 @@ class EnvServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_env_service_pb2.StatFileResponse, _abc.Awaitable[_env_service_pb2.StatFileResponse]]:
         """Describes one path in a READY sandbox. Changes nothing.
         Errors: as for Exec, plus the file errors of AgentService.StatFile.
+        """
+
+    @_abc_1.abstractmethod
+    def ForkSandbox(
+        self,
+        request: _env_service_pb2.ForkSandboxRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_env_service_pb2.ForkSandboxResponse, _abc.Awaitable[_env_service_pb2.ForkSandboxResponse]]:
+        """Forks a READY sandbox into `count` new sandboxes that start from a copy of its file system
+        (its writable layer at the time of the call; running processes are not copied). Each fork
+        gets its own record, lease, limits and network policy (the source's unless overridden).
+        A retry with the same `request_id` returns the same forks.
+        Errors: NOT_FOUND, FAILED_PRECONDITION (source not READY), INVALID_ARGUMENT (count outside
+        1–64), RESOURCE_EXHAUSTED (quota or admission queue full).
+        """
+
+    @_abc_1.abstractmethod
+    def CreateOwner(
+        self,
+        request: _env_service_pb2.CreateOwnerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_env_service_pb2.CreateOwnerResponse, _abc.Awaitable[_env_service_pb2.CreateOwnerResponse]]:
+        """Creates an owner: one lease that sandboxes created with `spec.owner_id` share.
+        Errors: INVALID_ARGUMENT (bad heartbeat timeout or labels).
+        """
+
+    @_abc_1.abstractmethod
+    def HeartbeatOwner(
+        self,
+        request: _env_service_pb2.HeartbeatOwnerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_env_service_pb2.HeartbeatOwnerResponse, _abc.Awaitable[_env_service_pb2.HeartbeatOwnerResponse]]:
+        """Keeps an owner and every sandbox under it alive for another `heartbeat_timeout`.
+        Errors: NOT_FOUND (unknown, or already expired: its sandboxes are being reaped).
+        """
+
+    @_abc_1.abstractmethod
+    def DeleteOwner(
+        self,
+        request: _env_service_pb2.DeleteOwnerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_env_service_pb2.DeleteOwnerResponse, _abc.Awaitable[_env_service_pb2.DeleteOwnerResponse]]:
+        """Deletes an owner and reaps all its sandboxes. Idempotent.
+        Errors: UNAVAILABLE (state store unreachable; retry).
         """
 
     @_abc_1.abstractmethod
