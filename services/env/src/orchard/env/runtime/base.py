@@ -1,0 +1,167 @@
+"""The runtime interface: what the environment service needs from a place that runs sandboxes.
+
+The service owns records, leases, tenants and the API; a runtime owns processes, mounts,
+cgroups, network namespaces or Pods. The service never reaches into a runtime's resources
+except through this interface, and one conformance suite (``services/env/tests/conformance``)
+runs against every implementation.
+
+Identity: the service assigns ``sandbox_id``; a runtime names every resource it creates after
+it, so that :meth:`Runtime.list_sandboxes` can find leftovers after a crash.
+
+Exec and file calls never go through the runtime: the service dials
+:attr:`RuntimeSandbox.agent_address` (the sandbox's ``orchard-inagent``) directly.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+__all__ = [
+    "EgressRule",
+    "FailureReason",
+    "Runtime",
+    "RuntimeFailure",
+    "RuntimeResources",
+    "RuntimeSandbox",
+    "RuntimeSandboxSpec",
+    "RuntimeUnavailable",
+    "SandboxExit",
+    "SandboxStatus",
+]
+
+
+class FailureReason(enum.Enum):
+    """Why a sandbox could not start or stopped running; the value is the record's reason."""
+
+    IMAGE_NOT_FOUND = "IMAGE_NOT_FOUND"
+    IMAGE_INVALID = "IMAGE_INVALID"
+    AGENT_START_TIMEOUT = "AGENT_START_TIMEOUT"
+    AGENT_EXITED = "AGENT_EXITED"
+    OUT_OF_MEMORY = "OUT_OF_MEMORY"
+    RUNTIME_DIED = "RUNTIME_DIED"
+    RESOURCES_UNAVAILABLE = "RESOURCES_UNAVAILABLE"
+    EVICTED = "EVICTED"
+    PREEMPTED = "PREEMPTED"
+    INTERNAL = "INTERNAL"
+
+
+class RuntimeFailure(Exception):
+    """A sandbox operation failed for a reason the record can carry."""
+
+    def __init__(self, reason: FailureReason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+class RuntimeUnavailable(Exception):
+    """The runtime cannot run on this host; the message says what is missing and how to fix it."""
+
+
+@dataclass(frozen=True)
+class RuntimeResources:
+    """Limits of one sandbox; zero means the runtime's default."""
+
+    cpu_millis: int = 0
+    memory_bytes: int = 0
+    pids: int = 0
+    disk_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class EgressRule:
+    """One allowed destination: a host name, an IP or a CIDR, optional ports, an expiry."""
+
+    destination: str
+    ports: tuple[int, ...] = ()
+    protocol: str = ""  # "", "tcp" or "udp"
+    expire_unix_s: float | None = None
+
+
+@dataclass(frozen=True)
+class RuntimeSandboxSpec:
+    """What the runtime needs to start one sandbox."""
+
+    sandbox_id: str
+    image: str
+    resources: RuntimeResources = field(default_factory=RuntimeResources)
+    env: Mapping[str, str] = field(default_factory=dict)
+    working_dir: str = "/"
+    egress: Sequence[EgressRule] = ()
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RuntimeSandbox:
+    """A started sandbox whose agent is serving."""
+
+    sandbox_id: str
+    agent_address: str  # a gRPC target: "unix:/path" locally, "10.1.2.3:7070" on Kubernetes
+    agent_version: str = ""
+
+
+class SandboxStatus(enum.Enum):
+    """What the runtime knows of a sandbox."""
+
+    RUNNING = "RUNNING"
+    EXITED = "EXITED"  # resources may remain until delete()
+    ABSENT = "ABSENT"  # nothing of it exists
+
+
+@dataclass(frozen=True)
+class SandboxExit:
+    """A sandbox stopped running without being deleted."""
+
+    sandbox_id: str
+    reason: FailureReason
+    message: str
+
+
+class Runtime(abc.ABC):
+    """Runs sandboxes. Implementations must be safe to call concurrently for different ids."""
+
+    name: str
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Check prerequisites and prepare; raise :class:`RuntimeUnavailable` when the host
+        cannot run this runtime (e.g. not root, no usable cgroup controllers)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop watching; leaves sandboxes running (they outlive a service restart)."""
+
+    @abc.abstractmethod
+    async def create(self, spec: RuntimeSandboxSpec) -> RuntimeSandbox:
+        """Start a sandbox and return once its agent is serving.
+
+        Raises :class:`RuntimeFailure` with a reason; on failure nothing of the sandbox remains.
+        Cancelling the call releases whatever was created.
+        """
+
+    @abc.abstractmethod
+    async def fork(self, source_id: str, spec: RuntimeSandboxSpec) -> RuntimeSandbox:
+        """Start a new sandbox from a copy of ``source_id``'s file system state."""
+
+    @abc.abstractmethod
+    async def delete(self, sandbox_id: str) -> None:
+        """Kill every process and release every resource of the sandbox. Idempotent."""
+
+    @abc.abstractmethod
+    async def status(self, sandbox_id: str) -> SandboxStatus:
+        """What the runtime knows of the sandbox now."""
+
+    @abc.abstractmethod
+    async def list_sandboxes(self) -> list[str]:
+        """Ids of every sandbox that has any resource in this runtime (for reconciliation)."""
+
+    @abc.abstractmethod
+    async def update_egress(self, sandbox_id: str, egress: Sequence[EgressRule]) -> None:
+        """Replace the sandbox's allowed destinations; everything else stays denied."""
+
+    @abc.abstractmethod
+    def exits(self) -> AsyncIterator[SandboxExit]:
+        """Events: sandboxes that stopped running without being deleted (agent exit, OOM)."""
