@@ -79,7 +79,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 HEALTH_SERVICE = "grpc.health.v1.Health"
-_HEALTH_WATCH = f"/{HEALTH_SERVICE}/Watch"
 # Open Watch streams have this long to deliver NOT_SERVING before a drain ends them.
 _WATCH_FAREWELL_S = 0.1
 
@@ -244,7 +243,7 @@ class GrpcServer:
 
             self.metrics = ServiceMetrics(self.service)
             interceptors.append(MetricsInterceptor(self.metrics))
-        interceptors += [_WatchDrainInterceptor(self._draining), ErrorInterceptor()]
+        interceptors.append(ErrorInterceptor())
         interceptors += self._interceptors
 
         limit = self.config.max_concurrent_rpcs
@@ -262,6 +261,8 @@ class GrpcServer:
         for binding in self._bindings:
             binding.register(server)
         self._health = health_aio.HealthServicer()
+        # Wrapped in place rather than by an interceptor, which would run on every call.
+        self._health.Watch = _ending_on_drain(self._health.Watch, self._draining)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         for name in ("", *self.service_names):
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -403,39 +404,25 @@ def _prepare_unix_socket(path: Path) -> None:
         probe.close()
 
 
-class _WatchDrainInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Ends open health Watch streams (OK) when a drain starts, so they do not hold it up."""
+def _ending_on_drain(watch: Callable[..., Any], draining: asyncio.Event) -> Callable[..., Any]:
+    """Health ``Watch`` that ends (OK) when a drain starts, so open streams do not hold it up."""
 
-    def __init__(self, draining: asyncio.Event) -> None:
-        self._draining = draining
+    async def watch_until_drain(request: Any, context: grpc.aio.ServicerContext) -> None:
+        task = asyncio.ensure_future(watch(request, context))
+        waiter = asyncio.ensure_future(draining.wait())
+        try:
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()  # type: ignore[no-any-return]
+            await asyncio.wait({task}, timeout=_WATCH_FAREWELL_S)
+        finally:
+            waiter.cancel()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        return None
 
-    async def intercept_service(
-        self, continuation: Any, handler_call_details: grpc.HandlerCallDetails
-    ) -> Any:
-        handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method != _HEALTH_WATCH:
-            return handler
-        behaviour = handler.unary_stream
-        if behaviour is None or not asyncio.iscoroutinefunction(behaviour):
-            return handler
-        draining = self._draining
-
-        async def watch(request: Any, context: grpc.aio.ServicerContext) -> None:
-            task = asyncio.ensure_future(behaviour(request, context))
-            waiter = asyncio.ensure_future(draining.wait())
-            try:
-                await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-                if task.done():
-                    return task.result()  # type: ignore[no-any-return]
-                await asyncio.wait({task}, timeout=_WATCH_FAREWELL_S)
-            finally:
-                waiter.cancel()
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            return None
-
-        return handler._replace(unary_stream=watch)
+    return watch_until_drain
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,8 +3,10 @@
 Everything is driven by event-loop callbacks, not by the coroutine that waits for the result,
 so a cancelled call still ends with the process group killed and the child reaped:
 
-- the child is spawned by ``subprocess.Popen`` (``vfork``/``exec``, a new session via
-  ``setsid``, all other descriptors closed) with pipes the supervisor owns;
+- the child is spawned in a new session (``setsid``) with pipes the supervisor owns: by
+  ``os.posix_spawn`` when it runs in the agent's own working directory (a third of the cost of
+  ``Popen``; every other descriptor of the agent is close-on-exec, inherited ones made so at
+  start), else by ``subprocess.Popen`` (``vfork``/``exec``, ``chdir``, other fds closed);
 - its exit is watched through a pidfd (``os.pidfd_open`` + ``loop.add_reader``) and reaped
   with ``waitpid`` on that pid only; a thread per child waits where pidfds are missing;
 - stdout and stderr are read concurrently with non-blocking reads into one reused buffer;
@@ -50,6 +52,8 @@ log = logging.getLogger(__name__)
 _READ_BYTES = 64 * 1024  # the default pipe capacity: one read empties a full pipe
 _READS_PER_WAKEUP = 8
 _QUEUE_MERGE_BYTES = 1024 * 1024
+# What Popen's restore_signals resets: Python ignores these, and exec keeps an ignored signal.
+_DEFAULT_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)
 
 
 class Stream(enum.IntEnum):
@@ -165,7 +169,8 @@ class RunningCommand:
     def __init__(
         self,
         supervisor: ProcessSupervisor,
-        popen: subprocess.Popen[bytes],
+        pid: int,
+        popen: subprocess.Popen[bytes] | None,
         *,
         stdout: _Pipe,
         stderr: _Pipe,
@@ -174,16 +179,19 @@ class RunningCommand:
         queue: OutputQueue | None,
         started_at: float,
     ) -> None:
-        self.pid = popen.pid
+        self.pid = pid
         self.spec = spec
         self._supervisor = supervisor
         self._loop = supervisor.loop
         self._popen = popen  # kept until reaped, so Popen's own cleanup never waits on the pid
+        self.spawned_by = "popen" if popen is not None else "posix_spawn"
+        """How the command was started (``posix_spawn`` or ``popen``), for tests and logs."""
         self._outputs = (stdout, stderr)
         self._pipes = [stdout, stderr]
         self._queue = queue
         self._started_at = started_at
-        self._done: asyncio.Future[ProcessResult] = self._loop.create_future()
+        self._result: ProcessResult | None = None
+        self._waiters: list[asyncio.Future[ProcessResult]] = []
         self._wait_status: int | None = None
         self._ended_at = 0.0
         self._pidfd = -1
@@ -205,8 +213,14 @@ class RunningCommand:
 
     async def wait(self) -> ProcessResult:
         """The result once the command is done; cancelling the wait kills the process group."""
+        if self._result is not None:
+            return self._result
+        # A future of the caller's own, resolved directly by _finish: unlike asyncio.shield
+        # around a shared one, it costs no extra event-loop pass before the caller resumes.
+        waiter: asyncio.Future[ProcessResult] = self._loop.create_future()
+        self._waiters.append(waiter)
         try:
-            return await asyncio.shield(self._done)
+            return await waiter
         except asyncio.CancelledError:
             self.kill()
             raise
@@ -214,11 +228,11 @@ class RunningCommand:
     @property
     def done(self) -> bool:
         """True once the result is known."""
-        return self._done.done()
+        return self._result is not None
 
     def kill(self) -> None:
         """Send SIGKILL to the command's whole process group, once; a no-op when done."""
-        if self._killed or self._done.done():
+        if self._killed or self._result is not None:
             return
         self._killed = True
         _kill_group(self.pid)
@@ -256,7 +270,8 @@ class RunningCommand:
     def _on_exit(self, status: int) -> None:
         self._ended_at = time.monotonic()
         self._wait_status = status
-        self._popen.returncode = os.waitstatus_to_exitcode(status)
+        if self._popen is not None:
+            self._popen.returncode = os.waitstatus_to_exitcode(status)
         self._supervisor._untrack(self)
         if self._pipes:
             # Something left in the background may hold a pipe open; do not wait on it long.
@@ -325,7 +340,7 @@ class RunningCommand:
     # --- end
 
     def _finish(self) -> None:
-        if self._done.done():
+        if self._result is not None:
             return
         self._timer.cancel()
         if self._grace_timer is not None:
@@ -349,7 +364,11 @@ class RunningCommand:
             self._supervisor._remember_group(self.pid)
         if self._queue is not None:
             self._queue.finish(result)
-        self._done.set_result(result)
+        self._result = result
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(result)
+        self._waiters.clear()
 
 
 class ProcessSupervisor:
@@ -359,9 +378,14 @@ class ProcessSupervisor:
     agent are reaped too, without touching the exit status of commands it tracks.
     """
 
-    def __init__(self, *, reap_orphans: bool, drain_grace_s: float = 0.2) -> None:
+    def __init__(
+        self, *, reap_orphans: bool, drain_grace_s: float = 0.2, use_posix_spawn: bool = True
+    ) -> None:
         self.reap_orphans = reap_orphans
         self.drain_grace_s = drain_grace_s
+        self.use_posix_spawn = use_posix_spawn and hasattr(os, "posix_spawn")
+        """Spawn with ``os.posix_spawn`` where it fits; turned off at start when the agent's
+        descriptors cannot all be made close-on-exec."""
         self.read_buffer = memoryview(bytearray(_READ_BYTES))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._devnull = -1
@@ -380,6 +404,8 @@ class ProcessSupervisor:
         """Bind to the running event loop; install the orphan reaper when asked to."""
         self._loop = asyncio.get_running_loop()
         self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        if self.use_posix_spawn:
+            self.use_posix_spawn = _inherited_fds_made_close_on_exec()
         if self.reap_orphans:
             self._reaper = OrphanReaper(lambda pid: pid in self._running)
             self._reaper.start(self._loop)
@@ -395,18 +421,23 @@ class ProcessSupervisor:
         err_read, err_write = os.pipe2(os.O_CLOEXEC)
         stdin_read, stdin_write = os.pipe2(os.O_CLOEXEC) if spec.stdin else (self._devnull, -1)
         started_at = time.monotonic()
+        popen: subprocess.Popen[bytes] | None = None
         try:
-            popen = subprocess.Popen(
-                spec.argv,
-                executable=spec.executable,
-                stdin=stdin_read,
-                stdout=out_write,
-                stderr=err_write,
-                cwd=spec.cwd,
-                env=spec.env,
-                start_new_session=True,
-                close_fds=True,
-            )
+            if self._fits_posix_spawn(spec, min(stdin_read, out_write, err_write)):
+                pid = _posix_spawn(spec, stdin_read, out_write, err_write)
+            else:
+                popen = subprocess.Popen(
+                    spec.argv,
+                    executable=spec.executable,
+                    stdin=stdin_read,
+                    stdout=out_write,
+                    stderr=err_write,
+                    cwd=spec.cwd,
+                    env=spec.env,
+                    start_new_session=True,
+                    close_fds=True,
+                )
+                pid = popen.pid
         except BaseException as exc:
             for fd in (out_read, err_read, stdin_write):
                 if fd >= 0:
@@ -427,6 +458,7 @@ class ProcessSupervisor:
         try:
             command = RunningCommand(
                 self,
+                pid,
                 popen,
                 stdout=stdout,
                 stderr=stderr,
@@ -436,12 +468,32 @@ class ProcessSupervisor:
                 started_at=started_at,
             )
         except BaseException:
-            _kill_group(popen.pid)
-            popen.wait()
+            _kill_group(pid)
+            os.waitpid(pid, 0)
+            if popen is not None:
+                popen.returncode = -signal.SIGKILL
             raise
         # No loop callback (hence no reaper sweep) can run between the spawn and this line.
-        self._running[popen.pid] = command
+        self._running[pid] = command
         return command
+
+    def _fits_posix_spawn(self, spec: CommandSpec, lowest_fd: int) -> bool:
+        """Whether posix_spawn can start ``spec`` exactly as Popen would.
+
+        Python 3.11's posix_spawn cannot change directory, and posix_spawnp searches the agent's
+        own PATH; the child's descriptors must not already sit on 0-2, where a dup2 could
+        overwrite one with another.
+        """
+        if not self.use_posix_spawn or lowest_fd <= 2:
+            return False
+        if spec.executable is None:
+            path = spec.env.get("PATH")
+            if path is None or path != os.environ.get("PATH"):
+                return False
+        try:
+            return spec.cwd == os.getcwd()
+        except OSError:  # the agent's own directory was removed
+            return False
 
     def _untrack(self, command: RunningCommand) -> None:
         self._running.pop(command.pid, None)
@@ -473,6 +525,51 @@ class ProcessSupervisor:
         if self._devnull >= 0:
             os.close(self._devnull)
             self._devnull = -1
+
+
+def _posix_spawn(spec: CommandSpec, stdin: int, stdout: int, stderr: int) -> int:
+    """Start ``spec`` in the agent's working directory, in a new session; return its pid."""
+    actions = [
+        (os.POSIX_SPAWN_DUP2, stdin, 0),
+        (os.POSIX_SPAWN_DUP2, stdout, 1),
+        (os.POSIX_SPAWN_DUP2, stderr, 2),
+    ]
+    if spec.executable is None:
+        return os.posix_spawnp(
+            spec.argv[0],
+            spec.argv,
+            spec.env,
+            file_actions=actions,
+            setsid=True,
+            setsigdef=_DEFAULT_SIGNALS,
+        )
+    return os.posix_spawn(
+        spec.executable,
+        spec.argv,
+        spec.env,
+        file_actions=actions,
+        setsid=True,
+        setsigdef=_DEFAULT_SIGNALS,
+    )
+
+
+def _inherited_fds_made_close_on_exec() -> bool:
+    """Mark every descriptor above 2 close-on-exec; False when they cannot be listed.
+
+    posix_spawn, unlike Popen(close_fds=True), closes nothing: a child must inherit only its
+    pipes. What Python and gRPC open is close-on-exec already; this catches what the agent
+    itself inherited.
+    """
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return False
+    for name in names:
+        fd = int(name)
+        if fd > 2:
+            with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+                os.set_inheritable(fd, False)
+    return True
 
 
 def _kill_group(pgid: int) -> None:
