@@ -123,15 +123,25 @@ class RaisingParser(argparse.ArgumentParser):
 
 
 def add_config_arguments(
-    parser: argparse.ArgumentParser, flags: Sequence[ConfigFlag] = SERVER_FLAGS
+    parser: argparse.ArgumentParser,
+    flags: Sequence[ConfigFlag] = SERVER_FLAGS,
+    *,
+    env_prefix: str = "ORCHARD_",
 ) -> None:
-    """Add ``--config FILE``, ``--set KEY=VALUE`` and the given typed flags to ``parser``."""
-    group = parser.add_argument_group("configuration")
+    """Add ``--config FILE``, ``--set KEY=VALUE`` and the given typed flags to ``parser``.
+
+    ``env_prefix`` only shapes the help text (which variables the service reads).
+    """
+    group = parser.add_argument_group(
+        "configuration",
+        f"Settings also come from a YAML file and from {env_prefix}<KEY> environment variables "
+        f"(nested keys joined by '__', e.g. {env_prefix}SERVER__LOG_LEVEL=DEBUG); flags win.",
+    )
     group.add_argument(
         "--config",
         metavar="FILE",
         dest="config_file",
-        help="YAML configuration file (default: $<PREFIX>CONFIG, e.g. $ORCHARD_INAGENT_CONFIG)",
+        help=f"YAML configuration file (default: ${env_prefix}CONFIG)",
     )
     group.add_argument(
         "--set",

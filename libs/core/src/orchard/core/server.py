@@ -466,7 +466,9 @@ def run_service(
 
     program = f"orchard-{service}"
     parser = argparse.ArgumentParser(prog=program, description=description)
-    add_config_arguments(parser, SERVER_FLAGS if flags is None else flags)
+    add_config_arguments(
+        parser, SERVER_FLAGS if flags is None else flags, env_prefix=service_env_prefix(service)
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     env_prefix = service_env_prefix(service)
     config: C
