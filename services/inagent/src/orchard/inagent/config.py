@@ -55,6 +55,7 @@ class AgentConfig:
     shell: str = "/bin/sh"
     reap_orphans: bool | None = None
     address_file: str | None = None
+    ready_fd: int | None = None
 
     def limits_problem(self) -> str | None:
         """Why the output limits do not fit together or in a message, or None."""
@@ -112,6 +113,7 @@ _QUICK_PARSERS: dict[str, ValueParser] = {
     "shell": any_string,
     "reap_orphans": parse_bool,
     "address_file": any_string,
+    "ready_fd": int_at_least(0),
 }
 
 
@@ -150,6 +152,12 @@ AGENT_FLAGS: tuple[ConfigFlag, ...] = (
     ),
     ConfigFlag(
         "--address-file", "address_file", "write the bound addresses to FILE", metavar="FILE"
+    ),
+    ConfigFlag(
+        "--ready-fd",
+        "ready_fd",
+        "once serving, write the bound addresses to file descriptor N and close it",
+        metavar="N",
     ),
     ConfigFlag(
         "--reap-orphans",

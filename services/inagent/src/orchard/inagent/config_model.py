@@ -76,6 +76,16 @@ class AgentConfigModel(ServiceConfig):
         ),
     )
 
+    ready_fd: int | None = Field(
+        _DEFAULTS.ready_fd,
+        ge=0,
+        description=(
+            "An open file descriptor (a pipe the starter holds) to which the agent writes its "
+            "bound addresses, one per line, once SERVING, and then closes: the starter learns "
+            "readiness from the event without polling. Unset: nothing is written."
+        ),
+    )
+
     @field_validator("env")
     @classmethod
     def _check_env(cls, value: dict[str, str]) -> dict[str, str]:

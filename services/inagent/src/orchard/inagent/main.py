@@ -2,11 +2,15 @@
 
     orchard-inagent --listen unix:/run/orchard/inagent.sock --working-dir /workspace
     orchard-inagent --listen 127.0.0.1:0 --address-file /run/orchard/inagent.addr
+    orchard-inagent --listen unix:/run/orchard/inagent.sock --ready-fd 3
 
 Logs are JSON lines on stderr; nothing else is printed. Health turns SERVING once every address
-is bound (and the address file, if asked for, is written). On SIGTERM the server drains
-(in-flight calls get ``server.grace_period_s``, then are cancelled, which kills their process
-groups), then every process group the agent started that is still alive is killed.
+is bound (and the address file, if asked for, is written). With ``--ready-fd N`` the agent then
+writes the bound addresses, one per line, to the inherited descriptor N and closes it: whoever
+started it (the local sandbox runtime) learns readiness from end-of-file, with no polling. On
+SIGTERM the server drains (in-flight calls get ``server.grace_period_s``, then are cancelled,
+which kills their process groups), then every process group the agent started that is still
+alive is killed.
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ class _Agent:
     def bindings(self, config: AgentConfig) -> list[ServiceBinding]:
         # Called on the running event loop, before the server binds: commands can run as soon
         # as a call arrives.
+        if config.ready_fd is not None:
+            # Commands must not inherit the starter's pipe: its end-of-file means "ready".
+            os.set_inheritable(config.ready_fd, False)
         self.supervisor = ProcessSupervisor(reap_orphans=config.should_reap_orphans())
         self.supervisor.start()
         servicer = AgentServicer(
@@ -50,6 +57,10 @@ class _Agent:
     async def on_start(self, config: AgentConfig, server: GrpcServer) -> None:
         if config.address_file:
             _write_address_file(config.address_file, server.addresses)
+        if config.ready_fd is not None:
+            # SERVING before the starter hears of it (run_service's own call is then a no-op).
+            await server.set_serving()
+            _report_ready(config.ready_fd, server.addresses)
 
     async def on_stop(self, config: AgentConfig, server: GrpcServer) -> None:
         if self.supervisor is not None:
@@ -64,6 +75,17 @@ def _write_address_file(path: str, addresses: Sequence[str]) -> None:
     with open(temp, "w", encoding="utf-8") as file:
         file.write("".join(f"{address}\n" for address in addresses))
     os.replace(temp, path)
+
+
+def _report_ready(fd: int, addresses: Sequence[str]) -> None:
+    data = "".join(f"{address}\n" for address in addresses).encode()
+    try:
+        while data:
+            data = data[os.write(fd, data) :]
+    except OSError as exc:  # the starter went away: nobody to tell, keep serving
+        log.warning("cannot report readiness on fd %d: %s", fd, exc)
+    finally:
+        os.close(fd)
 
 
 def run(argv: Sequence[str] | None = None) -> int:

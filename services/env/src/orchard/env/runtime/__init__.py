@@ -3,3 +3,33 @@
 Backends are imported lazily by :func:`orchard.env.runtime.create_runtime`, so a service that
 runs ``local`` never imports a Kubernetes client and the reverse.
 """
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from orchard.env.runtime.base import Runtime
+
+__all__ = ["KNOWN_RUNTIMES", "create_runtime"]
+
+KNOWN_RUNTIMES = ("local",)
+
+
+def create_runtime(config: Mapping[str, Any] | Any) -> Runtime:
+    """The runtime ``config["type"]`` (or ``config.type``) names, not started yet.
+
+    ``config`` is the runtime section as a mapping, validated here with the backend's own
+    model (pydantic's ``ValidationError`` on a mistake), or an instance of that model.
+    """
+    kind = config.get("type") if isinstance(config, Mapping) else getattr(config, "type", None)
+    if kind == "local":
+        from orchard.env.runtime.local import LocalRuntime, LocalRuntimeConfig  # noqa: PLC0415
+
+        if isinstance(config, Mapping):
+            config = LocalRuntimeConfig.model_validate(dict(config))
+        if not isinstance(config, LocalRuntimeConfig):
+            raise TypeError(f"runtime 'local' needs a LocalRuntimeConfig, got {type(config)!r}")
+        return LocalRuntime(config)
+    raise ValueError(f"unknown runtime type {kind!r}; known: {', '.join(KNOWN_RUNTIMES)}")

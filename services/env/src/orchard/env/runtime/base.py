@@ -24,6 +24,7 @@ __all__ = [
     "FailureReason",
     "Runtime",
     "RuntimeFailure",
+    "RuntimeNotSupported",
     "RuntimeResources",
     "RuntimeSandbox",
     "RuntimeSandboxSpec",
@@ -55,6 +56,11 @@ class RuntimeFailure(Exception):
         super().__init__(message)
         self.reason = reason
         self.message = message
+
+
+class RuntimeNotSupported(Exception):
+    """This runtime cannot do what was asked (yet), e.g. egress rules or fork; the service
+    answers UNIMPLEMENTED (or FAILED_PRECONDITION) with the message, and nothing changed."""
 
 
 class RuntimeUnavailable(Exception):

@@ -1,0 +1,50 @@
+"""Image references: ``host``, ``rootfs:/abs/dir``, ``oci-archive:/path[:ref]``,
+``docker-archive:/path[:ref]``."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from orchard.env.runtime.base import FailureReason, RuntimeFailure
+
+__all__ = ["ImageKind", "ImageReference", "parse_image_reference"]
+
+ImageKind = Literal["host", "rootfs", "oci-archive", "docker-archive"]
+_KINDS: tuple[ImageKind, ...] = ("host", "rootfs", "oci-archive", "docker-archive")
+
+
+@dataclass(frozen=True)
+class ImageReference:
+    """A parsed image name: its kind, the path it points at (if any) and an optional tag."""
+
+    kind: ImageKind
+    path: str = ""
+    tag: str = ""
+
+    def __str__(self) -> str:
+        if self.kind == "host":
+            return "host"
+        return f"{self.kind}:{self.path}" + (f":{self.tag}" if self.tag else "")
+
+
+def parse_image_reference(text: str) -> ImageReference:
+    """Parse ``text``; raises :class:`RuntimeFailure` (IMAGE_INVALID) naming what is wrong."""
+    if text == "host":
+        return ImageReference("host")
+    kind, sep, rest = text.partition(":")
+    if not sep or kind not in _KINDS or kind == "host":
+        raise RuntimeFailure(
+            FailureReason.IMAGE_INVALID,
+            f"image {text!r}: expected 'host', 'rootfs:/abs/dir', 'oci-archive:/path[:ref]' or "
+            "'docker-archive:/path[:ref]'",
+        )
+    path, tag = rest, ""
+    if kind != "rootfs" and ":" in rest:
+        path, _, tag = rest.partition(":")
+    if not os.path.isabs(path) or os.path.normpath(path) != path.rstrip("/") or "\0" in path:
+        raise RuntimeFailure(
+            FailureReason.IMAGE_INVALID, f"image {text!r}: the path must be absolute and normal"
+        )
+    return ImageReference(kind, path.rstrip("/") or "/", tag)

@@ -1,0 +1,100 @@
+"""Configuration of the ``local`` runtime: where it keeps things and what a sandbox gets."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["BUNDLE_ENV", "LocalResources", "LocalRuntimeConfig", "default_agent_bundle"]
+
+BUNDLE_ENV = "ORCHARD_INAGENT_BUNDLE"
+"""Environment variable naming the agent bundle directory when the config does not."""
+
+_BUNDLE_IN_REPO = Path("services/inagent/dist/orchard-inagent")
+
+
+def default_agent_bundle() -> str:
+    """The bundle directory: ``$ORCHARD_INAGENT_BUNDLE``, else the repository's build output."""
+    from_env = os.environ.get(BUNDLE_ENV)
+    if from_env:
+        return from_env
+    for parent in Path(__file__).resolve().parents:
+        if (parent / "services" / "inagent").is_dir():
+            return str(parent / _BUNDLE_IN_REPO)
+    return str(Path.cwd() / _BUNDLE_IN_REPO)
+
+
+class LocalResources(BaseModel):
+    """Limits a sandbox gets when its request leaves one at zero."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    cpu_millis: int = Field(
+        default=2000,
+        ge=0,
+        description="CPU time per second, in thousandths of a CPU; 0: unlimited.",
+    )
+    memory_bytes: int = Field(
+        default=2 << 30,
+        ge=0,
+        description="Memory limit (the OOM killer acts above it); 0: unlimited.",
+    )
+    pids: int = Field(
+        default=1024,
+        ge=0,
+        description="Most tasks (processes and threads), the agent included; 0: unlimited.",
+    )
+
+
+class LocalRuntimeConfig(BaseModel):
+    """The ``local`` runtime: sandboxes as namespaced process trees on this host (needs root)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    type: Literal["local"] = Field("local", description="Selects this runtime.")
+    state_dir: str = Field(
+        "/var/lib/orchard/env/local/state",
+        description="One small JSON file per sandbox (pid, start time, cgroups): what lets a "
+        "restarted service adopt running sandboxes and find leftovers.",
+    )
+    workspace_dir: str = Field(
+        "/var/lib/orchard/env/local/sandboxes",
+        description="Per-sandbox writable layer (overlay upper and work directories) and the "
+        "agent's log. Must be a file system overlayfs accepts as upper (ext4, xfs, tmpfs).",
+    )
+    run_dir: str = Field(
+        "/run/orchard-env",
+        description="Per-sandbox directory holding the agent's socket, bound into the "
+        "sandbox. Keep it short: the socket path must fit in 107 bytes.",
+    )
+    cgroup_parent: str = Field(
+        "orchard",
+        description="Cgroup under which each sandbox gets one named after its id. Relative: "
+        "below the service's own cgroup (in each v1 hierarchy, or in the v2 tree); absolute: "
+        "from the hierarchy's root.",
+    )
+    cgroup_version: Literal["auto", "v1", "v2"] = Field(
+        "auto",
+        description="auto: v2 where the host delegates cpu, memory and pids to it, else v1.",
+    )
+    agent_bundle: str = Field(
+        default_factory=default_agent_bundle,
+        description="Directory of the self-contained orchard-inagent bundle (`make "
+        f"inagent-binary`), bound read-only into every sandbox. Default: ${BUNDLE_ENV}, else "
+        "the repository's services/inagent/dist/orchard-inagent.",
+    )
+    start_timeout_s: float = Field(
+        30.0, gt=0, description="How long create() waits for the agent to serve."
+    )
+    python: str = Field(
+        "",
+        description="Interpreter that runs the in-sandbox setup before the agent (standard "
+        "library only). Empty: the service's own interpreter.",
+    )
+    default_resources: LocalResources = Field(
+        default=LocalResources(),
+        description="Limits for requests that leave a value at zero.",
+    )

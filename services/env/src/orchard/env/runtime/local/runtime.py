@@ -1,0 +1,452 @@
+"""The ``local`` runtime: each sandbox a process tree in its own namespaces on this host.
+
+A sandbox is: a state file (``state.py``), a workspace directory with the overlay's writable
+layer, a run directory with the agent's socket, a cgroup per hierarchy (``cgroups.py``) and
+PID 1 of a new pid namespace, which is the agent (``sandbox_init.py``, ``spawn.py``). Every
+mount lives in the sandbox's own mount namespace, so the host's mount table never holds one
+and they all vanish with the sandbox's last process.
+
+The sandbox does not depend on the service: it runs in its own session, reparented to the
+host's init. A new :class:`LocalRuntime` adopts running sandboxes from their state files and
+watches each PID 1 through a pidfd on the event loop (one reader per sandbox, no polling).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import shutil
+from collections.abc import AsyncIterator, Sequence
+
+from orchard.env.images import ImageResolver, ResolvedImage
+from orchard.env.runtime.base import (
+    EgressRule,
+    FailureReason,
+    Runtime,
+    RuntimeFailure,
+    RuntimeNotSupported,
+    RuntimeResources,
+    RuntimeSandbox,
+    RuntimeSandboxSpec,
+    RuntimeUnavailable,
+    SandboxExit,
+    SandboxStatus,
+)
+from orchard.env.runtime.local.cgroups import CgroupDriver, select_cgroup_driver
+from orchard.env.runtime.local.config import LocalRuntimeConfig
+from orchard.env.runtime.local.network import check_egress
+from orchard.env.runtime.local.process import open_pidfd, signal_pidfd
+from orchard.env.runtime.local.spawn import AgentLaunch, start_sandbox_process
+from orchard.env.runtime.local.state import SandboxPaths, SandboxState, StateStore
+
+__all__ = ["AGENT_MOUNT", "LocalRuntime"]
+
+log = logging.getLogger(__name__)
+
+AGENT_MOUNT = "/.orchard/inagent"
+"""Where the agent bundle appears inside every sandbox (read-only)."""
+RUN_MOUNT = "/.orchard/run"
+"""Where the sandbox's run directory appears inside it; the agent's socket lives there."""
+SOCKET_NAME = "agent.sock"
+AGENT_EXECUTABLE = "orchard-inagent"
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+_MAX_UNIX_PATH = 107
+_KILL_WAIT_S = 10.0
+_CGROUP_DRAIN_TRIES = 200
+_LOG_TAIL_BYTES = 1500
+
+
+def _check_id(sandbox_id: str) -> None:
+    if not _ID.fullmatch(sandbox_id):
+        raise ValueError(
+            f"sandbox id {sandbox_id!r}: 1-63 characters of letters, digits, '_', '.', '-', "
+            "starting with a letter or digit"
+        )
+
+
+def _log_tail(path: str) -> str:
+    try:
+        with open(path, "rb") as file:
+            file.seek(0, os.SEEK_END)
+            file.seek(max(0, file.tell() - _LOG_TAIL_BYTES))
+            return file.read().decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+async def _readable(fd: int, timeout_s: float) -> bool:
+    """Wait until ``fd`` (a pidfd: its process exited) is readable; False on timeout."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def on_readable() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(fd, on_readable)
+    try:
+        await asyncio.wait_for(ready, timeout_s)
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(fd)
+
+
+class LocalRuntime(Runtime):
+    """Sandboxes on this host (needs root). See the module docstring."""
+
+    name = "local"
+
+    def __init__(self, config: LocalRuntimeConfig, images: ImageResolver | None = None) -> None:
+        self.config = config
+        self.images = images or ImageResolver()
+        self.store = StateStore(config.state_dir)
+        self._cgroups: CgroupDriver | None = None
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._pidfds: dict[str, int] = {}  # sandbox id → pidfd of its PID 1, while running
+        self._deleting: set[str] = set()
+        self._exits: asyncio.Queue[SandboxExit | None] = asyncio.Queue()
+        self._started = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._check_host()
+        cgroups = select_cgroup_driver(self.config.cgroup_parent, self.config.cgroup_version)
+        cgroups.prepare()
+        self._cgroups = cgroups
+        for directory in (self.config.state_dir, self.config.workspace_dir, self.config.run_dir):
+            os.makedirs(directory, mode=0o711, exist_ok=True)
+        self._started = True
+        for sandbox_id in self.store.ids():
+            self._adopt(sandbox_id)
+        log.info(
+            "local runtime ready",
+            extra={"cgroup": cgroups.version, "adopted": sorted(self._pidfds)},
+        )
+
+    def _check_host(self) -> None:
+        if os.geteuid() != 0:
+            raise RuntimeUnavailable(
+                "the local runtime needs root (namespaces, mounts, cgroups); run the service "
+                "as root or use the kubernetes runtime"
+            )
+        with open("/proc/filesystems", encoding="ascii") as file:
+            if "\toverlay\n" not in file.read():
+                raise RuntimeUnavailable(
+                    "overlayfs is not available (not in /proc/filesystems); `modprobe overlay`"
+                )
+        agent = os.path.join(self.config.agent_bundle, AGENT_EXECUTABLE)
+        if not os.access(agent, os.X_OK):
+            raise RuntimeUnavailable(
+                f"the agent bundle is missing: no executable {agent}; run `make inagent-binary` "
+                "(or point agent_bundle / $ORCHARD_INAGENT_BUNDLE at a built bundle)"
+            )
+        longest = len(self.config.run_dir) + 1 + 63 + 1 + len(SOCKET_NAME)
+        if longest > _MAX_UNIX_PATH:
+            raise RuntimeUnavailable(
+                f"run_dir {self.config.run_dir!r} is too long: a sandbox's socket path could "
+                f"reach {longest} bytes, above the {_MAX_UNIX_PATH} a Unix socket allows"
+            )
+
+    async def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        for pidfd in self._pidfds.values():
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+        self._pidfds.clear()
+        self._started = False
+        self._exits.put_nowait(None)
+
+    # -- sandboxes ---------------------------------------------------------------------------
+
+    async def create(self, spec: RuntimeSandboxSpec) -> RuntimeSandbox:
+        self._require_started()
+        _check_id(spec.sandbox_id)
+        check_egress(spec.sandbox_id, spec.egress)
+        image = self.images.resolve(spec.image)
+        sandbox_id = spec.sandbox_id
+        async with self._lock(sandbox_id):
+            if self._leftovers(sandbox_id):
+                raise RuntimeFailure(
+                    FailureReason.INTERNAL, f"sandbox {sandbox_id} exists already; delete it first"
+                )
+            try:
+                return await self._create_locked(spec, image)
+            except BaseException:
+                # Shielded: a cancelled create still releases everything it made.
+                await asyncio.shield(self._delete_locked(sandbox_id))
+                raise
+
+    async def _create_locked(
+        self, spec: RuntimeSandboxSpec, image: ResolvedImage
+    ) -> RuntimeSandbox:
+        cgroups = self._driver()
+        sandbox_id = spec.sandbox_id
+        resources = self._resources(spec.resources)
+        paths = SandboxPaths(
+            workspace=os.path.join(self.config.workspace_dir, sandbox_id),
+            run=os.path.join(self.config.run_dir, sandbox_id),
+        )
+        state = SandboxState(
+            sandbox_id=sandbox_id,
+            image=spec.image,
+            paths=paths,
+            cgroup_dirs=cgroups.dirs_for(sandbox_id),
+            memory_limit_bytes=resources.memory_bytes,
+            labels=dict(spec.labels),
+        )
+        self.store.write(state)  # first, so that a crash from here on leaves a findable record
+        os.makedirs(paths.workspace, mode=0o700)
+        for directory in (paths.upper, paths.work, paths.root):
+            os.mkdir(directory, 0o755)
+        os.makedirs(paths.run, mode=0o755)
+        cgroups.create(sandbox_id, resources)
+        started = await start_sandbox_process(self._launch(spec, image, state), self.config.python)
+        try:
+            self._pidfds[sandbox_id] = started.pidfd
+            self.store.write(state.with_process(started.pid, started.start_time))
+            await started.wait_ready(self.config.start_timeout_s)
+        except RuntimeFailure as failure:
+            if failure.reason is FailureReason.AGENT_EXITED and cgroups.oom_kills(
+                state.cgroup_dirs
+            ):
+                failure.reason = FailureReason.OUT_OF_MEMORY
+                failure.message = (
+                    f"the agent was killed for memory at start (limit {resources.memory_bytes} "
+                    "bytes); raise the sandbox's memory"
+                )
+            tail = _log_tail(paths.log)
+            if tail and failure.reason is not FailureReason.IMAGE_INVALID:
+                failure.message = f"{failure.message}; agent log: {tail}"
+                failure.args = (failure.message,)
+            raise
+        finally:
+            started.close()
+        self._watch(sandbox_id, started.pidfd)
+        return RuntimeSandbox(sandbox_id, f"unix:{paths.run}/{SOCKET_NAME}")
+
+    def _launch(
+        self, spec: RuntimeSandboxSpec, image: ResolvedImage, state: SandboxState
+    ) -> AgentLaunch:
+        working_dir = os.path.normpath(os.path.join("/", spec.working_dir or "/"))
+        env = {"PATH": DEFAULT_PATH, "HOME": "/root", "HOSTNAME": spec.sandbox_id}
+        env.update(spec.env)
+        argv = [
+            f"{AGENT_MOUNT}/{AGENT_EXECUTABLE}",
+            "--listen",
+            f"unix:{RUN_MOUNT}/{SOCKET_NAME}",
+            "--working-dir",
+            working_dir,
+        ]
+        agent_own = {name: value for name, value in env.items() if name.startswith("ORCHARD_")}
+        if agent_own:
+            # The agent reads ORCHARD_* as its own settings and hides them from commands, so a
+            # sandbox's ORCHARD_* variables travel as configuration of the commands' env.
+            import json  # noqa: PLC0415 - rare
+
+            argv += ["--set", f"env={json.dumps(agent_own)}"]
+            env = {name: value for name, value in env.items() if name not in agent_own}
+        masked = tuple(
+            os.path.realpath(path)
+            for path in (self.config.state_dir, self.config.workspace_dir, self.config.run_dir)
+        )
+        return AgentLaunch(
+            hostname=spec.sandbox_id,
+            root=state.paths.root,
+            lower_dirs=image.lower_dirs,
+            upper_dir=state.paths.upper,
+            work_dir=state.paths.work,
+            agent_bundle=os.path.realpath(self.config.agent_bundle),
+            run_dir=state.paths.run,
+            working_dir=working_dir,
+            masked_dirs=masked if image.is_host else (),
+            cgroup_procs=tuple(self._driver().procs_files(state.cgroup_dirs)),
+            log_file=state.paths.log,
+            argv=tuple(argv),
+            env=env,
+        )
+
+    async def fork(self, source_id: str, spec: RuntimeSandboxSpec) -> RuntimeSandbox:
+        raise RuntimeNotSupported("the local runtime cannot fork sandboxes yet")
+
+    async def delete(self, sandbox_id: str) -> None:
+        self._require_started()
+        _check_id(sandbox_id)
+        async with self._lock(sandbox_id):
+            await self._delete_locked(sandbox_id)
+
+    async def _delete_locked(self, sandbox_id: str) -> None:
+        self._deleting.add(sandbox_id)
+        try:
+            state = self.store.read(sandbox_id)
+            pidfd = self._unwatch(sandbox_id)
+            if pidfd is None and state is not None:
+                pidfd = open_pidfd(state.pid, state.start_time)
+            if pidfd is not None:
+                try:
+                    # PID 1 of the pid namespace: the kernel kills everyone else in it, and
+                    # its pidfd turns readable only once they are all gone.
+                    signal_pidfd(pidfd)
+                    if not await _readable(pidfd, _KILL_WAIT_S):
+                        log.warning("sandbox %s: PID 1 outlived SIGKILL", sandbox_id)
+                finally:
+                    os.close(pidfd)
+            cgroups = self._driver()
+            dirs = tuple(
+                dict.fromkeys(
+                    (*(state.cgroup_dirs if state else ()), *cgroups.dirs_for(sandbox_id))
+                )
+            )
+            await self._remove_cgroups(sandbox_id, cgroups, dirs)
+            paths = state.paths if state else self._paths(sandbox_id)
+            for directory in (paths.workspace, paths.run):
+                await asyncio.to_thread(shutil.rmtree, directory, ignore_errors=True)
+            self.store.remove(sandbox_id)
+        finally:
+            self._deleting.discard(sandbox_id)
+
+    @staticmethod
+    async def _remove_cgroups(
+        sandbox_id: str, cgroups: CgroupDriver, dirs: tuple[str, ...]
+    ) -> None:
+        for _ in range(_CGROUP_DRAIN_TRIES):
+            cgroups.kill_tasks(dirs)
+            if cgroups.remove(dirs):
+                return
+            # A killed task leaves its cgroup a moment after the signal: bounded, once per delete.
+            await asyncio.sleep(0.01)
+        raise RuntimeFailure(
+            FailureReason.INTERNAL, f"sandbox {sandbox_id}: processes remain in {', '.join(dirs)}"
+        )
+
+    async def status(self, sandbox_id: str) -> SandboxStatus:
+        self._require_started()
+        _check_id(sandbox_id)
+        if sandbox_id in self._pidfds:
+            return SandboxStatus.RUNNING
+        state = self.store.read(sandbox_id)
+        if state is not None:
+            pidfd = open_pidfd(state.pid, state.start_time)
+            if pidfd is not None:
+                os.close(pidfd)
+                return SandboxStatus.RUNNING
+        return SandboxStatus.EXITED if self._leftovers(sandbox_id) else SandboxStatus.ABSENT
+
+    async def list_sandboxes(self) -> list[str]:
+        self._require_started()
+        found = set(self.store.ids()) | self._driver().ids()
+        for directory in (self.config.workspace_dir, self.config.run_dir):
+            with contextlib.suppress(FileNotFoundError):
+                found.update(entry.name for entry in os.scandir(directory) if entry.is_dir())
+        return sorted(name for name in found if _ID.fullmatch(name))
+
+    async def update_egress(self, sandbox_id: str, egress: Sequence[EgressRule]) -> None:
+        self._require_started()
+        if await self.status(sandbox_id) is SandboxStatus.ABSENT:
+            raise RuntimeFailure(FailureReason.INTERNAL, f"sandbox {sandbox_id} does not exist")
+        check_egress(sandbox_id, egress)
+
+    async def exits(self) -> AsyncIterator[SandboxExit]:
+        """Events of sandboxes whose agent stopped without a delete: while this runtime
+        watches, and at start for adopted sandboxes found dead. One consumer; ends on close."""
+        while True:
+            event = await self._exits.get()
+            if event is None:
+                return
+            yield event
+
+    # -- watching ----------------------------------------------------------------------------
+
+    def _adopt(self, sandbox_id: str) -> None:
+        state = self.store.read(sandbox_id)
+        if state is None or not state.pid:
+            return  # a create that crashed before its process: list_sandboxes reports it
+        pidfd = open_pidfd(state.pid, state.start_time)
+        if pidfd is None:
+            self._exits.put_nowait(self._exit_event(state, adopted=True))
+            return
+        self._pidfds[sandbox_id] = pidfd
+        self._watch(sandbox_id, pidfd)
+
+    def _watch(self, sandbox_id: str, pidfd: int) -> None:
+        asyncio.get_running_loop().add_reader(pidfd, self._on_exit, sandbox_id)
+
+    def _unwatch(self, sandbox_id: str) -> int | None:
+        pidfd = self._pidfds.pop(sandbox_id, None)
+        if pidfd is not None:
+            asyncio.get_running_loop().remove_reader(pidfd)
+        return pidfd
+
+    def _on_exit(self, sandbox_id: str) -> None:
+        pidfd = self._unwatch(sandbox_id)
+        if pidfd is not None:
+            os.close(pidfd)
+        if sandbox_id in self._deleting:
+            return
+        state = self.store.read(sandbox_id)
+        if state is not None:
+            self._exits.put_nowait(self._exit_event(state, adopted=False))
+
+    def _exit_event(self, state: SandboxState, *, adopted: bool) -> SandboxExit:
+        when = "while the service was down" if adopted else ""
+        oom_kills = self._driver().oom_kills(state.cgroup_dirs)
+        if oom_kills:
+            return SandboxExit(
+                state.sandbox_id,
+                FailureReason.OUT_OF_MEMORY,
+                f"the agent exited {when}after {oom_kills} OOM kill(s) in the sandbox "
+                f"(memory limit {state.memory_limit_bytes} bytes)".replace("  ", " "),
+            )
+        tail = _log_tail(state.paths.log)
+        return SandboxExit(
+            state.sandbox_id,
+            FailureReason.AGENT_EXITED,
+            f"the agent exited {when}".strip() + (f"; agent log: {tail}" if tail else ""),
+        )
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _lock(self, sandbox_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(sandbox_id, asyncio.Lock())
+
+    def _driver(self) -> CgroupDriver:
+        if self._cgroups is None:
+            raise RuntimeError("LocalRuntime.start() was not called")
+        return self._cgroups
+
+    def _require_started(self) -> None:
+        if not self._started:
+            raise RuntimeError("LocalRuntime.start() was not called (or close() was)")
+
+    def _paths(self, sandbox_id: str) -> SandboxPaths:
+        return SandboxPaths(
+            workspace=os.path.join(self.config.workspace_dir, sandbox_id),
+            run=os.path.join(self.config.run_dir, sandbox_id),
+        )
+
+    def _leftovers(self, sandbox_id: str) -> bool:
+        paths = self._paths(sandbox_id)
+        return (
+            self.store.path(sandbox_id).exists()
+            or os.path.lexists(paths.workspace)
+            or os.path.lexists(paths.run)
+            or any(os.path.isdir(d) for d in self._driver().dirs_for(sandbox_id))
+        )
+
+    def _resources(self, requested: RuntimeResources) -> RuntimeResources:
+        defaults = self.config.default_resources
+        return RuntimeResources(
+            cpu_millis=requested.cpu_millis or defaults.cpu_millis,
+            memory_bytes=requested.memory_bytes or defaults.memory_bytes,
+            pids=requested.pids or defaults.pids,
+            disk_bytes=requested.disk_bytes,
+        )

@@ -1,0 +1,243 @@
+"""The runtime conformance suite: one set of tests, run against every runtime.
+
+Each runtime provides a :class:`RuntimeHarness` (how to build it, what images it runs, how to
+kill a sandbox's agent from outside, how to check nothing leaked); the ``harness`` fixture is
+parametrized by runtime name, so a Kubernetes harness slots in beside ``local``.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from orchard.env.runtime.base import (
+    Runtime,
+    RuntimeSandbox,
+    RuntimeSandboxSpec,
+    SandboxStatus,
+)
+from orchard.inagent.v1 import inagent_service_pb2 as agent_pb
+from orchard.inagent.v1 import inagent_service_pb2_grpc as agent_grpc
+from orchard.types.v1 import exec_pb2
+
+RUNTIMES = ["local"]
+BUSYBOX = "/bin/busybox"
+
+
+class RuntimeHarness(abc.ABC):
+    """What the suite needs to know about one runtime beyond the interface."""
+
+    images: dict[str, str]  # "busybox" (a static busybox root) and "host" where supported
+
+    @abc.abstractmethod
+    def new_runtime(self, **overrides: Any) -> Runtime:
+        """A fresh, unstarted instance over the same resources (a restarted service)."""
+
+    @abc.abstractmethod
+    def kill_agent(self, sandbox_id: str) -> None:
+        """Kill the sandbox's agent from outside, as a crash would."""
+
+    @abc.abstractmethod
+    def leaks(self, sandbox_ids: set[str]) -> list[str]:
+        """Whatever remains of these sandboxes (processes, mounts, cgroups, directories)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Remove what the harness itself made."""
+
+
+class LocalHarness(RuntimeHarness):
+    def __init__(self, base: Path, busybox_root: Path) -> None:
+        from orchard.env.runtime.local import LocalRuntimeConfig
+
+        self.base = base
+        # The agent's socket path must stay short: a run directory directly under the tmp dir.
+        self.run_dir = tempfile.mkdtemp(prefix="orc-")
+        self.config = LocalRuntimeConfig(
+            state_dir=str(base / "state"),
+            workspace_dir=str(base / "sandboxes"),
+            run_dir=self.run_dir,
+            cgroup_parent=f"orchard-test-{uuid.uuid4().hex[:8]}",
+            start_timeout_s=30,
+        )
+        self.images = {"busybox": f"rootfs:{busybox_root}", "host": "host"}
+        self._cgroup_parents: tuple[str, ...] = ()
+
+    def new_runtime(self, **overrides: Any) -> Runtime:
+        from orchard.env.runtime.local import LocalRuntime
+
+        runtime = LocalRuntime(self.config.model_copy(update=overrides))
+        return runtime
+
+    def remember(self, runtime: Runtime) -> None:
+        driver = getattr(runtime, "_cgroups", None)
+        if driver is not None:
+            self._cgroup_parents = driver.parents
+
+    def kill_agent(self, sandbox_id: str) -> None:
+        from orchard.env.runtime.local.state import StateStore
+
+        state = StateStore(self.config.state_dir).read(sandbox_id)
+        assert state is not None and state.pid
+        os.kill(state.pid, signal.SIGKILL)
+
+    def leaks(self, sandbox_ids: set[str]) -> list[str]:
+        found = []
+        for sandbox_id in sandbox_ids:
+            for directory in (
+                f"{self.config.workspace_dir}/{sandbox_id}",
+                f"{self.config.run_dir}/{sandbox_id}",
+                f"{self.config.state_dir}/{sandbox_id}.json",
+                *(f"{parent}/{sandbox_id}" for parent in self._cgroup_parents),
+            ):
+                if os.path.lexists(directory):
+                    found.append(directory)
+        for parent in self._cgroup_parents:
+            with contextlib.suppress(FileNotFoundError):
+                found += [
+                    f"{parent}: pid {p}" for p in Path(parent, "cgroup.procs").read_text().split()
+                ]
+        with open("/proc/self/mountinfo", encoding="utf-8") as file:
+            for line in file:
+                point = line.split()[4]
+                if point.startswith((self.config.workspace_dir, self.run_dir)):
+                    found.append(f"mount {point}")
+        return found
+
+    def close(self) -> None:
+        for parent in self._cgroup_parents:
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(parent)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def local_unavailable() -> str | None:
+    from orchard.env.runtime.local.config import default_agent_bundle
+
+    if os.geteuid() != 0:
+        return "the local runtime needs root"
+    if not os.path.exists(BUSYBOX):
+        return "needs busybox-static (/bin/busybox)"
+    if not os.access(os.path.join(default_agent_bundle(), "orchard-inagent"), os.X_OK):
+        return "needs the agent bundle (make inagent-binary)"
+    return None
+
+
+@pytest.fixture(scope="session")
+def busybox_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A root file system with nothing but a static busybox: no libc, no Python."""
+    if not os.path.exists(BUSYBOX):
+        pytest.skip("needs busybox-static")
+    root = tmp_path_factory.mktemp("busybox-root")
+    (root / "bin").mkdir()
+    shutil.copy2(BUSYBOX, root / "bin" / "busybox")
+    applets = subprocess.run(
+        [BUSYBOX, "--list"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    for applet in applets:
+        if applet != "busybox":
+            (root / "bin" / applet).symlink_to("busybox")
+    for directory in ("etc", "root", "tmp", "usr/bin"):
+        (root / directory).mkdir(parents=True)
+    (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+    return root
+
+
+@pytest.fixture(params=RUNTIMES)
+def harness(
+    request: pytest.FixtureRequest, tmp_path: Path, busybox_root: Path
+) -> Iterator[RuntimeHarness]:
+    if request.param == "local":
+        reason = local_unavailable()
+        if reason:
+            pytest.skip(reason)
+        made = LocalHarness(tmp_path, busybox_root)
+    else:  # pragma: no cover - other runtimes register here
+        raise AssertionError(request.param)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+class Sandboxes:
+    """Creates sandboxes for a test and checks, at the end, that deleting left nothing."""
+
+    def __init__(self, harness: RuntimeHarness, runtime: Runtime) -> None:
+        self.harness = harness
+        self.runtime = runtime
+        self.ids: set[str] = set()
+
+    def spec(self, image: str = "busybox", **fields: Any) -> RuntimeSandboxSpec:
+        sandbox_id = fields.pop("sandbox_id", f"conf-{uuid.uuid4().hex[:10]}")
+        self.ids.add(sandbox_id)
+        return RuntimeSandboxSpec(sandbox_id=sandbox_id, image=self.harness.images[image], **fields)
+
+    async def create(self, image: str = "busybox", **fields: Any) -> RuntimeSandbox:
+        return await self.runtime.create(self.spec(image, **fields))
+
+
+@pytest.fixture
+async def sandboxes(harness: RuntimeHarness) -> AsyncIterator[Sandboxes]:
+    runtime = harness.new_runtime()
+    await runtime.start()
+    if isinstance(harness, LocalHarness):
+        harness.remember(runtime)
+    made = Sandboxes(harness, runtime)
+    try:
+        yield made
+    finally:
+        runtime = made.runtime  # a test may have replaced it (re-adoption)
+        for sandbox_id in made.ids:
+            await runtime.delete(sandbox_id)
+            assert await runtime.status(sandbox_id) is SandboxStatus.ABSENT
+        await runtime.close()
+        assert harness.leaks(made.ids) == []
+
+
+class Agent:
+    """A channel to one sandbox's agent."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.aio.insecure_channel(
+            address, options=[("grpc.max_receive_message_length", 64 << 20)]
+        )
+        self.stub = agent_grpc.AgentServiceStub(self.channel)
+
+    async def sh(
+        self, script: str, *, stdin: bytes = b"", timeout_s: float = 0, limit: int = 0
+    ) -> exec_pb2.ExecResult:
+        command = exec_pb2.Command(shell=script, stdin=stdin, output_limit_bytes=limit)
+        if timeout_s:
+            command.timeout.FromNanoseconds(int(timeout_s * 1e9))
+        reply = await self.stub.Exec(agent_pb.ExecRequest(command=command), timeout=60)
+        return reply.result
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+@pytest.fixture
+async def agent_for() -> AsyncIterator[Any]:
+    opened: list[Agent] = []
+
+    def open_agent(sandbox: RuntimeSandbox) -> Agent:
+        agent = Agent(sandbox.agent_address)
+        opened.append(agent)
+        return agent
+
+    yield open_agent
+    for agent in opened:
+        await agent.close()

@@ -1,0 +1,173 @@
+"""The local runtime beyond the conformance suite: configuration, prerequisites, cgroups,
+start failures and their cleanup."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from orchard.env.runtime import create_runtime
+from orchard.env.runtime.base import (
+    EgressRule,
+    FailureReason,
+    RuntimeFailure,
+    RuntimeNotSupported,
+    RuntimeResources,
+    RuntimeSandboxSpec,
+    RuntimeUnavailable,
+    SandboxStatus,
+)
+from orchard.env.runtime.local import LocalRuntime, LocalRuntimeConfig
+from orchard.env.runtime.local.cgroups import CgroupV1, select_cgroup_driver
+from orchard.env.runtime.local.config import default_agent_bundle
+
+BUNDLE_READY = os.access(os.path.join(default_agent_bundle(), "orchard-inagent"), os.X_OK)
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Iterator[LocalRuntimeConfig]:
+    run_dir = tempfile.mkdtemp(prefix="orc-")
+    try:
+        yield LocalRuntimeConfig(
+            state_dir=str(tmp_path / "state"),
+            workspace_dir=str(tmp_path / "sandboxes"),
+            run_dir=run_dir,
+            cgroup_parent=f"orchard-test-{uuid.uuid4().hex[:8]}",
+        )
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def remove_cgroup_parents(runtime: LocalRuntime) -> None:
+    if runtime._cgroups is not None:
+        for parent in runtime._cgroups.parents:
+            if os.path.isdir(parent):
+                os.rmdir(parent)
+
+
+def test_config_is_strict_and_the_factory_builds_it(config: LocalRuntimeConfig) -> None:
+    with pytest.raises(ValidationError):
+        LocalRuntimeConfig.model_validate({"type": "local", "stat_dir": "/x"})
+    with pytest.raises(ValidationError):
+        LocalRuntimeConfig.model_validate({"type": "kubernetes"})
+    runtime = create_runtime({"type": "local", "state_dir": config.state_dir})
+    assert isinstance(runtime, LocalRuntime) and runtime.config.state_dir == config.state_dir
+    assert isinstance(create_runtime(config), LocalRuntime)
+    with pytest.raises(ValueError, match="unknown runtime type"):
+        create_runtime({"type": "nomad"})
+
+
+def test_importing_the_factory_does_not_import_backends() -> None:
+    code = (
+        "import sys, orchard.env.runtime\n"
+        "assert 'orchard.env.runtime.local' not in sys.modules\n"
+        "assert 'pydantic' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+async def test_a_missing_bundle_is_unavailable_with_the_fix(config: LocalRuntimeConfig) -> None:
+    runtime = LocalRuntime(config.model_copy(update={"agent_bundle": "/nonexistent/bundle"}))
+    with pytest.raises(RuntimeUnavailable, match="make inagent-binary"):
+        await runtime.start()
+
+
+async def test_a_long_run_dir_is_unavailable(config: LocalRuntimeConfig) -> None:
+    runtime = LocalRuntime(config.model_copy(update={"run_dir": "/run/" + "x" * 60}))
+    with pytest.raises(RuntimeUnavailable, match="too long"):
+        await runtime.start()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="checks the refusal of a non-root user")
+async def test_not_root_is_unavailable(config: LocalRuntimeConfig) -> None:
+    with pytest.raises(RuntimeUnavailable, match="needs root"):
+        await LocalRuntime(config).start()
+
+
+@needs_root
+def test_cgroup_driver_matches_the_host(config: LocalRuntimeConfig) -> None:
+    driver = select_cgroup_driver(config.cgroup_parent, "auto")
+    with open("/proc/self/mountinfo", encoding="utf-8") as file:
+        has_v1_memory = any(" - cgroup " in line and "memory" in line for line in file)
+    if isinstance(driver, CgroupV1):
+        assert has_v1_memory
+        assert all(p.endswith(f"/{config.cgroup_parent}") for p in driver.parents)
+
+
+@needs_root
+@pytest.mark.root
+@pytest.mark.skipif(not BUNDLE_READY, reason="needs the agent bundle (make inagent-binary)")
+class TestWithTheAgent:
+    async def test_limits_land_in_the_cgroup(self, config: LocalRuntimeConfig) -> None:
+        runtime = LocalRuntime(config)
+        await runtime.start()
+        try:
+            resources = RuntimeResources(cpu_millis=500, memory_bytes=300 << 20, pids=77)
+            await runtime.create(RuntimeSandboxSpec("limits", "host", resources=resources))
+            state = runtime.store.read("limits")
+            assert state is not None
+            driver = runtime._driver()
+            assert driver.tasks(state.cgroup_dirs) >= {state.pid}
+            if isinstance(driver, CgroupV1):
+                by = {c: f"{p}/limits" for c, p in driver.by_controller.items()}
+                assert Path(by["memory"], "memory.limit_in_bytes").read_text() == "314572800\n"
+                assert Path(by["pids"], "pids.max").read_text() == "77\n"
+                assert Path(by["cpu"], "cpu.cfs_quota_us").read_text() == "50000\n"
+            await runtime.delete("limits")
+        finally:
+            await runtime.close()
+            remove_cgroup_parents(runtime)
+
+    async def test_start_timeout_fails_and_cleans_up(self, config: LocalRuntimeConfig) -> None:
+        runtime = LocalRuntime(config.model_copy(update={"start_timeout_s": 0.01}))
+        await runtime.start()
+        try:
+            with pytest.raises(RuntimeFailure) as caught:
+                await runtime.create(RuntimeSandboxSpec("slow", "host"))
+            assert caught.value.reason is FailureReason.AGENT_START_TIMEOUT
+            assert await runtime.status("slow") is SandboxStatus.ABSENT
+            assert await runtime.list_sandboxes() == []
+        finally:
+            await runtime.close()
+            remove_cgroup_parents(runtime)
+
+    async def test_too_little_memory_to_start_is_out_of_memory(
+        self, config: LocalRuntimeConfig
+    ) -> None:
+        runtime = LocalRuntime(config)
+        await runtime.start()
+        try:
+            with pytest.raises(RuntimeFailure) as caught:
+                tiny = RuntimeResources(memory_bytes=8 << 20)
+                await runtime.create(RuntimeSandboxSpec("tiny", "host", resources=tiny))
+            assert caught.value.reason is FailureReason.OUT_OF_MEMORY
+            assert await runtime.list_sandboxes() == []
+        finally:
+            await runtime.close()
+            remove_cgroup_parents(runtime)
+
+    async def test_refusals_change_nothing(self, config: LocalRuntimeConfig) -> None:
+        runtime = LocalRuntime(config)
+        await runtime.start()
+        try:
+            rule = EgressRule("example.com", (443,))
+            with pytest.raises(RuntimeNotSupported, match="egress"):
+                await runtime.create(RuntimeSandboxSpec("egress", "host", egress=[rule]))
+            with pytest.raises(RuntimeNotSupported, match="fork"):
+                await runtime.fork("a", RuntimeSandboxSpec("b", "host"))
+            with pytest.raises(ValueError, match="sandbox id"):
+                await runtime.create(RuntimeSandboxSpec("../escape", "host"))
+            assert await runtime.list_sandboxes() == []
+        finally:
+            await runtime.close()
+            remove_cgroup_parents(runtime)
