@@ -1,0 +1,32 @@
+"""Error reasons of the environment service, on top of :class:`orchard.core.errors.Reason`."""
+
+from __future__ import annotations
+
+import grpc
+
+from orchard.core.errors import ErrorReason
+
+__all__ = ["EnvReason"]
+
+
+class EnvReason(ErrorReason):
+    """Failures a client of ``orchard.env.v1.EnvService`` can branch on."""
+
+    UNAUTHENTICATED = (
+        grpc.StatusCode.UNAUTHENTICATED,
+        "The call carries no bearer token, or one no tenant holds.",
+    )
+    SANDBOX_NOT_FOUND = (grpc.StatusCode.NOT_FOUND, "No such sandbox for this tenant.")
+    SANDBOX_NOT_READY = (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "The sandbox is not READY (still PENDING, FAILED or being deleted).",
+    )
+    AGENT_UNAVAILABLE = (
+        grpc.StatusCode.UNAVAILABLE,
+        "The sandbox's agent did not answer; the sandbox may have died.",
+    )
+    STATE_STORE_UNAVAILABLE = (
+        grpc.StatusCode.UNAVAILABLE,
+        "The state store (etcd) did not answer; retry.",
+    )
+    SERVICE_STARTING = (grpc.StatusCode.UNAVAILABLE, "The service is still starting; retry.")

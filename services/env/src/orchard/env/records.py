@@ -1,0 +1,133 @@
+"""Sandbox records in etcd: the key layout, the stored format, and typed reads and writes.
+
+Keys, under the configured prefix (``orchard/env/`` by default)::
+
+    sandboxes/<tenant>/<sandbox_id>   SandboxRecord (JSON)      the sandbox's own lease
+    requests/<tenant>/<sha256(request_id)[:32]>   sandbox id    the sandbox's lease
+    creating/<tenant>/<sandbox_id>    replica id                the creating replica's lease
+    replicas/<replica_id>             start time                that replica's lease
+
+A record is a JSON envelope: ``sandbox`` is the public ``orchard.env.v1.Sandbox`` in protobuf
+JSON form (``expire_time`` left out: it is the lease's remaining TTL, read on demand), the rest
+are internal fields every replica needs to serve the sandbox (the agent's address, the request
+key to remove with it). Keys sort by sandbox id within a tenant, which ListSandboxes relies on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from google.protobuf import json_format
+
+from orchard.env.v1 import env_pb2
+
+__all__ = [
+    "CREATING",
+    "REPLICAS",
+    "REQUESTS",
+    "SANDBOXES",
+    "SandboxRecord",
+    "creating_key",
+    "parse_sandbox_key",
+    "request_key",
+    "sandbox_key",
+]
+
+SANDBOXES = "sandboxes/"
+REQUESTS = "requests/"
+CREATING = "creating/"
+REPLICAS = "replicas/"
+
+State = env_pb2.SandboxState
+
+
+def sandbox_key(tenant: str, sandbox_id: str) -> str:
+    return f"{SANDBOXES}{tenant}/{sandbox_id}"
+
+
+def creating_key(tenant: str, sandbox_id: str) -> str:
+    return f"{CREATING}{tenant}/{sandbox_id}"
+
+
+def request_key(tenant: str, request_id: str) -> str:
+    # Hashed: request ids are client strings of any length and alphabet.
+    digest = hashlib.sha256(request_id.encode()).hexdigest()[:32]
+    return f"{REQUESTS}{tenant}/{digest}"
+
+
+def parse_sandbox_key(key: bytes | str) -> tuple[str, str] | None:
+    """``(tenant, sandbox_id)`` of a ``sandboxes/`` or ``creating/`` key, else None."""
+    text = key.decode() if isinstance(key, bytes) else key
+    for prefix in (SANDBOXES, CREATING):
+        if text.startswith(prefix):
+            tenant, _, sandbox_id = text[len(prefix) :].partition("/")
+            if tenant and sandbox_id:
+                return tenant, sandbox_id
+    return None
+
+
+@dataclass
+class SandboxRecord:
+    """What the store holds for one sandbox."""
+
+    sandbox: env_pb2.Sandbox
+    agent_address: str = ""
+    request_key: str = ""
+    # Set when a replica took over a creation whose replica died; for the log and tests.
+    adopted_by: str = ""
+    # Filled in on read, never stored.
+    mod_revision: int = field(default=0, compare=False)
+    lease: int = field(default=0, compare=False)
+
+    @property
+    def tenant(self) -> str:
+        return self.sandbox.tenant
+
+    @property
+    def id(self) -> str:
+        return self.sandbox.id
+
+    @property
+    def state(self) -> env_pb2.SandboxState.ValueType:
+        return self.sandbox.state
+
+    @property
+    def key(self) -> str:
+        return sandbox_key(self.sandbox.tenant, self.sandbox.id)
+
+    def encode(self) -> bytes:
+        sandbox = env_pb2.Sandbox()
+        sandbox.CopyFrom(self.sandbox)
+        sandbox.ClearField("expire_time")
+        envelope: dict[str, Any] = {
+            "sandbox": json_format.MessageToDict(sandbox),
+            "agent_address": self.agent_address,
+        }
+        if self.request_key:
+            envelope["request_key"] = self.request_key
+        if self.adopted_by:
+            envelope["adopted_by"] = self.adopted_by
+        return json.dumps(envelope, separators=(",", ":"), sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, value: bytes, *, mod_revision: int = 0, lease: int = 0) -> SandboxRecord:
+        envelope = json.loads(value)
+        sandbox = json_format.ParseDict(
+            envelope["sandbox"], env_pb2.Sandbox(), ignore_unknown_fields=True
+        )
+        return cls(
+            sandbox=sandbox,
+            agent_address=envelope.get("agent_address", ""),
+            request_key=envelope.get("request_key", ""),
+            adopted_by=envelope.get("adopted_by", ""),
+            mod_revision=mod_revision,
+            lease=lease,
+        )
+
+    @classmethod
+    def from_kv(cls, kv: Any) -> SandboxRecord:
+        """From an ``orchard.core.etcd.KeyValue``."""
+        return cls.decode(kv.value, mod_revision=kv.mod_revision, lease=kv.lease)

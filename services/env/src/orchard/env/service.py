@@ -1,0 +1,376 @@
+"""``orchard.env.v1.EnvService``: the gRPC methods. Lifecycle calls go to the
+:class:`~orchard.env.controller.SandboxController`; exec and file calls go straight to the
+sandbox's agent, one at a time per sandbox on this replica (see :class:`AgentLink`)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import grpc
+
+from orchard.core.errors import OrchardError, Reason
+from orchard.env.agents import AgentLink
+from orchard.env.auth import TenantAuthenticator
+from orchard.env.config import EnvConfig
+from orchard.env.controller import SandboxController
+from orchard.env.reasons import EnvReason
+from orchard.env.records import SandboxRecord
+from orchard.env.selectors import parse_selector
+from orchard.env.v1 import env_pb2, env_service_pb2, env_service_pb2_grpc
+from orchard.env.validation import invalid, validate_spec
+from orchard.inagent.v1 import inagent_service_pb2 as agent_pb2
+
+__all__ = ["EnvServicer"]
+
+T = TypeVar("T")
+
+_STATUS_DETAILS_KEY = "grpc-status-details-bin"
+_DEFAULT_PAGE = 100
+_MAX_PAGE = 1000
+
+
+class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
+    """The API. Built before the server starts; :meth:`attach` gives it its controller."""
+
+    def __init__(self, config: EnvConfig) -> None:
+        self._config = config
+        self._auth = TenantAuthenticator(config.auth)
+        self._controller: SandboxController | None = None
+
+    def attach(self, controller: SandboxController | None) -> None:
+        self._controller = controller
+
+    @property
+    def controller(self) -> SandboxController:
+        if self._controller is None:
+            raise OrchardError(EnvReason.SERVICE_STARTING, "the environment service is starting")
+        return self._controller
+
+    def _sandbox(self, record: SandboxRecord) -> env_pb2.Sandbox:
+        return record.sandbox
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def CreateSandbox(
+        self, request: env_service_pb2.CreateSandboxRequest, context: grpc.aio.ServicerContext
+    ) -> env_service_pb2.CreateSandboxResponse:
+        tenant = self._auth.tenant(context)
+        spec = request.spec
+        ttl = validate_spec(spec, self._config.limits)
+        if spec.owner_id:
+            raise OrchardError(
+                Reason.UNIMPLEMENTED,
+                "spec.owner_id: owners are not implemented by this service version yet",
+                metadata={"field": "spec.owner_id"},
+            )
+        if len(request.request_id) > 256:
+            raise invalid("request_id", "at most 256 characters")
+        record = await self.controller.create(tenant, spec, ttl, request.request_id)
+        return env_service_pb2.CreateSandboxResponse(sandbox=record.sandbox)
+
+    async def WaitSandbox(
+        self, request: env_service_pb2.WaitSandboxRequest, context: grpc.aio.ServicerContext
+    ) -> env_service_pb2.WaitSandboxResponse:
+        tenant = self._auth.tenant(context)
+        _require_id(request.sandbox_id)
+        timeout: float | None = None
+        if request.HasField("timeout"):
+            if request.timeout.seconds < 0 or request.timeout.nanos < 0:
+                raise invalid("timeout", "must not be negative")
+            timeout = request.timeout.ToNanoseconds() / 1e9
+        remaining = context.time_remaining()
+        if remaining is not None:
+            timeout = remaining if timeout is None else min(timeout, remaining)
+        record = await self.controller.wait(tenant, request.sandbox_id, timeout)
+        return env_service_pb2.WaitSandboxResponse(sandbox=record.sandbox)
+
+    async def GetSandbox(
+        self, request: env_service_pb2.GetSandboxRequest, context: grpc.aio.ServicerContext
+    ) -> env_service_pb2.GetSandboxResponse:
+        tenant = self._auth.tenant(context)
+        _require_id(request.sandbox_id)
+        record = await self.controller.get(tenant, request.sandbox_id)
+        return env_service_pb2.GetSandboxResponse(sandbox=record.sandbox)
+
+    async def ListSandboxes(
+        self, request: env_service_pb2.ListSandboxesRequest, context: grpc.aio.ServicerContext
+    ) -> env_service_pb2.ListSandboxesResponse:
+        tenant = self._auth.tenant(context)
+        if request.page_size < 0 or request.page_size > _MAX_PAGE:
+            raise invalid("page_size", f"must be 0-{_MAX_PAGE}, got {request.page_size}")
+        page_size = request.page_size or _DEFAULT_PAGE
+        matches = parse_selector(request.label_selector)
+        states = set(request.states)
+        query = _query_digest(request.label_selector, sorted(states))
+        after = _decode_token(request.page_token, query) if request.page_token else ""
+
+        def keep(record: SandboxRecord) -> bool:
+            return (not states or record.state in states) and matches(record.sandbox.spec.labels)
+
+        records, more = await self.controller.list_records(tenant, after, page_size, keep)
+        for record in records:
+            await self.controller.fill_expire_time(record)
+        token = _encode_token(records[-1].id, query) if more and records else ""
+        return env_service_pb2.ListSandboxesResponse(
+            sandboxes=[r.sandbox for r in records], next_page_token=token
+        )
+
+    async def DeleteSandbox(
+        self, request: env_service_pb2.DeleteSandboxRequest, context: grpc.aio.ServicerContext
+    ) -> env_service_pb2.DeleteSandboxResponse:
+        tenant = self._auth.tenant(context)
+        _require_id(request.sandbox_id)
+        await self.controller.delete(tenant, request.sandbox_id)
+        return env_service_pb2.DeleteSandboxResponse()
+
+    async def HeartbeatSandbox(
+        self, request: env_service_pb2.HeartbeatSandboxRequest, context: grpc.aio.ServicerContext
+    ) -> env_service_pb2.HeartbeatSandboxResponse:
+        tenant = self._auth.tenant(context)
+        _require_id(request.sandbox_id)
+        expire = await self.controller.heartbeat(tenant, request.sandbox_id)
+        response = env_service_pb2.HeartbeatSandboxResponse()
+        response.expire_time.FromNanoseconds(int(expire * 1e9))
+        return response
+
+    # -- exec and files: straight to the agent ----------------------------------------------
+
+    async def _link(self, context: grpc.aio.ServicerContext, sandbox_id: str) -> AgentLink:
+        tenant = self._auth.tenant(context)
+        _require_id(sandbox_id)
+        return await self.controller.agent(tenant, sandbox_id)
+
+    def _timeout(self, context: grpc.aio.ServicerContext) -> float:
+        remaining = context.time_remaining()
+        return self._config.agent_call_timeout_s if remaining is None else max(remaining, 0.001)
+
+    @asynccontextmanager
+    async def _agent_call(
+        self, link: AgentLink, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[None]:
+        """Turn the agent's failures into ours: UNAVAILABLE with a clear message (and a check
+        of whether the sandbox died); every other status and its ErrorInfo unchanged."""
+        try:
+            yield
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                tenant = self._auth.tenant(context)
+                self.controller.check_alive(tenant, link.sandbox_id)
+                raise OrchardError(
+                    EnvReason.AGENT_UNAVAILABLE,
+                    f"the agent of sandbox {link.sandbox_id!r} did not answer "
+                    f"({exc.details()}); the sandbox may have died",
+                    metadata={"sandbox_id": link.sandbox_id},
+                ) from None
+            trailing = tuple(
+                (k, v) for k, v in (exc.trailing_metadata() or ()) if k == _STATUS_DETAILS_KEY
+            )
+            await context.abort(exc.code(), exc.details() or "", trailing_metadata=trailing)
+
+    async def _unary(
+        self,
+        context: grpc.aio.ServicerContext,
+        sandbox_id: str,
+        call: Callable[[AgentLink, float], Awaitable[T]],
+    ) -> T:
+        link = await self._link(context, sandbox_id)
+        async with link.lock, self._agent_call(link, context):
+            return await call(link, self._timeout(context))
+        raise AssertionError("unreachable")  # the context manager aborts or re-raises
+
+    @asynccontextmanager
+    async def _exec_metrics(self) -> AsyncIterator[list[str]]:
+        metrics = self.controller.metrics
+        code = ["OK"]
+        started = time.monotonic()
+        metrics.execs_in_flight.inc()
+        try:
+            yield code
+        except OrchardError as exc:
+            code[0] = exc.code.name
+            raise
+        except grpc.aio.AbortError:
+            code[0] = "AGENT_ERROR"
+            raise
+        except BaseException:
+            code[0] = "CANCELLED"
+            raise
+        finally:
+            metrics.execs_in_flight.dec()
+            metrics.exec_seconds.labels(code=code[0]).observe(time.monotonic() - started)
+
+    async def Exec(
+        self, request: env_service_pb2.ExecRequest, context: grpc.aio.ServicerContext
+    ) -> env_service_pb2.ExecResponse:
+        async with self._exec_metrics():
+            reply = await self._unary(
+                context,
+                request.sandbox_id,
+                lambda link, timeout: link.stub.Exec(
+                    agent_pb2.ExecRequest(command=request.command), timeout=timeout
+                ),
+            )
+            return env_service_pb2.ExecResponse(result=reply.result)
+
+    async def ExecStream(
+        self, request: env_service_pb2.ExecStreamRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[env_service_pb2.ExecStreamResponse]:
+        async with self._exec_metrics():
+            link = await self._link(context, request.sandbox_id)
+            async with link.lock, self._agent_call(link, context):
+                call = link.stub.ExecStream(
+                    agent_pb2.ExecStreamRequest(command=request.command),
+                    timeout=self._timeout(context),
+                )
+                try:
+                    async for reply in call:
+                        yield env_service_pb2.ExecStreamResponse(event=reply.event)
+                finally:
+                    # A cancelled or failed caller cancels the agent's call, which kills the
+                    # command's process group.
+                    call.cancel()
+
+    async def WriteFile(
+        self,
+        request_iterator: AsyncIterator[env_service_pb2.WriteFileRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> env_service_pb2.WriteFileResponse:
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("payload") != "header":
+            raise invalid("header", "the first WriteFile message must carry the header")
+        header = first.header
+        if not header.path:
+            raise invalid("header.path", "required")
+        link = await self._link(context, header.sandbox_id)
+
+        async def forward() -> AsyncIterator[agent_pb2.WriteFileRequest]:
+            yield agent_pb2.WriteFileRequest(
+                header=agent_pb2.WriteFileHeader(
+                    path=header.path,
+                    mode=header.mode,
+                    make_parents=header.make_parents,
+                    no_overwrite=header.no_overwrite,
+                )
+            )
+            async for message in request_iterator:
+                if message.WhichOneof("payload") == "header":
+                    # The agent refuses a second header the same way; say it in our words.
+                    raise invalid("header", "only the first WriteFile message may carry a header")
+                yield agent_pb2.WriteFileRequest(data=message.data)
+
+        async with link.lock, self._agent_call(link, context):
+            reply = await link.stub.WriteFile(forward(), timeout=self._timeout(context))
+            return env_service_pb2.WriteFileResponse(info=reply.info, sha256=reply.sha256)
+        raise AssertionError("unreachable")
+
+    async def ReadFile(
+        self, request: env_service_pb2.ReadFileRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[env_service_pb2.ReadFileResponse]:
+        link = await self._link(context, request.sandbox_id)
+        async with link.lock, self._agent_call(link, context):
+            call = link.stub.ReadFile(
+                agent_pb2.ReadFileRequest(
+                    path=request.path, offset=request.offset, limit=request.limit
+                ),
+                timeout=self._timeout(context),
+            )
+            try:
+                async for reply in call:
+                    response = env_service_pb2.ReadFileResponse(data=reply.data)
+                    if reply.HasField("info"):
+                        response.info.CopyFrom(reply.info)
+                    yield response
+            finally:
+                call.cancel()
+
+    async def ListFiles(
+        self, request: env_service_pb2.ListFilesRequest, context: grpc.aio.ServicerContext
+    ) -> env_service_pb2.ListFilesResponse:
+        reply = await self._unary(
+            context,
+            request.sandbox_id,
+            lambda link, timeout: link.stub.ListFiles(
+                agent_pb2.ListFilesRequest(
+                    path=request.path, page_size=request.page_size, page_token=request.page_token
+                ),
+                timeout=timeout,
+            ),
+        )
+        return env_service_pb2.ListFilesResponse(
+            entries=reply.entries, next_page_token=reply.next_page_token
+        )
+
+    async def StatFile(
+        self, request: env_service_pb2.StatFileRequest, context: grpc.aio.ServicerContext
+    ) -> env_service_pb2.StatFileResponse:
+        reply = await self._unary(
+            context,
+            request.sandbox_id,
+            lambda link, timeout: link.stub.StatFile(
+                agent_pb2.StatFileRequest(
+                    path=request.path, follow_symlinks=request.follow_symlinks
+                ),
+                timeout=timeout,
+            ),
+        )
+        return env_service_pb2.StatFileResponse(info=reply.info)
+
+    # -- not in this version ---------------------------------------------------------------
+
+    async def _unimplemented(self, context: grpc.aio.ServicerContext, what: str) -> Any:
+        self._auth.tenant(context)
+        raise OrchardError(
+            Reason.UNIMPLEMENTED, f"{what} is not implemented by this service version yet"
+        )
+
+    async def ForkSandbox(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unimplemented(context, "ForkSandbox")
+
+    async def CreateOwner(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unimplemented(context, "CreateOwner (owners)")
+
+    async def HeartbeatOwner(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unimplemented(context, "HeartbeatOwner (owners)")
+
+    async def DeleteOwner(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unimplemented(context, "DeleteOwner (owners)")
+
+    async def UpdateNetworkPolicy(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unimplemented(context, "UpdateNetworkPolicy")
+
+
+def _require_id(sandbox_id: str) -> None:
+    if not sandbox_id:
+        raise invalid("sandbox_id", "required")
+    if len(sandbox_id) > 64 or "/" in sandbox_id:
+        raise invalid("sandbox_id", f"{sandbox_id[:64]!r} is not a sandbox id")
+
+
+def _query_digest(selector: str, states: list[int]) -> str:
+    return hashlib.sha256(json.dumps([selector, states]).encode()).hexdigest()[:16]
+
+
+def _encode_token(after: str, query: str) -> str:
+    raw = json.dumps({"after": after, "query": query}, separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_token(token: str, query: str) -> str:
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+        data = json.loads(raw)
+        after, token_query = data["after"], data["query"]
+    except (binascii.Error, ValueError, KeyError, TypeError):
+        raise invalid("page_token", "not a token this service issued") from None
+    if not isinstance(after, str) or "/" in after:
+        raise invalid("page_token", "not a token this service issued")
+    if token_query != query:
+        raise invalid("page_token", "issued for a different label_selector or states")
+    return after

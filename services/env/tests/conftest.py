@@ -1,0 +1,169 @@
+"""Fixtures of the environment service tests: real etcd (the workspace's session `etcd`), real
+`orchard-env` servers, real agents.
+
+Sandboxes run in ``UnisolatedProcessRuntime`` (``unisolated_runtime.py``), a test double with
+no isolation that runs the real agent as a plain process: these tests are about the service's
+own logic, not about what isolates a sandbox.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import secrets
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from orchard.core.config import ServerConfig
+from orchard.core.etcd import EmbeddedEtcd
+from orchard.core.server import GrpcServer
+from orchard.env.config import (
+    AuthConfig,
+    EnvConfig,
+    EtcdConfig,
+    TenantConfig,
+    token_digest,
+)
+from orchard.env.main import EnvApplication
+from orchard.env.v1 import env_pb2, env_service_pb2_grpc
+from orchard.env.v1 import env_service_pb2 as api
+
+TESTS = Path(__file__).resolve().parent
+ALPHA_TOKEN = "alpha-token"
+BETA_TOKEN = "beta-token"
+AUTH = AuthConfig(
+    tenants={
+        "alpha": TenantConfig(tokens=[ALPHA_TOKEN]),
+        "beta": TenantConfig(tokens=[token_digest(BETA_TOKEN)]),
+    }
+)
+
+
+def _load_double() -> Any:
+    name = "unisolated_runtime"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, TESTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+unisolated = _load_double()
+
+
+def bearer(token: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),)
+
+
+@dataclass
+class EnvHandle:
+    """One running replica and a client channel to it."""
+
+    app: EnvApplication
+    server: GrpcServer
+    address: str
+    channel: grpc.aio.Channel
+    stub: env_service_pb2_grpc.EnvServiceStub
+    token: str = ALPHA_TOKEN
+
+    def md(self, token: str | None = None) -> tuple[tuple[str, str], ...]:
+        return bearer(token or self.token)
+
+    async def create(
+        self, image: str = "host", timeout_s: float | None = None, **spec: Any
+    ) -> env_pb2.Sandbox:
+        request = api.CreateSandboxRequest(spec=env_pb2.SandboxSpec(image=image, **spec))
+        if timeout_s is not None:
+            request.spec.heartbeat_timeout.FromNanoseconds(int(timeout_s * 1e9))
+        reply = await self.stub.CreateSandbox(request, metadata=self.md())
+        return reply.sandbox
+
+    async def wait(self, sandbox_id: str, timeout_s: float = 30) -> env_pb2.Sandbox:
+        request = api.WaitSandboxRequest(sandbox_id=sandbox_id)
+        request.timeout.FromNanoseconds(int(timeout_s * 1e9))
+        return (await self.stub.WaitSandbox(request, metadata=self.md())).sandbox
+
+    async def ready(self, **spec: Any) -> env_pb2.Sandbox:
+        sandbox = await self.create(**spec)
+        sandbox = await self.wait(sandbox.id)
+        assert sandbox.state == env_pb2.SANDBOX_STATE_READY, sandbox
+        return sandbox
+
+    async def shell(self, sandbox_id: str, script: str) -> Any:
+        from orchard.types.v1 import exec_pb2
+
+        request = api.ExecRequest(sandbox_id=sandbox_id, command=exec_pb2.Command(shell=script))
+        return (await self.stub.Exec(request, metadata=self.md())).result
+
+
+EnvFactory = Callable[..., Awaitable[EnvHandle]]
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A key prefix of this test's own, so tests on the session etcd never meet."""
+    return f"test-env/{secrets.token_hex(4)}/"
+
+
+@pytest.fixture
+async def runtime(tmp_path: Path) -> AsyncIterator[Any]:
+    rt = unisolated.UnisolatedProcessRuntime(tmp_path / "runtime")
+    await rt.start()
+    try:
+        yield rt
+    finally:
+        for sandbox_id in await rt.list_sandboxes():
+            await rt.delete(sandbox_id)
+        await rt.close()
+
+
+def env_config(etcd: EmbeddedEtcd, prefix: str, tmp_path: Path, **overrides: Any) -> EnvConfig:
+    values: dict[str, Any] = {
+        "server": ServerConfig(listen=["127.0.0.1:0"], grace_period_s=1),
+        "etcd": EtcdConfig(endpoints=[etcd.endpoint], prefix=prefix),
+        "auth": AUTH,
+        "runtime": {
+            "type": "plugin",
+            "factory": "unisolated_runtime:make",
+            "state_dir": str(tmp_path / "runtime"),
+        },
+    }
+    values.update(overrides)
+    return EnvConfig(**values)
+
+
+@pytest.fixture
+async def env_factory(
+    etcd: EmbeddedEtcd, prefix: str, tmp_path: Path, runtime: Any
+) -> AsyncIterator[EnvFactory]:
+    """Starts replicas (in-process servers on one etcd prefix and one runtime); stops them all
+    at the end."""
+    async with AsyncExitStack() as stack:
+
+        async def start(**overrides: Any) -> EnvHandle:
+            rt = overrides.pop("runtime", runtime)
+            config = env_config(etcd, prefix, tmp_path, **overrides)
+            app = EnvApplication(config, runtime=rt)
+            server = await stack.enter_async_context(app.server())
+            await server.set_serving()
+            address = server.addresses[0]
+            channel = await stack.enter_async_context(grpc.aio.insecure_channel(address))
+            return EnvHandle(
+                app, server, address, channel, env_service_pb2_grpc.EnvServiceStub(channel)
+            )
+
+        yield start
+
+
+@pytest.fixture
+async def env(env_factory: EnvFactory) -> EnvHandle:
+    return await env_factory()
