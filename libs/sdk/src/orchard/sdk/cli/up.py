@@ -1,0 +1,385 @@
+"""``orchard up`` and ``orchard down``: the environment service on this machine.
+
+``orchard up`` starts, in order, an embedded etcd (data kept under the state dir, so sandbox
+records survive a restart) and ``orchard-env`` with the local runtime, as child processes. It
+generates a local tenant and token once (kept in the profile), writes the profile the SDK and
+the command line read by default, prints what runs where, and stays in the foreground until
+Ctrl-C or SIGTERM; then it stops what it started, in reverse order. ``--detach`` runs the same
+in the background and returns once it serves; ``orchard down`` stops it.
+
+Everything lives under the state dir (``$ORCHARD_STATE_DIR``, else ``$XDG_STATE_HOME/orchard``,
+else ``~/.local/state/orchard``)::
+
+    profile.json     endpoint and token (mode 0600)
+    up.json          pid of the running ``orchard up`` and its components
+    env.yaml         the configuration orchard-env runs with (token digests only)
+    etcd/            etcd's data
+    logs/            env.log, up.log (detached runs)
+    runtime/         the local runtime's per-sandbox state and writable layers
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from orchard.sdk.cli.output import print_json, print_table
+from orchard.sdk.connection import Profile, default_profile_path, read_profile, write_profile
+from orchard.sdk.connection import state_dir as default_state_dir
+from orchard.sdk.errors import OrchardSDKError
+
+__all__ = ["add_up_commands"]
+
+TENANT = "local"
+DEFAULT_LISTEN = "127.0.0.1:7100"
+_START_TIMEOUT_S = 60.0
+_STOP_TIMEOUT_S = 15.0
+
+
+class UpError(OrchardSDKError):
+    """``orchard up`` could not start something; the message says what and where its log is."""
+
+
+@dataclass
+class Component:
+    """One process ``orchard up`` runs."""
+
+    name: str
+    address: str
+    pid: int
+    log: str
+
+
+def add_up_commands(subparsers: Any, formatter: type[argparse.HelpFormatter]) -> None:
+    up = subparsers.add_parser(
+        "up",
+        help="run the environment service on this machine (etcd + orchard-env, local runtime)",
+        description=(
+            "Start an embedded etcd and the environment service with the local runtime, write "
+            "the profile the SDK and this command line use by default, and stay in the "
+            "foreground until Ctrl-C (then stop both, in order). The local runtime needs root."
+        ),
+        epilog="examples:\n  orchard up\n  orchard up --detach && orchard sandbox create",
+        formatter_class=formatter,
+    )
+    up.add_argument(
+        "--listen",
+        default=DEFAULT_LISTEN,
+        help=f"address of the environment service (default: {DEFAULT_LISTEN})",
+    )
+    up.add_argument("--state-dir", type=Path, help="where state, logs and the profile live")
+    up.add_argument(
+        "--detach", action="store_true", help="run in the background; stop with `orchard down`"
+    )
+    up.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra orchard-env setting, e.g. limits.default_heartbeat_timeout_s=600",
+    )
+    up.add_argument("--json", action="store_true", help="print the components as JSON")
+    up.set_defaults(run=_up)
+
+    down = subparsers.add_parser(
+        "down",
+        help="stop what `orchard up --detach` started",
+        description="Stop the environment service and etcd that `orchard up` runs.",
+        epilog="example:\n  orchard down",
+        formatter_class=formatter,
+    )
+    down.add_argument("--state-dir", type=Path, help="as given to `orchard up`")
+    down.set_defaults(run=_down)
+
+
+# -- up -----------------------------------------------------------------------------------------
+
+
+def _up(args: argparse.Namespace) -> int:
+    state = (args.state_dir or default_state_dir()).resolve()
+    running = _running(state)
+    if running is not None:
+        raise UpError(
+            f"orchard up is already running here (pid {running['pid']}); "
+            "stop it with `orchard down` or Ctrl-C in its terminal"
+        )
+    if args.detach:
+        return _detach(args, state)
+    stop = threading.Event()
+    previous = {
+        sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        return _run(args, state, stop)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run(args: argparse.Namespace, state: Path, stop: threading.Event) -> int:
+    from orchard.core.etcd import EmbeddedEtcd, EmbeddedEtcdError  # noqa: PLC0415
+
+    logs = state / "logs"
+    logs.mkdir(parents=True, exist_ok=True, mode=0o700)
+    profile_path = _profile_path(args, state)
+    profile = read_profile(profile_path)
+    token = profile.token if profile is not None and profile.token else secrets.token_urlsafe(32)
+    try:
+        etcd = EmbeddedEtcd(data_dir=state / "etcd")
+        etcd.start()
+    except (EmbeddedEtcdError, FileNotFoundError) as exc:
+        raise UpError(f"etcd did not start: {exc}") from None
+    env_process: subprocess.Popen[bytes] | None = None
+    run_file = state / "up.json"
+    try:
+        config = _write_env_config(state, args.listen, etcd.endpoint, token)
+        env_log = logs / "env.log"
+        env_process = _start_env(config, args.set, env_log)
+        _wait_serving(args.listen, env_process, env_log, stop)
+        write_profile(Profile(endpoint=args.listen, token=token, tenant=TENANT), profile_path)
+        components = [
+            # EmbeddedEtcd keeps its log beside its temporary working files.
+            Component("etcd", etcd.endpoint, etcd.pid or 0, str(etcd._log_path)),
+            Component("orchard-env", args.listen, env_process.pid, str(env_log)),
+        ]
+        run_file.write_text(
+            json.dumps({"pid": os.getpid(), "components": [asdict(c) for c in components]})
+        )
+        _show(components, profile_path, args.json)
+        while not stop.wait(0.5):
+            if env_process.poll() is not None:
+                sys.stderr.write(
+                    f"orchard: orchard-env exited with status {env_process.returncode}; "
+                    f"see {env_log}\n{_tail(env_log)}\n"
+                )
+                return 1
+        sys.stderr.write("orchard: stopping orchard-env, then etcd\n")
+        return 0
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            run_file.unlink()
+        if env_process is not None:
+            _terminate(env_process)
+        etcd.stop()
+
+
+def _profile_path(args: argparse.Namespace, state: Path) -> Path:
+    # An explicit --state-dir keeps its profile inside it; otherwise the default profile path.
+    return state / "profile.json" if args.state_dir else default_profile_path()
+
+
+def _write_env_config(state: Path, listen: str, etcd_endpoint: str, token: str) -> Path:
+    """The orchard-env configuration; it holds the token's digest, never the token."""
+    import hashlib  # noqa: PLC0415
+
+    import yaml  # noqa: PLC0415
+
+    runtime = state / "runtime"
+    config = {
+        "server": {"listen": [listen]},
+        "etcd": {"endpoints": [etcd_endpoint]},
+        "auth": {
+            "tenants": {
+                TENANT: {"tokens": ["sha256:" + hashlib.sha256(token.encode()).hexdigest()]}
+            }
+        },
+        "runtime": {
+            "type": "local",
+            "state_dir": str(runtime / "state"),
+            "workspace_dir": str(runtime / "sandboxes"),
+        },
+    }
+    path = state / "env.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    path.chmod(0o600)
+    return path
+
+
+def _env_command() -> list[str]:
+    script = Path(sys.executable).parent / "orchard-env"
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("orchard-env")
+    return [found] if found else [sys.executable, "-m", "orchard.env.main"]
+
+
+def _start_env(config: Path, settings: list[str], log: Path) -> subprocess.Popen[bytes]:
+    command = [*_env_command(), "--config", str(config)]
+    for setting in settings:
+        command += ["--set", setting]
+    # Its own settings come from the config file only, not from this shell's ORCHARD_ENV_*.
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("ORCHARD_ENV_")}
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=environ,
+            # Ctrl-C in the terminal reaches `orchard up` only; it stops the children in order.
+            start_new_session=True,
+        )
+
+
+def _wait_serving(
+    address: str, process: subprocess.Popen[bytes], log: Path, stop: threading.Event
+) -> None:
+    import grpc  # noqa: PLC0415
+    from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
+
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if process.poll() is not None:
+                raise UpError(
+                    f"orchard-env exited with status {process.returncode} while starting; "
+                    f"see {log}:\n{_tail(log)}"
+                )
+            if stop.is_set():
+                raise KeyboardInterrupt
+            try:
+                reply = health.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise UpError(
+                    f"orchard-env did not serve at {address} within {_START_TIMEOUT_S:.0f} s; "
+                    f"see {log}:\n{_tail(log)}"
+                )
+            time.sleep(0.1)
+
+
+def _terminate(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _show(components: list[Component], profile: Path, as_json: bool) -> None:
+    if as_json:
+        print_json({"components": [asdict(c) for c in components], "profile": str(profile)})
+    else:
+        print_table(
+            ["component", "address", "pid", "log"],
+            [[c.name, c.address, c.pid, c.log] for c in components],
+        )
+        print(f"\nprofile: {profile} (the SDK and `orchard sandbox ...` use it by default)")
+        print("try:     orchard sandbox create --label demo=1")
+        print("stop:    Ctrl-C" if sys.stdin.isatty() else "")
+    sys.stdout.flush()
+
+
+def _tail(log: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+# -- detach and down ----------------------------------------------------------------------------
+
+
+def _running(state: Path) -> dict[str, Any] | None:
+    """The live ``orchard up`` of this state dir, or None (a stale up.json is removed)."""
+    run_file = state / "up.json"
+    try:
+        running: dict[str, Any] = json.loads(run_file.read_text())
+    except (OSError, ValueError):
+        return None
+    try:
+        os.kill(int(running["pid"]), 0)
+    except (ProcessLookupError, KeyError, ValueError):
+        run_file.unlink(missing_ok=True)
+        return None
+    except PermissionError:
+        pass
+    return running
+
+
+def _detach(args: argparse.Namespace, state: Path) -> int:
+    logs = state / "logs"
+    logs.mkdir(parents=True, exist_ok=True, mode=0o700)
+    log = logs / "up.log"
+    command = [
+        sys.executable,
+        "-m",
+        "orchard.sdk.cli",
+        "up",
+        "--listen",
+        args.listen,
+    ]
+    if args.state_dir:
+        command += ["--state-dir", str(state)]
+    for setting in args.set:
+        command += ["--set", setting]
+    with log.open("ab") as out:
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + _START_TIMEOUT_S + 15
+    while (running := _running(state)) is None:
+        if process.poll() is not None:
+            raise UpError(f"orchard up exited with status {process.returncode}:\n{_tail(log)}")
+        if time.monotonic() > deadline:
+            process.terminate()
+            raise UpError(f"orchard up did not become ready; see {log}")
+        time.sleep(0.1)
+    components = [Component(**c) for c in running["components"]]
+    components.append(Component("orchard up", "-", process.pid, str(log)))
+    _show(components, _profile_path(args, state), args.json)
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    state = (args.state_dir or default_state_dir()).resolve()
+    running = _running(state)
+    if running is None:
+        print("nothing to stop: orchard up is not running here")
+        return 0
+    pid = int(running["pid"])
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + _STOP_TIMEOUT_S * 2
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            raise UpError(f"orchard up (pid {pid}) did not stop; it may need `kill -9 {pid}`")
+        time.sleep(0.1)
+    print(f"stopped orchard up (pid {pid})")
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A child of ours that exited but was not reaped yet counts as gone.
+    with contextlib.suppress(ChildProcessError):
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return False
+    return True

@@ -1,0 +1,191 @@
+"""The SDK and the command line against the REAL environment service: ``orchard up --detach``
+starts an embedded etcd and ``orchard-env`` with the local runtime (needs root), and
+``orchard down`` stops them. Nothing here is a double."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchard.sdk import (
+    ExecExit,
+    ExecStdout,
+    FileNotFound,
+    InvalidArgument,
+    PatchFailed,
+    RetryPolicy,
+    SandboxClient,
+    SandboxNotFound,
+    SandboxState,
+    Unauthenticated,
+)
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+CLI = [sys.executable, "-m", "orchard.sdk.cli"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """``orchard up --detach`` in a private state dir; yields its environment and components."""
+    if os.geteuid() != 0:
+        pytest.skip("the local runtime needs root")
+    from orchard.core.etcd import find_etcd_binary
+
+    try:
+        find_etcd_binary()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    state = tmp_path_factory.mktemp("state")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("ORCHARD_") or k in ("ORCHARD_ETCD_BINARY", "ORCHARD_INAGENT_BUNDLE")
+    }
+    env["ORCHARD_STATE_DIR"] = str(state)
+    up = subprocess.run(
+        [*CLI, "up", "--detach", "--json", "--listen", f"127.0.0.1:{_free_port()}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    if up.returncode != 0 and "orchard-env exited" in up.stderr:
+        pytest.skip(f"orchard-env cannot run here: {up.stderr.strip().splitlines()[0]}")
+    assert up.returncode == 0, up.stderr
+    started = json.loads(up.stdout)
+    try:
+        yield {"env": env, "state": state, **started}
+    finally:
+        down = subprocess.run(
+            [*CLI, "down"], env=env, capture_output=True, text=True, timeout=60, check=False
+        )
+        assert down.returncode == 0, down.stderr
+        for component in started["components"]:
+            deadline = time.monotonic() + 10
+            while _alive(component["pid"]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not _alive(component["pid"]), component
+
+
+@pytest.fixture
+def client(service: dict[str, Any]) -> Iterator[SandboxClient]:
+    profile = Path(service["profile"])
+    with SandboxClient(profile=profile, retry=RetryPolicy(initial_backoff=0.05)) as client:
+        yield client
+
+
+def test_up_wrote_a_private_profile(service: dict[str, Any]) -> None:
+    profile = Path(service["profile"])
+    assert profile.stat().st_mode & 0o777 == 0o600
+    data = json.loads(profile.read_text())
+    assert data["token"] and data["tenant"] == "local"
+    names = [c["name"] for c in service["components"]]
+    assert names == ["etcd", "orchard-env", "orchard up"]
+    assert data["token"] not in (service["state"] / "env.yaml").read_text()
+
+
+def test_sandbox_round_trip(client: SandboxClient, tmp_path: Path) -> None:
+    with client.create(image="host", labels={"suite": "sdk-real"}, heartbeat_timeout=30) as sb:
+        assert sb.state is SandboxState.READY and sb.info.runtime == "local"
+        result = sb.exec(["sh", "-c", "echo $X; exit 5"], env={"X": "hello"}, timeout=30)
+        assert (result.exit_code, result.stdout) == (5, b"hello\n")
+        events = list(sb.exec_stream("echo a; echo b"))
+        assert b"".join(e.data for e in events if isinstance(e, ExecStdout)) == b"a\nb\n"
+        assert isinstance(events[-1], ExecExit) and events[-1].exit_code == 0
+        sb.write_file("/workspace/notes.txt", "one\ntwo\n")
+        assert sb.read_file("/workspace/notes.txt") == b"one\ntwo\n"
+        with pytest.raises(FileNotFound):
+            sb.read_file("/workspace/missing")
+        source = tmp_path / "tree"
+        (source / "sub").mkdir(parents=True)
+        (source / "sub" / "x.py").write_text("print('x')\n")
+        (source / "empty").mkdir()
+        sb.upload(source, "/workspace/tree")
+        assert sb.exec(["python3", "/workspace/tree/sub/x.py"]).check().stdout == b"x\n"
+        sb.download("/workspace/tree", tmp_path / "back")
+        assert (tmp_path / "back" / "sub" / "x.py").read_text() == "print('x')\n"
+        assert (tmp_path / "back" / "empty").is_dir()
+        sb.write_file("/workspace/repo/hello.txt", "hello\nworld\n")
+        diff = "--- a/hello.txt\n+++ b/hello.txt\n@@ -1,2 +1,2 @@\n hello\n-world\n+orchard\n"
+        sb.apply_diff(diff, cwd="/workspace/repo")
+        assert sb.read_file("/workspace/repo/hello.txt") == b"hello\norchard\n"
+        with pytest.raises(PatchFailed):
+            sb.apply_diff(diff, cwd="/workspace/repo")
+        assert [i.id for i in client.list("suite=sdk-real")] == [sb.id]
+    with pytest.raises(SandboxNotFound):
+        client.get(sb.id)
+
+
+def test_heartbeats_keep_a_sandbox_alive(client: SandboxClient) -> None:
+    kept = client.create(image="host", heartbeat_timeout=3)
+    dropped = client.create(image="host", heartbeat_timeout=2, keep_alive=False)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                client.get_info(dropped.id)
+            except SandboxNotFound:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("a sandbox without heartbeats was not reaped")
+        assert kept.exec(["true"]).ok
+        assert kept.heartbeat_error is None
+    finally:
+        kept.delete()
+
+
+def test_errors_from_the_real_service(client: SandboxClient, service: dict[str, Any]) -> None:
+    with pytest.raises(InvalidArgument):
+        client.create(image="host", labels={"Bad Key!": "x"})
+    with pytest.raises(SandboxNotFound):
+        client.get("sbx-000000000000")
+    endpoint = json.loads(Path(service["profile"]).read_text())["endpoint"]
+    with SandboxClient(endpoint, token="wrong") as stranger, pytest.raises(Unauthenticated):
+        list(stranger.list())
+
+
+def test_cli_against_the_real_service(service: dict[str, Any]) -> None:
+    env = service["env"]
+
+    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*CLI, *argv], env=env, capture_output=True, text=True, timeout=120, check=False
+        )
+
+    created = cli("sandbox", "create", "--label", "suite=cli-real", "--memory", "256M", "--json")
+    assert created.returncode == 0, created.stderr
+    info = json.loads(created.stdout)
+    assert info["state"] == "READY" and info["resources"]["memory_bytes"] == 256 << 20
+    ran = cli("sandbox", "exec", info["id"], "--", "sh", "-c", "echo real; exit 9")
+    assert (ran.returncode, ran.stdout) == (9, "real\n")
+    listed = json.loads(cli("sandbox", "ls", "--label", "suite=cli-real", "--json").stdout)
+    assert [item["id"] for item in listed] == [info["id"]]
+    assert cli("sandbox", "rm", info["id"]).returncode == 0
+    gone = cli("sandbox", "get", info["id"])
+    assert gone.returncode == 1 and gone.stderr.count("\n") == 1
