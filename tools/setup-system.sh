@@ -7,6 +7,7 @@
 #   binutils         objdump, which PyInstaller uses to find shared libraries
 #   busybox-static   the minimal root filesystem the bundle is tested in
 #   unshare          (util-linux) namespaces for sandbox tests
+#   umoci, skopeo    build real OCI and docker-archive images offline in the image tests
 set -euo pipefail
 
 missing=()
@@ -18,6 +19,8 @@ command -v objdump >/dev/null || missing+=(binutils)
 [ -e /usr/lib/x86_64-linux-gnu/libc.a ] || [ -e /usr/lib/aarch64-linux-gnu/libc.a ] || [ -e /usr/lib/libc.a ] || missing+=(libc6-dev)
 dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q "ok installed" || missing+=(busybox-static)
 command -v unshare >/dev/null || missing+=(util-linux)
+command -v umoci >/dev/null || missing+=(umoci)
+command -v skopeo >/dev/null || missing+=(skopeo)
 
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0

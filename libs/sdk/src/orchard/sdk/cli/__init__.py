@@ -20,6 +20,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from orchard.sdk.cli.bench import add_bench_commands
 from orchard.sdk.cli.sandbox import UsageError, add_sandbox_commands
 from orchard.sdk.cli.up import add_up_commands
 from orchard.sdk.connection import TOKEN_ENV
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
             "  orchard sandbox ls              list sandboxes\n"
             "  orchard sandbox get ID          show one sandbox\n"
             "  orchard sandbox rm ID...        delete sandboxes\n"
+            "  orchard bench env               N sandboxes through create, exec, delete\n"
             "\n"
             "example:\n"
             "  orchard up --detach\n"
@@ -75,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_up_commands(subparsers, _Formatter)
     add_sandbox_commands(subparsers, _connect, _Formatter)
+    add_bench_commands(subparsers, _Formatter)
     return parser
 
 

@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -36,16 +35,21 @@ from pathlib import Path
 from typing import Any
 
 from orchard.sdk.cli.output import print_json, print_table
+from orchard.sdk.cli.stack import (
+    START_TIMEOUT_S,
+    STOP_TIMEOUT_S,
+    TENANT,
+    LocalStack,
+    StackError,
+    tail,
+)
 from orchard.sdk.connection import Profile, default_profile_path, read_profile, write_profile
 from orchard.sdk.connection import state_dir as default_state_dir
 from orchard.sdk.errors import OrchardSDKError
 
 __all__ = ["add_up_commands"]
 
-TENANT = "local"
 DEFAULT_LISTEN = "127.0.0.1:7100"
-_START_TIMEOUT_S = 60.0
-_STOP_TIMEOUT_S = 15.0
 
 
 class UpError(OrchardSDKError):
@@ -129,40 +133,31 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, state: Path, stop: threading.Event) -> int:
-    from orchard.core.etcd import EmbeddedEtcd, EmbeddedEtcdError  # noqa: PLC0415
-
-    logs = state / "logs"
-    logs.mkdir(parents=True, exist_ok=True, mode=0o700)
     profile_path = _profile_path(args, state)
     profile = read_profile(profile_path)
     token = profile.token if profile is not None and profile.token else secrets.token_urlsafe(32)
-    try:
-        etcd = EmbeddedEtcd(data_dir=state / "etcd")
-        etcd.start()
-    except (EmbeddedEtcdError, FileNotFoundError) as exc:
-        raise UpError(f"etcd did not start: {exc}") from None
-    env_process: subprocess.Popen[bytes] | None = None
+    stack = LocalStack(state, listen=args.listen, token=token, settings=args.set, stop_event=stop)
     run_file = state / "up.json"
     try:
-        config = _write_env_config(state, args.listen, etcd.endpoint, token)
-        env_log = logs / "env.log"
-        env_process = _start_env(config, args.set, env_log)
-        _wait_serving(args.listen, env_process, env_log, stop)
+        try:
+            stack.start()
+        except StackError as exc:
+            raise UpError(str(exc)) from None
         write_profile(Profile(endpoint=args.listen, token=token, tenant=TENANT), profile_path)
         components = [
-            # EmbeddedEtcd keeps its log beside its temporary working files.
-            Component("etcd", etcd.endpoint, etcd.pid or 0, str(etcd._log_path)),
-            Component("orchard-env", args.listen, env_process.pid, str(env_log)),
+            Component("etcd", stack.etcd_endpoint, stack.etcd_pid, stack.etcd_log),
+            Component("orchard-env", args.listen, stack.env_pid, str(stack.env_log)),
         ]
         run_file.write_text(
             json.dumps({"pid": os.getpid(), "components": [asdict(c) for c in components]})
         )
         _show(components, profile_path, args.json)
         while not stop.wait(0.5):
-            if env_process.poll() is not None:
+            if not stack.alive():
+                code = stack.env_process.returncode if stack.env_process else None
                 sys.stderr.write(
-                    f"orchard: orchard-env exited with status {env_process.returncode}; "
-                    f"see {env_log}\n{_tail(env_log)}\n"
+                    f"orchard: orchard-env exited with status {code}; "
+                    f"see {stack.env_log}\n{tail(stack.env_log)}\n"
                 )
                 return 1
         sys.stderr.write("orchard: stopping orchard-env, then etcd\n")
@@ -170,108 +165,12 @@ def _run(args: argparse.Namespace, state: Path, stop: threading.Event) -> int:
     finally:
         with contextlib.suppress(FileNotFoundError):
             run_file.unlink()
-        if env_process is not None:
-            _terminate(env_process)
-        etcd.stop()
+        stack.stop()
 
 
 def _profile_path(args: argparse.Namespace, state: Path) -> Path:
     # An explicit --state-dir keeps its profile inside it; otherwise the default profile path.
     return state / "profile.json" if args.state_dir else default_profile_path()
-
-
-def _write_env_config(state: Path, listen: str, etcd_endpoint: str, token: str) -> Path:
-    """The orchard-env configuration; it holds the token's digest, never the token."""
-    import hashlib  # noqa: PLC0415
-
-    import yaml  # noqa: PLC0415
-
-    runtime = state / "runtime"
-    config = {
-        "server": {"listen": [listen]},
-        "etcd": {"endpoints": [etcd_endpoint]},
-        "auth": {
-            "tenants": {
-                TENANT: {"tokens": ["sha256:" + hashlib.sha256(token.encode()).hexdigest()]}
-            }
-        },
-        "runtime": {
-            "type": "local",
-            "state_dir": str(runtime / "state"),
-            "workspace_dir": str(runtime / "sandboxes"),
-        },
-    }
-    path = state / "env.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    path.chmod(0o600)
-    return path
-
-
-def _env_command() -> list[str]:
-    script = Path(sys.executable).parent / "orchard-env"
-    if script.exists():
-        return [str(script)]
-    found = shutil.which("orchard-env")
-    return [found] if found else [sys.executable, "-m", "orchard.env.main"]
-
-
-def _start_env(config: Path, settings: list[str], log: Path) -> subprocess.Popen[bytes]:
-    command = [*_env_command(), "--config", str(config)]
-    for setting in settings:
-        command += ["--set", setting]
-    # Its own settings come from the config file only, not from this shell's ORCHARD_ENV_*.
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("ORCHARD_ENV_")}
-    with log.open("ab") as out:
-        return subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=environ,
-            # Ctrl-C in the terminal reaches `orchard up` only; it stops the children in order.
-            start_new_session=True,
-        )
-
-
-def _wait_serving(
-    address: str, process: subprocess.Popen[bytes], log: Path, stop: threading.Event
-) -> None:
-    import grpc  # noqa: PLC0415
-    from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
-
-    deadline = time.monotonic() + _START_TIMEOUT_S
-    with grpc.insecure_channel(address) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while True:
-            if process.poll() is not None:
-                raise UpError(
-                    f"orchard-env exited with status {process.returncode} while starting; "
-                    f"see {log}:\n{_tail(log)}"
-                )
-            if stop.is_set():
-                raise KeyboardInterrupt
-            try:
-                reply = health.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise UpError(
-                    f"orchard-env did not serve at {address} within {_START_TIMEOUT_S:.0f} s; "
-                    f"see {log}:\n{_tail(log)}"
-                )
-            time.sleep(0.1)
-
-
-def _terminate(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def _show(components: list[Component], profile: Path, as_json: bool) -> None:
@@ -286,13 +185,6 @@ def _show(components: list[Component], profile: Path, as_json: bool) -> None:
         print("try:     orchard sandbox create --label demo=1")
         print("stop:    Ctrl-C" if sys.stdin.isatty() else "")
     sys.stdout.flush()
-
-
-def _tail(log: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 # -- detach and down ----------------------------------------------------------------------------
@@ -339,10 +231,10 @@ def _detach(args: argparse.Namespace, state: Path) -> int:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    deadline = time.monotonic() + _START_TIMEOUT_S + 15
+    deadline = time.monotonic() + START_TIMEOUT_S + 15
     while (running := _running(state)) is None:
         if process.poll() is not None:
-            raise UpError(f"orchard up exited with status {process.returncode}:\n{_tail(log)}")
+            raise UpError(f"orchard up exited with status {process.returncode}:\n{tail(log)}")
         if time.monotonic() > deadline:
             process.terminate()
             raise UpError(f"orchard up did not become ready; see {log}")
@@ -361,7 +253,7 @@ def _down(args: argparse.Namespace) -> int:
         return 0
     pid = int(running["pid"])
     os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + _STOP_TIMEOUT_S * 2
+    deadline = time.monotonic() + STOP_TIMEOUT_S * 2
     while _alive(pid):
         if time.monotonic() > deadline:
             raise UpError(f"orchard up (pid {pid}) did not stop; it may need `kill -9 {pid}`")
