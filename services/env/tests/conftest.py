@@ -9,8 +9,12 @@ own logic, not about what isolates a sandbox.
 from __future__ import annotations
 
 import importlib.util
+import os
 import secrets
+import shutil
 import sys
+import tempfile
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -31,6 +35,7 @@ from orchard.env.config import (
     token_digest,
 )
 from orchard.env.main import EnvApplication
+from orchard.env.runtime.base import RuntimeUnavailable
 from orchard.env.v1 import env_pb2, env_service_pb2_grpc
 from orchard.env.v1 import env_service_pb2 as api
 
@@ -167,3 +172,34 @@ async def env_factory(
 @pytest.fixture
 async def env(env_factory: EnvFactory) -> EnvHandle:
     return await env_factory()
+
+
+@pytest.fixture
+async def local_runtime(tmp_path: Path) -> AsyncIterator[Any]:
+    """The real ``local`` runtime on private directories and cgroups (skips without root)."""
+    from orchard.env.runtime.local import LocalRuntime, LocalRuntimeConfig
+
+    run_dir = tempfile.mkdtemp(prefix="orc-")
+    config = LocalRuntimeConfig(
+        state_dir=str(tmp_path / "state"),
+        workspace_dir=str(tmp_path / "sandboxes"),
+        run_dir=run_dir,
+        cgroup_parent=f"orchard-test-{uuid.uuid4().hex[:8]}",
+    )
+    runtime = LocalRuntime(config)
+    try:
+        await runtime.start()
+    except RuntimeUnavailable as exc:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        pytest.skip(str(exc))
+    try:
+        yield runtime
+    finally:
+        for sandbox_id in await runtime.list_sandboxes():
+            await runtime.delete(sandbox_id)
+        await runtime.close()
+        cgroups = getattr(runtime, "_cgroups", None)
+        for parent in getattr(cgroups, "parents", ()):
+            if os.path.isdir(parent):
+                os.rmdir(parent)
+        shutil.rmtree(run_dir, ignore_errors=True)

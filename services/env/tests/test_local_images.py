@@ -48,5 +48,5 @@ def test_resolution(tmp_path: Path) -> None:
     with pytest.raises(RuntimeFailure) as caught:
         resolver.resolve(f"rootfs:{odd}")
     assert caught.value.reason is FailureReason.IMAGE_INVALID
-    with pytest.raises(RuntimeFailure, match="not supported by this runtime yet"):
+    with pytest.raises(RuntimeFailure, match="image cache directory"):
         resolver.resolve(f"oci-archive:{tmp_path}/image.tar")

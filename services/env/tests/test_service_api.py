@@ -201,13 +201,13 @@ async def test_another_tenants_sandbox_is_not_found(env: Any) -> None:
     assert (await env.shell(sandbox.id, "echo mine")).stdout == b"mine\n"
 
 
-async def test_unimplemented_calls_say_so(env: Any) -> None:
+async def test_unknown_owner_and_missing_fork_source_are_not_found(env: Any) -> None:
     spec = _spec(owner_id="own-1")
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await env.stub.CreateSandbox(api.CreateSandboxRequest(spec=spec), metadata=env.md())
-    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await env.stub.ForkSandbox(
             api.ForkSandboxRequest(sandbox_id="x", count=1), metadata=env.md()
         )
-    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND

@@ -5,51 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import tempfile
 import time
-import uuid
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from orchard.env.runtime.base import RuntimeUnavailable
 from orchard.env.v1 import env_pb2
 from orchard.env.v1 import env_service_pb2 as api
 
 pytestmark = [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]
-
-
-@pytest.fixture
-async def local_runtime(tmp_path: Path) -> AsyncIterator[Any]:
-    from orchard.env.runtime.local import LocalRuntime, LocalRuntimeConfig
-
-    run_dir = tempfile.mkdtemp(prefix="orc-")
-    config = LocalRuntimeConfig(
-        state_dir=str(tmp_path / "state"),
-        workspace_dir=str(tmp_path / "sandboxes"),
-        run_dir=run_dir,
-        cgroup_parent=f"orchard-test-{uuid.uuid4().hex[:8]}",
-    )
-    runtime = LocalRuntime(config)
-    try:
-        await runtime.start()
-    except RuntimeUnavailable as exc:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        pytest.skip(str(exc))
-    try:
-        yield runtime
-    finally:
-        for sandbox_id in await runtime.list_sandboxes():
-            await runtime.delete(sandbox_id)
-        await runtime.close()
-        cgroups = getattr(runtime, "_cgroups", None)
-        for parent in getattr(cgroups, "parents", ()):
-            if os.path.isdir(parent):
-                os.rmdir(parent)
-        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 async def test_local_sandbox_through_the_service(env_factory: Any, local_runtime: Any) -> None:

@@ -61,6 +61,7 @@ class UnisolatedProcessRuntime(Runtime):
         self.start_timeout_s = start_timeout_s
         self.fail_images = set(fail_images)
         self.created: list[str] = []
+        self.forked: list[tuple[str, str]] = []
         self._children: dict[str, asyncio.subprocess.Process] = {}
         self._watchers: set[asyncio.Task[None]] = set()
         self._exits: asyncio.Queue[SandboxExit] = asyncio.Queue()
@@ -155,7 +156,13 @@ class UnisolatedProcessRuntime(Runtime):
             return False
 
     async def fork(self, source_id: str, spec: RuntimeSandboxSpec) -> RuntimeSandbox:
-        raise RuntimeFailure(FailureReason.INTERNAL, "fork is not supported by the test double")
+        """A copy of the source's working directory, then a plain create (no isolation)."""
+        source = self._dir(source_id) / "work"
+        if await self.status(source_id) is not SandboxStatus.RUNNING:
+            raise RuntimeFailure(FailureReason.RUNTIME_DIED, f"sandbox {source_id} is not running")
+        self.forked.append((source_id, spec.sandbox_id))
+        shutil.copytree(source, self._dir(spec.sandbox_id) / "work", symlinks=True)
+        return await self.create(spec)
 
     async def delete(self, sandbox_id: str) -> None:
         self._deleting.add(sandbox_id)

@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from orchard.core.config import ConfigModel, ServerConfig, ServiceConfig
 
 __all__ = [
+    "AdmissionConfig",
     "AuthConfig",
     "EnvConfig",
     "EtcdConfig",
@@ -149,6 +150,44 @@ class LimitsConfig(ConfigModel):
         return self
 
 
+class AdmissionConfig(ConfigModel):
+    """How many sandboxes may be starting or running at once; the rest wait in a fair queue.
+
+    Counted across every replica on one etcd prefix (one slot key per admitted sandbox). Unset
+    limits do not apply; with none set there is no queue and creations start at once.
+    """
+
+    max_sandboxes: int | None = Field(
+        default=None, ge=1, description="Admitted (starting or READY) sandboxes in all."
+    )
+    max_sandboxes_per_tenant: int | None = Field(
+        default=None, ge=1, description="Admitted sandboxes of one tenant."
+    )
+    max_sandboxes_per_owner: int | None = Field(
+        default=None, ge=1, description="Admitted sandboxes bound to one owner."
+    )
+    max_queued: int = Field(
+        default=1000,
+        ge=0,
+        description="Sandboxes waiting for admission; beyond it CreateSandbox and ForkSandbox "
+        "are RESOURCE_EXHAUSTED and create nothing.",
+    )
+    retry_after_s: float = Field(
+        default=5.0, gt=0, description="The retry hint sent with a full queue's error."
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return any(
+            limit is not None
+            for limit in (
+                self.max_sandboxes,
+                self.max_sandboxes_per_tenant,
+                self.max_sandboxes_per_owner,
+            )
+        )
+
+
 class EnvConfig(ServiceConfig):
     """Everything ``orchard-env`` runs with."""
 
@@ -165,6 +204,7 @@ class EnvConfig(ServiceConfig):
     )
     auth: AuthConfig = AuthConfig()
     limits: LimitsConfig = LimitsConfig()
+    admission: AdmissionConfig = AdmissionConfig()
     replica_ttl_s: int = Field(
         default=10,
         ge=2,

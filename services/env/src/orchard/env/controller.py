@@ -18,6 +18,15 @@ How the pieces fit:
 - **Take-over**: a creating key vanishing while its record is still PENDING means its replica
   died (its lease expired); the first replica to claim the key in a transaction starts the
   creation again after clearing what the dead one left.
+- **Owners**: an owner is a lease of its own with an ``owners/`` record; sandboxes created
+  with ``spec.owner_id`` put their record, request key and slots under the owner's lease, so
+  one keep-alive keeps them all and a revoke (DeleteOwner) or an expiry deletes every record
+  at once; the usual reaping releases the runtime's resources.
+- **Admission** (:mod:`orchard.env.admission`): with limits configured, a creation takes its
+  slot keys in its creation transaction, or waits in the queue (``queued`` records) until a
+  replica admits it.
+- **Fork**: forks are records like any other, with ``forked_from`` set; their creation calls
+  ``runtime.fork`` instead of ``runtime.create``.
 - **Reconcile** (at start and every ``reconcile_interval_s``): runtime sandboxes without a
   record are deleted; READY records whose runtime sandbox is gone or exited become FAILED;
   PENDING records without a creating key are taken over. ``runtime.exits()`` events make
@@ -53,6 +62,7 @@ from orchard.core.etcd import (
     LeaseNotFound,
     PutOp,
 )
+from orchard.env.admission import AdmissionQueue, next_rounds
 from orchard.env.agents import AgentLink, AgentLinks
 from orchard.env.config import EnvConfig
 from orchard.env.metrics import EnvMetrics
@@ -62,8 +72,11 @@ from orchard.env.records import (
     CREATING,
     REPLICAS,
     SANDBOXES,
+    OwnerRecord,
     SandboxRecord,
     creating_key,
+    owner_key,
+    owner_request_key,
     request_key,
     sandbox_key,
 )
@@ -72,11 +85,13 @@ from orchard.env.runtime.base import (
     FailureReason,
     Runtime,
     RuntimeFailure,
+    RuntimeNotSupported,
     RuntimeResources,
     RuntimeSandboxSpec,
     SandboxStatus,
 )
 from orchard.env.v1 import env_pb2
+from orchard.env.validation import heartbeat_timeout_s
 
 __all__ = ["SandboxController"]
 
@@ -87,10 +102,15 @@ READY = env_pb2.SANDBOX_STATE_READY
 FAILED = env_pb2.SANDBOX_STATE_FAILED
 DELETING = env_pb2.SANDBOX_STATE_DELETING
 _SETTLED = (READY, FAILED)
+_FORKS_PER_TXN = 48  # two operations each (record, creating key), under etcd's 128
 
 
 def new_sandbox_id() -> str:
     return "sbx-" + secrets.token_hex(6)
+
+
+def new_owner_id() -> str:
+    return "own-" + secrets.token_hex(6)
 
 
 def _now() -> timestamp_pb2.Timestamp:
@@ -101,6 +121,14 @@ def _now() -> timestamp_pb2.Timestamp:
 
 def _store_unavailable(exc: EtcdError) -> OrchardError:
     return OrchardError(EnvReason.STATE_STORE_UNAVAILABLE, f"state store unavailable: {exc}")
+
+
+def owner_not_found(owner_id: str) -> OrchardError:
+    return OrchardError(
+        EnvReason.OWNER_NOT_FOUND,
+        f"no owner {owner_id!r} (unknown, another tenant's, or its lease expired)",
+        metadata={"owner_id": owner_id},
+    )
 
 
 def not_found(sandbox_id: str) -> OrchardError:
@@ -137,6 +165,21 @@ class SandboxController:
         self._background: list[asyncio.Task[None]] = []
         self._create_slots = asyncio.Semaphore(config.max_concurrent_creates)
         self._closing = False
+        self.admission = AdmissionQueue(
+            store,
+            config.admission,
+            queued=self._queued,
+            start_creation=lambda record: self._start_creation(record, time.monotonic()),
+            replica_lease=self._replica_lease_id,
+            replica_id=self.replica_id,
+        )
+
+    def _replica_lease_id(self) -> int:
+        assert self._replica_lease is not None
+        return self._replica_lease.id
+
+    def _queued(self) -> list[SandboxRecord]:
+        return [r for r in self.watcher.records.values() if r.queued and r.state == PENDING]
 
     # -- lifecycle of the controller ----------------------------------------------------------
 
@@ -150,6 +193,7 @@ class SandboxController:
         )
         await self.watcher.start()
         await self.reconcile()
+        self.admission.start()
         self._background = [
             asyncio.create_task(self._reconcile_loop(), name="reconcile"),
             asyncio.create_task(self._follow_exits(), name="runtime-exits"),
@@ -162,6 +206,7 @@ class SandboxController:
         they made); their records stay PENDING and another replica, or this one after a
         restart, takes them over once this replica's lease is gone."""
         self._closing = True
+        await self.admission.close()
         for task in self._background:
             task.cancel()
         creations = list(self._creations.values())
@@ -244,6 +289,10 @@ class SandboxController:
     async def create(
         self, tenant: str, spec: env_pb2.SandboxSpec, ttl_s: int, request_id: str
     ) -> SandboxRecord:
+        """Write a new PENDING record and start it, or queue it when admission is full.
+
+        With ``spec.owner_id`` the record lives under the owner's lease (NOT_FOUND when the
+        owner is unknown, another tenant's or expired)."""
         assert self._replica_lease is not None
         started = time.monotonic()
         rkey = request_key(tenant, request_id) if request_id else ""
@@ -252,7 +301,7 @@ class SandboxController:
                 existing = await self._by_request(tenant, rkey)
                 if existing is not None:
                     return existing
-            lease = await self.store.grant_lease(ttl_s)
+            lease_id, lease_ttl, own_lease = await self._new_lease(tenant, spec, ttl_s)
             sandbox = env_pb2.Sandbox(
                 id=new_sandbox_id(),
                 tenant=tenant,
@@ -262,32 +311,114 @@ class SandboxController:
                 create_time=_now(),
             )
             record = SandboxRecord(sandbox, request_key=rkey)
-            key = record.key
-            ops = [
-                PutOp.of(key, record.encode(), lease.id),
-                PutOp.of(creating_key(tenant, sandbox.id), self.replica_id, self._replica_lease.id),
-            ]
-            compare = []
-            if rkey:
-                ops.append(PutOp.of(rkey, sandbox.id, lease.id))
-                compare.append(Compare.create_revision(rkey, CompareOp.EQUAL, 0))
-            result = await self.store.txn(compare, ops)
-            if not result.succeeded:
-                # A concurrent retry with the same request id won.
-                with contextlib.suppress(EtcdError):
-                    await self.store.revoke_lease(lease)
-                existing = await self._by_request(tenant, rkey)
-                if existing is None:
-                    raise OrchardError(Reason.ABORTED, "a retry with this request_id raced; retry")
-                return existing
+            slots: list[str] | None = []
+            if self.admission.enabled:
+                slots = await self.admission.reserve(sandbox)
+            for _ in range(2):
+                if slots is None:
+                    self._check_queue_room(1, [lease_id] if own_lease else [])
+                    waiting = self._queued()
+                    record.queued = True
+                    record.queue_round = next_rounds(waiting, tenant, 1)[0]
+                    sandbox.queue_position = len(waiting) + 1
+                result = await self._insert([(record, lease_id)], rkey, slots or [])
+                if result.succeeded:
+                    break
+                existing = await self._by_request(tenant, rkey) if rkey else None
+                if existing is not None or slots is None:
+                    # A concurrent retry with the same request id won.
+                    if own_lease:
+                        with contextlib.suppress(EtcdError):
+                            await self.store.revoke_lease(lease_id)
+                    if existing is None:
+                        raise OrchardError(
+                            Reason.ABORTED, "a retry with this request_id raced; retry"
+                        )
+                    return existing
+                slots = None  # another creation took the free slot first: queue
+        except LeaseNotFound:
+            raise owner_not_found(spec.owner_id) from None
         except EtcdError as exc:
             raise _store_unavailable(exc) from exc
         record.mod_revision = result.revision
-        record.lease = lease.id
-        record.sandbox.expire_time.FromSeconds(int(time.time()) + lease.ttl)
-        self._start_creation(record, started)
+        record.lease = lease_id
+        record.sandbox.expire_time.FromSeconds(int(time.time()) + lease_ttl)
+        if record.queued:
+            self.admission.wake()
+        else:
+            self._start_creation(record, started)
         self.metrics.create_seconds.observe(time.monotonic() - started)
         return record
+
+    async def _new_lease(
+        self, tenant: str, spec: env_pb2.SandboxSpec, ttl_s: int
+    ) -> tuple[int, int, bool]:
+        """The lease a new record goes under: ``(id, ttl, whether it is the record's own)``;
+        the owner's when ``spec.owner_id`` is set."""
+        if spec.owner_id:
+            owner = await self.get_owner(tenant, spec.owner_id)
+            info = await self.store.lease_time_to_live(owner.lease)
+            if info is None:
+                raise owner_not_found(spec.owner_id)
+            return owner.lease, info.ttl, False
+        lease = await self.store.grant_lease(ttl_s)
+        return lease.id, lease.ttl, True
+
+    def _check_queue_room(self, count: int, own_leases: list[int]) -> None:
+        waiting = len(self._queued())
+        if waiting + count <= self.config.admission.max_queued:
+            return
+        for lease_id in own_leases:
+            # Nothing is attached yet; the lease would expire anyway.
+            self._spawn(self._revoke_quietly(lease_id), f"revoke-{lease_id:x}")
+        retry = self.config.admission.retry_after_s
+        raise OrchardError(
+            EnvReason.ADMISSION_QUEUE_FULL,
+            f"the admission queue is full ({waiting} waiting, at most "
+            f"{self.config.admission.max_queued}); nothing was created, retry in {retry:g} s",
+            metadata={"retry_after_s": f"{retry:g}", "queued": str(waiting)},
+        )
+
+    async def _revoke_quietly(self, lease_id: int) -> None:
+        with contextlib.suppress(EtcdError):
+            await self.store.revoke_lease(lease_id)
+
+    async def _insert(
+        self,
+        records: list[tuple[SandboxRecord, int]],
+        rkey: str,
+        slots: list[str],
+        *,
+        rvalue: str = "",
+    ) -> Any:
+        """Write new records (each under its lease) in one transaction, guarded by the request
+        key being absent; ``slots`` (compared absent) go to the first record. Records not
+        queued get a creating key of this replica."""
+        assert self._replica_lease is not None
+        compare: list[Compare] = []
+        ops: list[Any] = []
+        for record, lease_id in records:
+            first = record is records[0][0]
+            record.slots = tuple(slots) if first and not record.queued else ()
+            if not record.queued:
+                ops.append(
+                    PutOp.of(
+                        creating_key(record.tenant, record.id),
+                        self.replica_id,
+                        self._replica_lease.id,
+                    )
+                )
+            ops.append(PutOp.of(record.key, record.encode(), lease_id))
+        if slots and not records[0][0].queued:
+            slot_compare, slot_puts = self.admission.slot_ops(
+                records[0][0].id, slots, records[0][1]
+            )
+            compare += slot_compare
+            ops += slot_puts
+        if rkey:
+            ops.append(PutOp.of(rkey, rvalue or records[0][0].id, records[0][1]))
+            compare.append(Compare.create_revision(rkey, CompareOp.EQUAL, 0))
+        return await self.store.txn(compare, ops)
 
     async def _by_request(self, tenant: str, rkey: str) -> SandboxRecord | None:
         kv = await self.store.get(rkey)
@@ -342,7 +473,11 @@ class SandboxController:
                 # A replica died while creating it: clear whatever it left first.
                 await self.runtime.delete(sid)
             try:
-                made = await self.runtime.create(self.runtime_spec(record.sandbox))
+                spec = self.runtime_spec(record.sandbox)
+                source = record.sandbox.forked_from
+                made = await (
+                    self.runtime.fork(source, spec) if source else self.runtime.create(spec)
+                )
             except asyncio.CancelledError:
                 if not self._closing:
                     with contextlib.suppress(EtcdError):
@@ -351,6 +486,16 @@ class SandboxController:
             except RuntimeFailure as exc:
                 await self.fail(
                     tenant, sid, exc.reason.value, exc.message, extra_ops=[DeleteOp.of(ckey)]
+                )
+                await self._drop_creating(ckey)
+                return
+            except RuntimeNotSupported as exc:
+                await self.fail(
+                    tenant,
+                    sid,
+                    FailureReason.INTERNAL.value,
+                    str(exc),
+                    extra_ops=[DeleteOp.of(ckey)],
                 )
                 await self._drop_creating(ckey)
                 return
@@ -429,12 +574,18 @@ class SandboxController:
     ) -> bool:
         """PENDING/READY → FAILED with a reason, then release the runtime's resources."""
 
+        held: list[str] = []
+
         def to_failed(r: SandboxRecord) -> bool:
             if r.state not in (PENDING, READY):
                 return False
             r.sandbox.state = FAILED
             r.sandbox.failure.reason = reason
             r.sandbox.failure.message = message
+            r.sandbox.queue_position = 0
+            r.queued = False
+            held[:] = r.slots
+            r.slots = ()
             return True
 
         try:
@@ -447,6 +598,8 @@ class SandboxController:
         if updated is not None:
             self.metrics.failed.labels(reason=reason).inc()
             log.info("sandbox failed", extra={"sandbox_id": sandbox_id, "reason": reason})
+            if held:
+                await self.admission.release(sandbox_id, held)
         self.agents.drop(sandbox_id)
         await self.runtime.delete(sandbox_id)
         return updated is not None
@@ -492,6 +645,211 @@ class SandboxController:
             raise _store_unavailable(exc) from exc
         return time.time() + ttl
 
+    # -- fork --------------------------------------------------------------------------------
+
+    async def fork(
+        self,
+        tenant: str,
+        source_id: str,
+        count: int,
+        labels: dict[str, str],
+        request_id: str,
+    ) -> list[SandboxRecord]:
+        """``count`` new records copying a READY sandbox's spec (labels merged), each with
+        ``forked_from`` set and a lease of its own (or the source's owner's); they go through
+        admission like creations."""
+        assert self._replica_lease is not None
+        started = time.monotonic()
+        # Its own hash input: a fork's request id never meets a create's.
+        rkey = request_key(tenant, "\0fork\0" + request_id) if request_id else ""
+        try:
+            if rkey:
+                existing = await self._forks_by_request(tenant, rkey)
+                if existing is not None:
+                    return existing
+            source = await self.get(tenant, source_id, expire_time=False)
+            if source.state != READY:
+                state = env_pb2.SandboxState.Name(source.state).removeprefix("SANDBOX_STATE_")
+                raise OrchardError(
+                    EnvReason.SANDBOX_NOT_READY,
+                    f"sandbox {source_id!r} is {state}: only a READY sandbox can be forked",
+                    metadata={"sandbox_id": source_id, "state": state},
+                )
+            spec = env_pb2.SandboxSpec()
+            spec.CopyFrom(source.sandbox.spec)
+            spec.labels.update(labels)
+            queued = self.admission.enabled
+            if queued:
+                self._check_queue_room(count, [])
+            ttl_s = heartbeat_timeout_s(spec, self.config.limits)
+            records: list[tuple[SandboxRecord, int]] = []
+            own: list[int] = []
+            waiting = self._queued()
+            rounds = next_rounds(waiting, tenant, count)
+            try:
+                for i in range(count):
+                    if spec.owner_id:
+                        lease_id = source.lease
+                    else:
+                        lease = await self.store.grant_lease(ttl_s)
+                        lease_id = lease.id
+                        own.append(lease_id)
+                    sandbox = env_pb2.Sandbox(
+                        id=new_sandbox_id(),
+                        tenant=tenant,
+                        spec=spec,
+                        state=PENDING,
+                        runtime=self.runtime.name,
+                        create_time=_now(),
+                        forked_from=source_id,
+                        queue_position=len(waiting) + i + 1 if queued else 0,
+                    )
+                    record = SandboxRecord(
+                        sandbox,
+                        request_key=rkey if i == 0 else "",
+                        queued=queued,
+                        queue_round=rounds[i],
+                    )
+                    records.append((record, lease_id))
+                ids = json.dumps([record.id for record, _ in records])
+                # etcd caps operations per transaction (128 by default): the first chunk carries
+                # the request key, so a retry sees all or none of the forks of that chunk.
+                for offset in range(0, count, _FORKS_PER_TXN):
+                    chunk = records[offset : offset + _FORKS_PER_TXN]
+                    result = await self._insert(chunk, rkey if offset == 0 else "", [], rvalue=ids)
+                    if not result.succeeded:
+                        for lease_id in own:
+                            await self._revoke_quietly(lease_id)
+                        existing = await self._forks_by_request(tenant, rkey)
+                        if existing is None:
+                            raise OrchardError(
+                                Reason.ABORTED, "a retry with this request_id raced; retry"
+                            )
+                        return existing
+                    for record, _ in chunk:
+                        record.mod_revision = result.revision
+            except BaseException:
+                if not records or records[0][0].mod_revision == 0:
+                    for lease_id in own:
+                        await self._revoke_quietly(lease_id)
+                raise
+        except LeaseNotFound:
+            raise not_found(source_id) from None
+        except EtcdError as exc:
+            raise _store_unavailable(exc) from exc
+        now = int(time.time())
+        for record, lease_id in records:
+            record.lease = lease_id
+            record.sandbox.expire_time.FromSeconds(now + ttl_s)
+            if not queued:
+                self._start_creation(record, started)
+        if queued:
+            self.admission.wake()
+        return [record for record, _ in records]
+
+    async def _forks_by_request(self, tenant: str, rkey: str) -> list[SandboxRecord] | None:
+        kv = await self.store.get(rkey)
+        if kv is None:
+            return None
+        found = []
+        for sandbox_id in json.loads(kv.value_str):
+            record_kv = await self.store.get(sandbox_key(tenant, sandbox_id))
+            if record_kv is not None:
+                record = SandboxRecord.from_kv(record_kv)
+                await self.fill_expire_time(record)
+                found.append(record)
+        return found
+
+    # -- owners ------------------------------------------------------------------------------
+
+    async def create_owner(
+        self, tenant: str, labels: dict[str, str], ttl_s: int, request_id: str
+    ) -> OwnerRecord:
+        """An owner record under a new lease of ``ttl_s``; a retry with the same request id
+        returns the same owner."""
+        rkey = owner_request_key(tenant, request_id) if request_id else ""
+        try:
+            if rkey:
+                existing = await self._owner_by_request(tenant, rkey)
+                if existing is not None:
+                    return existing
+            lease = await self.store.grant_lease(ttl_s)
+            owner = env_pb2.Owner(id=new_owner_id(), tenant=tenant, labels=labels)
+            owner.heartbeat_timeout.FromSeconds(ttl_s)
+            record = OwnerRecord(owner, lease=lease.id)
+            ops = [PutOp.of(record.key, record.encode(), lease.id)]
+            compare = []
+            if rkey:
+                ops.append(PutOp.of(rkey, owner.id, lease.id))
+                compare.append(Compare.create_revision(rkey, CompareOp.EQUAL, 0))
+            result = await self.store.txn(compare, ops)
+            if not result.succeeded:
+                await self._revoke_quietly(lease.id)
+                existing = await self._owner_by_request(tenant, rkey)
+                if existing is None:
+                    raise OrchardError(Reason.ABORTED, "a retry with this request_id raced; retry")
+                return existing
+        except EtcdError as exc:
+            raise _store_unavailable(exc) from exc
+        owner.expire_time.FromSeconds(int(time.time()) + lease.ttl)
+        return record
+
+    async def _owner_by_request(self, tenant: str, rkey: str) -> OwnerRecord | None:
+        kv = await self.store.get(rkey)
+        if kv is None:
+            return None
+        with contextlib.suppress(OrchardError):
+            return await self.get_owner(tenant, kv.value_str)
+        return None
+
+    async def get_owner(self, tenant: str, owner_id: str) -> OwnerRecord:
+        """An owner of ``tenant`` with its expiry; NOT_FOUND for another tenant's."""
+        try:
+            kv = await self.store.get(owner_key(tenant, owner_id))
+            if kv is None:
+                raise owner_not_found(owner_id)
+            record = OwnerRecord.from_kv(kv)
+            info = await self.store.lease_time_to_live(record.lease)
+        except EtcdError as exc:
+            raise _store_unavailable(exc) from exc
+        if info is None:
+            raise owner_not_found(owner_id)
+        record.owner.expire_time.FromSeconds(int(time.time()) + max(info.ttl, 0))
+        return record
+
+    async def heartbeat_owner(self, tenant: str, owner_id: str) -> float:
+        """Renew the owner's lease once (and with it every sandbox under it)."""
+        try:
+            kv = await self.store.get(owner_key(tenant, owner_id))
+            if kv is None:
+                raise owner_not_found(owner_id)
+            ttl = await self.store.refresh_lease(kv.lease)
+        except LeaseNotFound:
+            raise owner_not_found(owner_id) from None
+        except EtcdError as exc:
+            raise _store_unavailable(exc) from exc
+        return time.time() + ttl
+
+    async def delete_owner(self, tenant: str, owner_id: str) -> int:
+        """Revoke the owner's lease: its record and every sandbox record under it vanish in
+        one step, and each replica's watch reaps them. Returns how many sandboxes it had."""
+        try:
+            kv = await self.store.get(owner_key(tenant, owner_id))
+            if kv is None:
+                return 0
+            info = await self.store.lease_time_to_live(kv.lease, keys=True)
+            if info is None:
+                return 0
+            count = sum(1 for key in info.keys if key.startswith(SANDBOXES.encode()))
+            with contextlib.suppress(LeaseNotFound):
+                await self.store.revoke_lease(kv.lease)
+        except EtcdError as exc:
+            raise _store_unavailable(exc) from exc
+        log.info("owner deleted", extra={"owner_id": owner_id, "sandboxes": count})
+        return count
+
+    # -- delete --------------------------------------------------------------------------------
+
     async def delete(self, tenant: str, sandbox_id: str) -> None:
         started = time.monotonic()
         key = sandbox_key(tenant, sandbox_id)
@@ -524,7 +882,62 @@ class SandboxController:
             await self.store.txn([], ops)
         except EtcdError as exc:
             raise _store_unavailable(exc) from exc
+        await self.admission.release(sandbox_id, record.slots)
         self.metrics.delete_seconds.observe(time.monotonic() - started)
+
+    # -- network policy ----------------------------------------------------------------------
+
+    async def update_network_policy(
+        self, tenant: str, sandbox_id: str, policy: env_pb2.NetworkPolicy
+    ) -> SandboxRecord:
+        """Apply ``policy`` in the runtime (it holds when this returns), then record it.
+
+        NOT_FOUND; FAILED_PRECONDITION unless READY (a PENDING sandbox starts with the policy
+        of its spec); UNIMPLEMENTED when the runtime cannot enforce it; UNAVAILABLE when it
+        failed to apply it (e.g. a host name did not resolve), the record unchanged.
+        """
+        record = await self.get(tenant, sandbox_id, expire_time=False)
+        self._require_ready_for_policy(record)
+        try:
+            await self.runtime.update_egress(sandbox_id, egress_rules(policy))
+        except RuntimeNotSupported as exc:
+            raise OrchardError(Reason.UNIMPLEMENTED, str(exc)) from None
+        except RuntimeFailure as exc:
+            raise OrchardError(
+                Reason.UNAVAILABLE,
+                f"sandbox {sandbox_id!r}: the network policy was not applied: {exc.message}",
+                metadata={"sandbox_id": sandbox_id},
+            ) from None
+        refused: list[SandboxRecord] = []
+
+        def set_policy(r: SandboxRecord) -> bool:
+            if r.state != READY:
+                refused.append(r)
+                return False
+            r.sandbox.spec.network_policy.CopyFrom(policy)
+            return True
+
+        try:
+            updated = await self._update(record.key, set_policy)
+        except EtcdError as exc:
+            raise _store_unavailable(exc) from exc
+        if updated is None:
+            if refused:
+                self._require_ready_for_policy(refused[0])
+            raise not_found(sandbox_id)
+        await self.fill_expire_time(updated)
+        return updated
+
+    @staticmethod
+    def _require_ready_for_policy(record: SandboxRecord) -> None:
+        if record.state != READY:
+            state = env_pb2.SandboxState.Name(record.state).removeprefix("SANDBOX_STATE_")
+            raise OrchardError(
+                EnvReason.SANDBOX_NOT_READY,
+                f"sandbox {record.id!r} is {state}: its network policy can change only while "
+                "it is READY",
+                metadata={"sandbox_id": record.id, "state": state},
+            )
 
     # -- the agent ---------------------------------------------------------------------------
 
@@ -561,6 +974,8 @@ class SandboxController:
     # -- watcher events (RecordListener) -------------------------------------------------
 
     def record_changed(self, record: SandboxRecord, previous: SandboxRecord | None) -> None:
+        if record.queued and (previous is None or not previous.queued):
+            self.admission.wake()
         if record.state in (FAILED, DELETING):
             self.agents.drop(record.id)
             creation = self._creations.get(record.id)
@@ -575,16 +990,22 @@ class SandboxController:
             creation.cancel()
         if previous is None or previous.state != DELETING:
             self._spawn(self._reap(sandbox_id), f"reap-{sandbox_id}")
+        if previous is not None and previous.queued:
+            self.admission.wake()  # the positions behind it move up
         self._count_states()
+
+    def slot_released(self) -> None:
+        self.admission.wake()
 
     def creating_deleted(self, tenant: str, sandbox_id: str, replica: str) -> None:
         if replica == self.replica_id or self._closing:
             return
         record = self.watcher.records.get(sandbox_key(tenant, sandbox_id))
-        if record is not None and record.state == PENDING:
+        if record is not None and record.state == PENDING and not record.queued:
             self._spawn(self._take_over(tenant, sandbox_id), f"take-over-{sandbox_id}")
 
     def resynced(self) -> None:
+        self.admission.wake()
         self._count_states()
 
     def _count_states(self) -> None:
@@ -611,7 +1032,7 @@ class SandboxController:
             if kv is None:
                 return False
             record = SandboxRecord.from_kv(kv)
-            if record.state != PENDING:
+            if record.state != PENDING or record.queued:
                 return False
             record.adopted_by = self.replica_id
             result = await self.store.txn(
@@ -638,6 +1059,7 @@ class SandboxController:
     async def _reconcile_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.reconcile_interval_s)
+            self.admission.wake()
             try:
                 await self.reconcile()
             except EtcdUnavailable as exc:
@@ -676,6 +1098,7 @@ class SandboxController:
                     done["failed"] += 1
             elif (
                 record.state == PENDING
+                and not record.queued
                 and record.id not in creating
                 and await self._take_over(record.tenant, record.id)
             ):

@@ -17,6 +17,11 @@ class EnvReason(ErrorReason):
         "The call carries no bearer token, or one no tenant holds.",
     )
     SANDBOX_NOT_FOUND = (grpc.StatusCode.NOT_FOUND, "No such sandbox for this tenant.")
+    OWNER_NOT_FOUND = (grpc.StatusCode.NOT_FOUND, "No such owner for this tenant (or it expired).")
+    ADMISSION_QUEUE_FULL = (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "The admission queue is full; nothing was created. Retry after `retry_after_s`.",
+    )
     SANDBOX_NOT_READY = (
         grpc.StatusCode.FAILED_PRECONDITION,
         "The sandbox is not READY (still PENDING, FAILED or being deleted).",

@@ -21,7 +21,7 @@ from orchard.core.etcd import (
     KeyValue,
     WatchEvent,
 )
-from orchard.env.records import CREATING, SANDBOXES, SandboxRecord, parse_sandbox_key
+from orchard.env.records import CREATING, SANDBOXES, SLOTS, SandboxRecord, parse_sandbox_key
 
 __all__ = ["RecordListener", "RecordWatcher"]
 
@@ -41,11 +41,14 @@ class RecordListener(Protocol):
 
     def creating_deleted(self, tenant: str, sandbox_id: str, replica: str) -> None: ...
 
+    def slot_released(self) -> None: ...
+
     def resynced(self) -> None: ...
 
 
 class RecordWatcher:
-    """The process's one watch over ``sandboxes/`` and ``creating/``."""
+    """The process's one watch over ``sandboxes/`` and ``creating/`` (and admission slots
+    being released)."""
 
     def __init__(self, store: EtcdStore, listener: RecordListener) -> None:
         self._store = store
@@ -158,6 +161,8 @@ class RecordWatcher:
                 parsed = parse_sandbox_key(key)
                 if parsed is not None:
                     self._listener.creating_deleted(*parsed, replica)
+        elif key.startswith(SLOTS) and event.type is EventType.DELETE:
+            self._listener.slot_released()
 
     def _wake(self, key: str) -> None:
         for future in self._waiters.pop(key, ()):

@@ -6,6 +6,15 @@ Keys, under the configured prefix (``orchard/env/`` by default)::
     requests/<tenant>/<sha256(request_id)[:32]>   sandbox id    the sandbox's lease
     creating/<tenant>/<sandbox_id>    replica id                the creating replica's lease
     replicas/<replica_id>             start time                that replica's lease
+    owners/<tenant>/<owner_id>        Owner (protobuf JSON)     the owner's lease
+    owner-requests/<tenant>/<sha256(request_id)[:32]>   owner id   the owner's lease
+    slots/<scope>/<index>             sandbox id                the sandbox's lease
+
+A sandbox bound to an owner (``spec.owner_id``) has its record, request key and slots under
+the owner's lease instead of one of its own. ``slots/`` keys are admission slots: scope
+``all``, ``tenant/<tenant>`` or ``owner/<owner_id>``, index below the configured capacity; a
+key exists while its sandbox is admitted (starting or READY), so a prefix count is the number
+of admitted sandboxes of that scope across every replica.
 
 A record is a JSON envelope: ``sandbox`` is the public ``orchard.env.v1.Sandbox`` in protobuf
 JSON form (``expire_time`` left out: it is the lease's remaining TTL, read on demand), the rest
@@ -26,20 +35,29 @@ from orchard.env.v1 import env_pb2
 
 __all__ = [
     "CREATING",
+    "OWNERS",
     "REPLICAS",
     "REQUESTS",
     "SANDBOXES",
+    "SLOTS",
+    "OwnerRecord",
     "SandboxRecord",
     "creating_key",
+    "owner_key",
+    "owner_request_key",
     "parse_sandbox_key",
     "request_key",
     "sandbox_key",
+    "slot_scope",
 ]
 
 SANDBOXES = "sandboxes/"
 REQUESTS = "requests/"
 CREATING = "creating/"
 REPLICAS = "replicas/"
+OWNERS = "owners/"
+OWNER_REQUESTS = "owner-requests/"
+SLOTS = "slots/"
 
 State = env_pb2.SandboxState
 
@@ -56,6 +74,20 @@ def request_key(tenant: str, request_id: str) -> str:
     # Hashed: request ids are client strings of any length and alphabet.
     digest = hashlib.sha256(request_id.encode()).hexdigest()[:32]
     return f"{REQUESTS}{tenant}/{digest}"
+
+
+def owner_key(tenant: str, owner_id: str) -> str:
+    return f"{OWNERS}{tenant}/{owner_id}"
+
+
+def owner_request_key(tenant: str, request_id: str) -> str:
+    digest = hashlib.sha256(request_id.encode()).hexdigest()[:32]
+    return f"{OWNER_REQUESTS}{tenant}/{digest}"
+
+
+def slot_scope(kind: str, name: str = "") -> str:
+    """The key prefix of one admission scope: ``slots/all/``, ``slots/tenant/<t>/``, ..."""
+    return f"{SLOTS}{kind}/{name}/" if name else f"{SLOTS}{kind}/"
 
 
 def parse_sandbox_key(key: bytes | str) -> tuple[str, str] | None:
@@ -78,6 +110,12 @@ class SandboxRecord:
     request_key: str = ""
     # Set when a replica took over a creation whose replica died; for the log and tests.
     adopted_by: str = ""
+    # Waiting in the admission queue (PENDING, no creation running anywhere).
+    queued: bool = False
+    # Its place in the fair order, fixed when it joined the queue (see admission.fair_order).
+    queue_round: int = 0
+    # The admission slot keys it holds (released on FAILED and delete; its lease drops them).
+    slots: tuple[str, ...] = ()
     # Filled in on read, never stored.
     mod_revision: int = field(default=0, compare=False)
     lease: int = field(default=0, compare=False)
@@ -110,6 +148,11 @@ class SandboxRecord:
             envelope["request_key"] = self.request_key
         if self.adopted_by:
             envelope["adopted_by"] = self.adopted_by
+        if self.queued:
+            envelope["queued"] = True
+            envelope["queue_round"] = self.queue_round
+        if self.slots:
+            envelope["slots"] = list(self.slots)
         return json.dumps(envelope, separators=(",", ":"), sort_keys=True).encode()
 
     @classmethod
@@ -123,6 +166,9 @@ class SandboxRecord:
             agent_address=envelope.get("agent_address", ""),
             request_key=envelope.get("request_key", ""),
             adopted_by=envelope.get("adopted_by", ""),
+            queued=bool(envelope.get("queued", False)),
+            queue_round=int(envelope.get("queue_round", 0)),
+            slots=tuple(envelope.get("slots", ())),
             mod_revision=mod_revision,
             lease=lease,
         )
@@ -131,3 +177,26 @@ class SandboxRecord:
     def from_kv(cls, kv: Any) -> SandboxRecord:
         """From an ``orchard.core.etcd.KeyValue``."""
         return cls.decode(kv.value, mod_revision=kv.mod_revision, lease=kv.lease)
+
+
+@dataclass
+class OwnerRecord:
+    """What the store holds for one owner: the public ``Owner`` (minus ``expire_time``)."""
+
+    owner: env_pb2.Owner
+    lease: int = field(default=0, compare=False)
+
+    @property
+    def key(self) -> str:
+        return owner_key(self.owner.tenant, self.owner.id)
+
+    def encode(self) -> bytes:
+        owner = env_pb2.Owner()
+        owner.CopyFrom(self.owner)
+        owner.ClearField("expire_time")
+        return json_format.MessageToJson(owner, indent=None, sort_keys=True).encode()
+
+    @classmethod
+    def from_kv(cls, kv: Any) -> OwnerRecord:
+        owner = json_format.Parse(kv.value, env_pb2.Owner(), ignore_unknown_fields=True)
+        return cls(owner=owner, lease=kv.lease)

@@ -24,7 +24,13 @@ from orchard.env.reasons import EnvReason
 from orchard.env.records import SandboxRecord
 from orchard.env.selectors import parse_selector
 from orchard.env.v1 import env_pb2, env_service_pb2, env_service_pb2_grpc
-from orchard.env.validation import invalid, validate_spec
+from orchard.env.validation import (
+    heartbeat_timeout_s,
+    invalid,
+    validate_egress,
+    validate_labels,
+    validate_spec,
+)
 from orchard.inagent.v1 import inagent_service_pb2 as agent_pb2
 
 __all__ = ["EnvServicer"]
@@ -34,6 +40,7 @@ T = TypeVar("T")
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
 _DEFAULT_PAGE = 100
 _MAX_PAGE = 1000
+_MAX_FORKS = 64
 
 
 class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
@@ -65,11 +72,7 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
         spec = request.spec
         ttl = validate_spec(spec, self._config.limits)
         if spec.owner_id:
-            raise OrchardError(
-                Reason.UNIMPLEMENTED,
-                "spec.owner_id: owners are not implemented by this service version yet",
-                metadata={"field": "spec.owner_id"},
-            )
+            _require_owner_id(spec.owner_id, "spec.owner_id")
         if len(request.request_id) > 256:
             raise invalid("request_id", "at most 256 characters")
         record = await self.controller.create(tenant, spec, ttl, request.request_id)
@@ -330,20 +333,88 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
             Reason.UNIMPLEMENTED, f"{what} is not implemented by this service version yet"
         )
 
-    async def ForkSandbox(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unimplemented(context, "ForkSandbox")
+    async def ForkSandbox(
+        self, request: env_service_pb2.ForkSandboxRequest, context: grpc.aio.ServicerContext
+    ) -> env_service_pb2.ForkSandboxResponse:
+        tenant = self._auth.tenant(context)
+        _require_id(request.sandbox_id)
+        if not 1 <= request.count <= _MAX_FORKS:
+            raise invalid("count", f"must be 1-{_MAX_FORKS}, got {request.count}")
+        validate_labels(request.labels, "labels")
+        if len(request.request_id) > 256:
+            raise invalid("request_id", "at most 256 characters")
+        records = await self.controller.fork(
+            tenant, request.sandbox_id, request.count, dict(request.labels), request.request_id
+        )
+        return env_service_pb2.ForkSandboxResponse(sandboxes=[r.sandbox for r in records])
 
-    async def CreateOwner(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unimplemented(context, "CreateOwner (owners)")
+    # -- owners ------------------------------------------------------------------------------
 
-    async def HeartbeatOwner(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unimplemented(context, "HeartbeatOwner (owners)")
+    async def CreateOwner(
+        self, request: env_service_pb2.CreateOwnerRequest, context: grpc.aio.ServicerContext
+    ) -> env_service_pb2.CreateOwnerResponse:
+        tenant = self._auth.tenant(context)
+        validate_labels(request.labels, "labels")
+        if len(request.request_id) > 256:
+            raise invalid("request_id", "at most 256 characters")
+        # The same bounds as a sandbox's heartbeat timeout.
+        probe = env_pb2.SandboxSpec()
+        if request.HasField("heartbeat_timeout"):
+            probe.heartbeat_timeout.CopyFrom(request.heartbeat_timeout)
+        try:
+            ttl = heartbeat_timeout_s(probe, self._config.limits)
+        except OrchardError as exc:
+            raise invalid("heartbeat_timeout", exc.message.partition(": ")[2]) from None
+        record = await self.controller.create_owner(
+            tenant, dict(request.labels), ttl, request.request_id
+        )
+        return env_service_pb2.CreateOwnerResponse(owner=record.owner)
 
-    async def DeleteOwner(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unimplemented(context, "DeleteOwner (owners)")
+    async def HeartbeatOwner(
+        self, request: env_service_pb2.HeartbeatOwnerRequest, context: grpc.aio.ServicerContext
+    ) -> env_service_pb2.HeartbeatOwnerResponse:
+        tenant = self._auth.tenant(context)
+        _require_owner_id(request.owner_id)
+        expire = await self.controller.heartbeat_owner(tenant, request.owner_id)
+        response = env_service_pb2.HeartbeatOwnerResponse()
+        response.expire_time.FromNanoseconds(int(expire * 1e9))
+        return response
 
-    async def UpdateNetworkPolicy(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unimplemented(context, "UpdateNetworkPolicy")
+    async def DeleteOwner(
+        self, request: env_service_pb2.DeleteOwnerRequest, context: grpc.aio.ServicerContext
+    ) -> env_service_pb2.DeleteOwnerResponse:
+        tenant = self._auth.tenant(context)
+        _require_owner_id(request.owner_id)
+        deleted = await self.controller.delete_owner(tenant, request.owner_id)
+        return env_service_pb2.DeleteOwnerResponse(sandboxes_deleted=deleted)
+
+    async def UpdateNetworkPolicy(
+        self,
+        request: env_service_pb2.UpdateNetworkPolicyRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> env_service_pb2.UpdateNetworkPolicyResponse:
+        tenant = self._auth.tenant(context)
+        _require_id(request.sandbox_id)
+        validate_egress(request.network_policy, "network_policy")
+        if len(request.request_id) > 256:
+            raise invalid("request_id", "at most 256 characters")
+        # Replacing the whole policy is idempotent: a retry needs no deduplication.
+        record = await self.controller.update_network_policy(
+            tenant, request.sandbox_id, request.network_policy
+        )
+        response = env_service_pb2.UpdateNetworkPolicyResponse(sandbox=record.sandbox)
+        rules = request.network_policy.egress
+        expiring = [rule.expire_time for rule in rules if rule.HasField("expire_time")]
+        if expiring:
+            response.next_expire_time.CopyFrom(min(expiring, key=lambda t: t.ToNanoseconds()))
+        return response
+
+
+def _require_owner_id(owner_id: str, field: str = "owner_id") -> None:
+    if not owner_id:
+        raise invalid(field, "required")
+    if len(owner_id) > 64 or "/" in owner_id:
+        raise invalid(field, f"{owner_id[:64]!r} is not an owner id")
 
 
 def _require_id(sandbox_id: str) -> None:

@@ -1,9 +1,10 @@
-"""Image references: ``host``, ``rootfs:/abs/dir``, ``oci-archive:/path[:ref]``,
-``docker-archive:/path[:ref]``."""
+"""Image references: ``host``, ``rootfs:/abs/dir``, ``oci-archive:/path[:tag|@digest]``,
+``docker-archive:/path[:name:tag|@digest]``."""
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -13,20 +14,26 @@ __all__ = ["ImageKind", "ImageReference", "parse_image_reference"]
 
 ImageKind = Literal["host", "rootfs", "oci-archive", "docker-archive"]
 _KINDS: tuple[ImageKind, ...] = ("host", "rootfs", "oci-archive", "docker-archive")
+_DIGEST = re.compile(r"(?P<path>.+)@(?P<digest>sha256:[0-9a-f]{64})")
 
 
 @dataclass(frozen=True)
 class ImageReference:
-    """A parsed image name: its kind, the path it points at (if any) and an optional tag."""
+    """A parsed image name: its kind, the path it points at (if any) and, for archives, an
+    optional tag or ``sha256:`` digest picking one image of several."""
 
     kind: ImageKind
     path: str = ""
     tag: str = ""
+    digest: str = ""
 
     def __str__(self) -> str:
         if self.kind == "host":
             return "host"
-        return f"{self.kind}:{self.path}" + (f":{self.tag}" if self.tag else "")
+        text = f"{self.kind}:{self.path}"
+        if self.digest:
+            return f"{text}@{self.digest}"
+        return text + (f":{self.tag}" if self.tag else "")
 
 
 def parse_image_reference(text: str) -> ImageReference:
@@ -40,11 +47,14 @@ def parse_image_reference(text: str) -> ImageReference:
             f"image {text!r}: expected 'host', 'rootfs:/abs/dir', 'oci-archive:/path[:ref]' or "
             "'docker-archive:/path[:ref]'",
         )
-    path, tag = rest, ""
-    if kind != "rootfs" and ":" in rest:
+    path, tag, digest = rest, "", ""
+    pinned = _DIGEST.fullmatch(rest) if kind != "rootfs" else None
+    if pinned:
+        path, digest = pinned["path"], pinned["digest"]
+    elif kind != "rootfs" and ":" in rest:
         path, _, tag = rest.partition(":")
     if not os.path.isabs(path) or os.path.normpath(path) != path.rstrip("/") or "\0" in path:
         raise RuntimeFailure(
             FailureReason.IMAGE_INVALID, f"image {text!r}: the path must be absolute and normal"
         )
-    return ImageReference(kind, path.rstrip("/") or "/", tag)
+    return ImageReference(kind, path.rstrip("/") or "/", tag, digest)

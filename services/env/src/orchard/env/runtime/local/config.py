@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["BUNDLE_ENV", "LocalResources", "LocalRuntimeConfig", "default_agent_bundle"]
+__all__ = [
+    "BUNDLE_ENV",
+    "LocalNetwork",
+    "LocalResources",
+    "LocalRuntimeConfig",
+    "default_agent_bundle",
+]
 
 BUNDLE_ENV = "ORCHARD_INAGENT_BUNDLE"
 """Environment variable naming the agent bundle directory when the config does not."""
@@ -49,6 +56,39 @@ class LocalResources(BaseModel):
     )
 
 
+class LocalNetwork(BaseModel):
+    """How sandboxes with egress rules reach their allowed destinations (see ``network.py``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    pool: str = Field(
+        default="10.213.0.0/16",
+        description="IPv4 block the sandbox links are cut from, a /31 each (host end, sandbox "
+        "end): a /16 holds 32,768 sandboxes with egress. Must not overlap a network the host "
+        "routes to (destinations inside it are unreachable).",
+    )
+    nft_table: str = Field(
+        default="orchard",
+        pattern=r"^[A-Za-z][A-Za-z0-9_]{0,31}$",
+        description="The nftables table (family inet) this runtime owns: one chain and one set "
+        "per sandbox with egress. Nothing else on the host is touched.",
+    )
+    host_forwarding: bool = Field(
+        default=True,
+        description="Turn on IPv4 forwarding for the whole host (net.ipv4.ip_forward) when the "
+        "first sandbox gets a link, so that destinations beyond this host answer. False: only "
+        "the sandbox links forward; enable it on the uplink yourself.",
+    )
+
+    @field_validator("pool")
+    @classmethod
+    def _ipv4_block(cls, pool: str) -> str:
+        network = ipaddress.ip_network(pool, strict=True)
+        if not isinstance(network, ipaddress.IPv4Network) or network.prefixlen > 30:
+            raise ValueError(f"{pool}: needs an IPv4 block of at least two /31 links")
+        return pool
+
+
 class LocalRuntimeConfig(BaseModel):
     """The ``local`` runtime: sandboxes as namespaced process trees on this host (needs root)."""
 
@@ -64,6 +104,11 @@ class LocalRuntimeConfig(BaseModel):
         "/var/lib/orchard/env/local/sandboxes",
         description="Per-sandbox writable layer (overlay upper and work directories) and the "
         "agent's log. Must be a file system overlayfs accepts as upper (ext4, xfs, tmpfs).",
+    )
+    image_cache_dir: str = Field(
+        "/var/lib/orchard/env/local/images",
+        description="Unpacked oci-archive and docker-archive images, one read-only directory "
+        "per image config digest, unpacked on first use and kept.",
     )
     run_dir: str = Field(
         "/run/orchard-env",
@@ -97,4 +142,8 @@ class LocalRuntimeConfig(BaseModel):
     default_resources: LocalResources = Field(
         default=LocalResources(),
         description="Limits for requests that leave a value at zero.",
+    )
+    network: LocalNetwork = Field(
+        default=LocalNetwork(),
+        description="Links, addresses and nftables rules of sandboxes with egress rules.",
     )

@@ -27,7 +27,6 @@ from orchard.env.runtime.base import (
     FailureReason,
     Runtime,
     RuntimeFailure,
-    RuntimeNotSupported,
     RuntimeResources,
     RuntimeSandbox,
     RuntimeSandboxSpec,
@@ -37,7 +36,7 @@ from orchard.env.runtime.base import (
 )
 from orchard.env.runtime.local.cgroups import CgroupDriver, select_cgroup_driver
 from orchard.env.runtime.local.config import LocalRuntimeConfig
-from orchard.env.runtime.local.network import check_egress
+from orchard.env.runtime.local.network import SandboxNetworks
 from orchard.env.runtime.local.process import open_pidfd, signal_pidfd
 from orchard.env.runtime.local.spawn import AgentLaunch, start_sandbox_process
 from orchard.env.runtime.local.state import SandboxPaths, SandboxState, StateStore
@@ -105,8 +104,9 @@ class LocalRuntime(Runtime):
 
     def __init__(self, config: LocalRuntimeConfig, images: ImageResolver | None = None) -> None:
         self.config = config
-        self.images = images or ImageResolver()
+        self.images = images or ImageResolver(config.image_cache_dir)
         self.store = StateStore(config.state_dir)
+        self.networks = SandboxNetworks(config.network, config.state_dir)
         self._cgroups: CgroupDriver | None = None
         self._locks: dict[str, asyncio.Lock] = {}
         self._pidfds: dict[str, int] = {}  # sandbox id → pidfd of its PID 1, while running
@@ -171,8 +171,8 @@ class LocalRuntime(Runtime):
     async def create(self, spec: RuntimeSandboxSpec) -> RuntimeSandbox:
         self._require_started()
         _check_id(spec.sandbox_id)
-        check_egress(spec.sandbox_id, spec.egress)
-        image = self.images.resolve(spec.image)
+        # Unpacking an archive image the first time takes a while: off the event loop.
+        image = await asyncio.to_thread(self.images.resolve, spec.image)
         sandbox_id = spec.sandbox_id
         async with self._lock(sandbox_id):
             if self._leftovers(sandbox_id):
@@ -187,7 +187,10 @@ class LocalRuntime(Runtime):
                 raise
 
     async def _create_locked(
-        self, spec: RuntimeSandboxSpec, image: ResolvedImage
+        self,
+        spec: RuntimeSandboxSpec,
+        image: ResolvedImage,
+        snapshot_of: SandboxPaths | None = None,
     ) -> RuntimeSandbox:
         cgroups = self._driver()
         sandbox_id = spec.sandbox_id
@@ -209,11 +212,15 @@ class LocalRuntime(Runtime):
         for directory in (paths.upper, paths.work, paths.root):
             os.mkdir(directory, 0o755)
         os.makedirs(paths.run, mode=0o755)
+        if snapshot_of is not None:
+            await self._copy_upper(snapshot_of, paths)
         cgroups.create(sandbox_id, resources)
         started = await start_sandbox_process(self._launch(spec, image, state), self.config.python)
         try:
             self._pidfds[sandbox_id] = started.pidfd
             self.store.write(state.with_process(started.pid, started.start_time))
+            # While the agent starts: a sandbox with egress rules gets its link and rules.
+            await self.networks.apply(sandbox_id, started.pid, spec.egress)
             await started.wait_ready(self.config.start_timeout_s)
         except RuntimeFailure as failure:
             if failure.reason is FailureReason.AGENT_EXITED and cgroups.oom_kills(
@@ -276,7 +283,58 @@ class LocalRuntime(Runtime):
         )
 
     async def fork(self, source_id: str, spec: RuntimeSandboxSpec) -> RuntimeSandbox:
-        raise RuntimeNotSupported("the local runtime cannot fork sandboxes yet")
+        """Start ``spec`` over a copy of the source's writable layer taken now.
+
+        The fork's overlay is the source image's layers under an upper layer that starts as a
+        copy of the source's (``cp -a --reflink=auto``: whiteouts, opaque directories, owners,
+        modes and extended attributes kept; copy-on-write where the file system can). The copy
+        is the fork's upper rather than a lower layer of its own: overlayfs refuses a lower
+        layer inside another one (ELOOP), which every directory is for the host image (``/``).
+        The source keeps running and is not paused: a file it is writing during the copy may
+        arrive torn in the fork; files it finished writing before the call arrive whole.
+        Processes are not copied.
+        """
+        self._require_started()
+        _check_id(source_id)
+        _check_id(spec.sandbox_id)
+        source = self.store.read(source_id)
+        if source is None or await self.status(source_id) is not SandboxStatus.RUNNING:
+            raise RuntimeFailure(
+                FailureReason.RUNTIME_DIED, f"sandbox {source_id} is not running: cannot fork it"
+            )
+        image = await asyncio.to_thread(self.images.resolve, source.image)
+        sandbox_id = spec.sandbox_id
+        async with self._lock(sandbox_id):
+            if self._leftovers(sandbox_id):
+                raise RuntimeFailure(
+                    FailureReason.INTERNAL, f"sandbox {sandbox_id} exists already; delete it first"
+                )
+            try:
+                return await self._create_locked(spec, image, snapshot_of=source.paths)
+            except BaseException:
+                await asyncio.shield(self._delete_locked(sandbox_id))
+                raise
+
+    @staticmethod
+    async def _copy_upper(source: SandboxPaths, paths: SandboxPaths) -> None:
+        """Copy the source's upper layer into the new sandbox's (still empty) upper layer."""
+        process = await asyncio.create_subprocess_exec(
+            "cp",
+            "-a",
+            "--reflink=auto",
+            "--",
+            f"{source.upper}/.",
+            paths.upper,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, stderr = await process.communicate()
+        if process.returncode != 0:
+            raise RuntimeFailure(
+                FailureReason.INTERNAL,
+                f"copying the source's file system failed: {stderr.decode(errors='replace')}",
+            )
 
     async def delete(self, sandbox_id: str) -> None:
         self._require_started()
@@ -307,6 +365,7 @@ class LocalRuntime(Runtime):
                 )
             )
             await self._remove_cgroups(sandbox_id, cgroups, dirs)
+            await self.networks.remove(sandbox_id)
             paths = state.paths if state else self._paths(sandbox_id)
             for directory in (paths.workspace, paths.run):
                 await asyncio.to_thread(shutil.rmtree, directory, ignore_errors=True)
@@ -343,17 +402,26 @@ class LocalRuntime(Runtime):
 
     async def list_sandboxes(self) -> list[str]:
         self._require_started()
-        found = set(self.store.ids()) | self._driver().ids()
+        found = set(self.store.ids()) | self._driver().ids() | await self.networks.ids()
         for directory in (self.config.workspace_dir, self.config.run_dir):
             with contextlib.suppress(FileNotFoundError):
                 found.update(entry.name for entry in os.scandir(directory) if entry.is_dir())
         return sorted(name for name in found if _ID.fullmatch(name))
 
     async def update_egress(self, sandbox_id: str, egress: Sequence[EgressRule]) -> None:
+        """Replace the sandbox's allowed destinations in one nftables transaction (the first
+        rules also give it its link); applied when this returns."""
         self._require_started()
-        if await self.status(sandbox_id) is SandboxStatus.ABSENT:
-            raise RuntimeFailure(FailureReason.INTERNAL, f"sandbox {sandbox_id} does not exist")
-        check_egress(sandbox_id, egress)
+        _check_id(sandbox_id)
+        async with self._lock(sandbox_id):
+            state = self.store.read(sandbox_id)
+            pidfd = open_pidfd(state.pid, state.start_time) if state and state.pid else None
+            if state is None or pidfd is None:
+                raise RuntimeFailure(FailureReason.INTERNAL, f"sandbox {sandbox_id} is not running")
+            try:
+                await self.networks.apply(sandbox_id, state.pid, egress)
+            finally:
+                os.close(pidfd)  # held so far: the pid cannot name another process meanwhile
 
     async def exits(self) -> AsyncIterator[SandboxExit]:
         """Events of sandboxes whose agent stopped without a delete: while this runtime
@@ -440,6 +508,7 @@ class LocalRuntime(Runtime):
             or os.path.lexists(paths.workspace)
             or os.path.lexists(paths.run)
             or any(os.path.isdir(d) for d in self._driver().dirs_for(sandbox_id))
+            or self.networks.has_link(sandbox_id)
         )
 
     def _resources(self, requested: RuntimeResources) -> RuntimeResources:

@@ -1,0 +1,303 @@
+"""Egress rules of the real ``local`` runtime, end to end through the service (needs root).
+
+The destinations live in a network namespace of the test's own, linked to the host by a veth
+pair: A (two ports) and B (one port) on addresses from the test's block. Nothing is ever sent
+beyond that namespace, the sandboxes' links and loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from orchard.env.runtime.base import RuntimeUnavailable
+from orchard.env.v1 import env_pb2
+from orchard.env.v1 import env_service_pb2 as api
+
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
+    pytest.mark.skipif(shutil.which("nft") is None, reason="needs nft (nftables)"),
+]
+
+POOL = "10.214.0.0/20"  # the sandboxes' links
+HOST_END = "10.214.200.1"  # the destination namespace's link, outside the pool
+A = "10.214.200.2"
+B = "10.214.200.3"
+LISTENER = """
+import socket, selectors, sys
+sel = selectors.DefaultSelector()
+for address, port, tag in (("{a}", 8001, b"A1"), ("{a}", 8002, b"A2"), ("{b}", 8001, b"B1")):
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((address, port))
+    sock.listen(64)
+    sel.register(sock, selectors.EVENT_READ, tag)
+print("ready", flush=True)
+while True:
+    for key, _ in sel.select():
+        conn, _ = key.fileobj.accept()
+        conn.sendall(key.data)
+        conn.close()
+"""
+# Prints one word per target: its tag, or "--" when nothing answered within a second.
+PROBE = f"""
+probe() {{ timeout 1 bash -c "exec 3<>/dev/tcp/$1/$2 && head -c2 <&3" 2>/dev/null || echo --; }}
+probe {A} 8001 >/tmp/1 & probe {A} 8002 >/tmp/2 & probe {B} 8001 >/tmp/3 & wait
+echo $(cat /tmp/1) $(cat /tmp/2) $(cat /tmp/3)
+"""
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+
+@pytest.fixture
+def destinations() -> Iterator[None]:
+    """A namespace with listeners on A:8001, A:8002 and B:8001, reached through the host."""
+    name = f"orctest-{secrets.token_hex(4)}"
+    link = f"otd{secrets.token_hex(5)}"
+    listener = None
+    ip("netns", "add", name)
+    try:
+        ip("link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", name)
+        ip("addr", "add", f"{HOST_END}/29", "dev", link)
+        ip("link", "set", link, "up")
+        # Replies from the destinations are forwarded back to the sandboxes' links.
+        Path(f"/proc/sys/net/ipv4/conf/{link}/forwarding").write_text("1")
+        ip("-n", name, "addr", "add", f"{A}/29", "dev", "eth0")
+        ip("-n", name, "addr", "add", f"{B}/29", "dev", "eth0")
+        ip("-n", name, "link", "set", "eth0", "up")
+        ip("-n", name, "link", "set", "lo", "up")
+        ip("-n", name, "route", "add", "default", "via", HOST_END)
+        listener = subprocess.Popen(
+            ["ip", "netns", "exec", name, sys.executable, "-c", LISTENER.format(a=A, b=B)],
+            stdout=subprocess.PIPE,
+        )
+        assert listener.stdout is not None and listener.stdout.readline() == b"ready\n"
+        yield
+    finally:
+        if listener is not None:
+            listener.kill()
+            listener.wait()
+        subprocess.run(["ip", "link", "del", link], capture_output=True, check=False)
+        ip("netns", "del", name)
+
+
+@dataclass
+class Network:
+    runtime: Any
+    table: str
+
+
+@pytest.fixture
+async def network(tmp_path: Path) -> AsyncIterator[Network]:
+    from orchard.env.runtime.local import LocalRuntime, LocalRuntimeConfig
+    from orchard.env.runtime.local.config import LocalNetwork
+
+    run_dir = tempfile.mkdtemp(prefix="orc-")
+    table = f"orchtest{secrets.token_hex(4)}"
+    config = LocalRuntimeConfig(
+        state_dir=str(tmp_path / "state"),
+        workspace_dir=str(tmp_path / "sandboxes"),
+        run_dir=run_dir,
+        cgroup_parent=f"orchard-test-{uuid.uuid4().hex[:8]}",
+        network=LocalNetwork(pool=POOL, nft_table=table, host_forwarding=False),
+    )
+    runtime = LocalRuntime(config)
+    try:
+        await runtime.start()
+    except RuntimeUnavailable as exc:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        pytest.skip(str(exc))
+    try:
+        yield Network(runtime, table)
+    finally:
+        for sandbox_id in await runtime.list_sandboxes():
+            await runtime.delete(sandbox_id)
+        assert _links(table) == []
+        assert await runtime.networks.ids() == set()
+        await runtime.networks.close_table()
+        await runtime.close()
+        cgroups = getattr(runtime, "_cgroups", None)
+        for parent in getattr(cgroups, "parents", ()):
+            if os.path.isdir(parent):
+                os.rmdir(parent)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _links(table: str) -> list[str]:
+    """Host ends of this runtime's sandbox links."""
+    found = []
+    for entry in os.scandir("/sys/class/net"):
+        alias = Path(entry.path, "ifalias")
+        owned = alias.exists() and alias.read_text().startswith(f"{table}/")
+        if entry.name.startswith("orc") and owned:
+            found.append(entry.name)
+    return found
+
+
+def _chains(table: str) -> str:
+    done = subprocess.run(
+        ["nft", "list", "table", "inet", table], capture_output=True, text=True, check=False
+    )
+    return done.stdout
+
+
+def allow(destination: str, *ports: int, expire_in_s: float | None = None) -> env_pb2.NetworkPolicy:
+    rule = env_pb2.EgressRule(destination=destination, ports=ports, protocol=env_pb2.PROTOCOL_TCP)
+    if expire_in_s is not None:
+        rule.expire_time.FromNanoseconds(int((time.time() + expire_in_s) * 1e9))
+    return env_pb2.NetworkPolicy(egress=[rule])
+
+
+async def probe(env: Any, sandbox_id: str) -> str:
+    result = await env.shell(sandbox_id, PROBE)
+    assert result.status.exit_code == 0, result
+    return str(result.stdout.decode().strip())
+
+
+async def test_network_default_policy_reaches_nothing_but_lo(
+    env_factory: Any, network: Network, destinations: None
+) -> None:
+    env = await env_factory(runtime=network.runtime)
+    sandbox = await env.ready(image="host")
+    interfaces = await env.shell(sandbox.id, "ls /sys/class/net")
+    assert interfaces.stdout.split() == [b"lo"]
+    assert await probe(env, sandbox.id) == "-- -- --"
+    assert _links(network.table) == []
+
+
+async def test_network_allows_one_destination_port_only(
+    env_factory: Any, network: Network, destinations: None
+) -> None:
+    env = await env_factory(runtime=network.runtime)
+    sandbox = await env.ready(image="host", network_policy=allow(A, 8001))
+    assert await probe(env, sandbox.id) == "A1 -- --"
+    # No CAP_NET_ADMIN inside: the sandbox cannot touch its address or routes.
+    change = await env.shell(sandbox.id, "ip route del default || ip addr flush dev eth0")
+    assert change.status.exit_code != 0 and b"not permitted" in change.stderr
+    # The host itself is not reachable either: a listener on the link's host end.
+    record = network.runtime.networks._read(sandbox.id)
+    server = await asyncio.start_server(lambda r, w: w.close(), record.host_address, 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        host = await env.shell(
+            sandbox.id, f"timeout 1 bash -c '</dev/tcp/{record.host_address}/{port}'; echo $?"
+        )
+        assert host.stdout.strip() == b"124"  # dropped, not refused, not accepted
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_network_sandboxes_cannot_reach_each_other(
+    env_factory: Any, network: Network, destinations: None
+) -> None:
+    env = await env_factory(runtime=network.runtime)
+    wide = env_pb2.NetworkPolicy(
+        egress=[env_pb2.EgressRule(destination=POOL), env_pb2.EgressRule(destination=A)]
+    )
+    first = await env.ready(image="host", network_policy=wide)
+    second = await env.ready(image="host", network_policy=wide)
+    other = network.runtime.networks._read(second.id).sandbox_address
+    script = (
+        f"timeout 1 bash -c '</dev/tcp/{A}/9'; echo $?; "  # allowed, nothing listens: refused
+        f"timeout 1 bash -c '</dev/tcp/{other}/9'; echo $?"  # the other sandbox: dropped
+    )
+    result = await env.shell(first.id, script)
+    assert result.stdout.split() == [b"1", b"124"]
+
+
+async def test_network_allowance_expires(
+    env_factory: Any, network: Network, destinations: None
+) -> None:
+    env = await env_factory(runtime=network.runtime)
+    expires = time.time() + 3
+    sandbox = await env.ready(image="host", network_policy=allow(A, 8001, expire_in_s=3))
+    assert time.time() < expires - 1.2, "the sandbox took too long to start for this test"
+    assert await probe(env, sandbox.id) == "A1 -- --"
+    await asyncio.sleep(expires - time.time() + 0.1)
+    assert await probe(env, sandbox.id) == "-- -- --"
+
+
+async def test_network_update_policy_through_the_service(
+    env_factory: Any, network: Network, destinations: None
+) -> None:
+    env = await env_factory(runtime=network.runtime)
+    sandbox = await env.ready(image="host", network_policy=allow(B, 8001))
+    assert await probe(env, sandbox.id) == "-- -- B1"
+    started = time.monotonic()
+    reply = await env.stub.UpdateNetworkPolicy(
+        api.UpdateNetworkPolicyRequest(sandbox_id=sandbox.id, network_policy=allow(A, 8001)),
+        metadata=env.md(),
+    )
+    update_s = time.monotonic() - started
+    assert reply.sandbox.spec.network_policy == allow(A, 8001)
+    assert not reply.HasField("next_expire_time")
+    assert await probe(env, sandbox.id) == "A1 -- --"
+    got = await env.stub.GetSandbox(api.GetSandboxRequest(sandbox_id=sandbox.id), metadata=env.md())
+    assert got.sandbox.spec.network_policy == allow(A, 8001)
+    # A sandbox without a link gets one on its first rules; an empty policy denies all again.
+    plain = await env.ready(image="host")
+    expiring = allow(A, 8002, expire_in_s=60)
+    reply = await env.stub.UpdateNetworkPolicy(
+        api.UpdateNetworkPolicyRequest(sandbox_id=plain.id, network_policy=expiring),
+        metadata=env.md(),
+    )
+    assert reply.next_expire_time == expiring.egress[0].expire_time
+    assert await probe(env, plain.id) == "-- A2 --"
+    await env.stub.UpdateNetworkPolicy(
+        api.UpdateNetworkPolicyRequest(sandbox_id=plain.id), metadata=env.md()
+    )
+    assert await probe(env, plain.id) == "-- -- --"
+    await env.stub.DeleteSandbox(api.DeleteSandboxRequest(sandbox_id=plain.id), metadata=env.md())
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await env.stub.UpdateNetworkPolicy(
+            api.UpdateNetworkPolicyRequest(sandbox_id=plain.id), metadata=env.md()
+        )
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        bad = env_pb2.NetworkPolicy(egress=[env_pb2.EgressRule(destination="no such host!")])
+        await env.stub.UpdateNetworkPolicy(
+            api.UpdateNetworkPolicyRequest(sandbox_id=sandbox.id, network_policy=bad),
+            metadata=env.md(),
+        )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert update_s < 1.0
+
+
+async def test_network_cleanup_and_leftovers(
+    env_factory: Any, network: Network, destinations: None
+) -> None:
+    runtime = network.runtime
+    env = await env_factory(runtime=runtime)
+    kept = await env.ready(image="host", network_policy=allow(A, 8001))
+    gone = await env.ready(image="host", network_policy=allow(A, 8001))
+    assert len(_links(network.table)) == 2
+    await env.stub.DeleteSandbox(api.DeleteSandboxRequest(sandbox_id=gone.id), metadata=env.md())
+    assert len(_links(network.table)) == 1
+    assert f"sandbox-{gone.id}" not in _chains(network.table)
+    assert f"sandbox-{kept.id}" in _chains(network.table)
+    # A chain whose record was lost is still found, and deleting the sandbox removes it.
+    (Path(runtime.config.state_dir) / "network" / f"{kept.id}.json").unlink()
+    assert kept.id in await runtime.list_sandboxes()
+    await runtime.delete(kept.id)
+    assert _links(network.table) == []
+    assert "sandbox-" not in _chains(network.table)
+    assert "allow-" not in _chains(network.table)
+    assert not any((Path(runtime.config.state_dir) / "network").iterdir())
