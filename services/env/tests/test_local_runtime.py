@@ -141,14 +141,17 @@ class TestWithTheAgent:
             await runtime.close()
             remove_cgroup_parents(runtime)
 
+    # A forked agent shares the zygote's pages (charged to the zygote's cgroup), so it needs
+    # less of the sandbox's own memory to start than an executed one.
+    @pytest.mark.parametrize(("launch", "limit"), [("exec", 8 << 20), ("zygote", 3 << 20)])
     async def test_too_little_memory_to_start_is_out_of_memory(
-        self, config: LocalRuntimeConfig
+        self, config: LocalRuntimeConfig, launch: str, limit: int
     ) -> None:
-        runtime = LocalRuntime(config)
+        runtime = LocalRuntime(config.model_copy(update={"agent_launch": launch}))
         await runtime.start()
         try:
             with pytest.raises(RuntimeFailure) as caught:
-                tiny = RuntimeResources(memory_bytes=8 << 20)
+                tiny = RuntimeResources(memory_bytes=limit)
                 await runtime.create(RuntimeSandboxSpec("tiny", "host", resources=tiny))
             assert caught.value.reason is FailureReason.OUT_OF_MEMORY
             assert await runtime.list_sandboxes() == []

@@ -32,7 +32,9 @@ from orchard.inagent.v1 import inagent_service_pb2 as agent_pb
 from orchard.inagent.v1 import inagent_service_pb2_grpc as agent_grpc
 from orchard.types.v1 import exec_pb2
 
-RUNTIMES = ["local"]
+# Each entry is a runtime, optionally with a variant: the local runtime runs the suite with both
+# of its agent launches.
+RUNTIMES = ["local-zygote", "local-exec"]
 BUSYBOX = "/bin/busybox"
 
 
@@ -59,7 +61,7 @@ class RuntimeHarness(abc.ABC):
 
 
 class LocalHarness(RuntimeHarness):
-    def __init__(self, base: Path, busybox_root: Path) -> None:
+    def __init__(self, base: Path, busybox_root: Path, agent_launch: str) -> None:
         from orchard.env.runtime.local import LocalRuntimeConfig
 
         self.base = base
@@ -71,6 +73,7 @@ class LocalHarness(RuntimeHarness):
             run_dir=self.run_dir,
             cgroup_parent=f"orchard-test-{uuid.uuid4().hex[:8]}",
             start_timeout_s=30,
+            agent_launch=agent_launch,
         )
         self.images = {"busybox": f"rootfs:{busybox_root}", "host": "host"}
         self._cgroup_parents: tuple[str, ...] = ()
@@ -159,11 +162,11 @@ def busybox_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def harness(
     request: pytest.FixtureRequest, tmp_path: Path, busybox_root: Path
 ) -> Iterator[RuntimeHarness]:
-    if request.param == "local":
+    if request.param.startswith("local-"):
         reason = local_unavailable()
         if reason:
             pytest.skip(reason)
-        made = LocalHarness(tmp_path, busybox_root)
+        made = LocalHarness(tmp_path, busybox_root, request.param.removeprefix("local-"))
     else:  # pragma: no cover - other runtimes register here
         raise AssertionError(request.param)
     try:

@@ -40,6 +40,7 @@ from orchard.env.runtime.local.network import SandboxNetworks
 from orchard.env.runtime.local.process import open_pidfd, signal_pidfd
 from orchard.env.runtime.local.spawn import AgentLaunch, start_sandbox_process
 from orchard.env.runtime.local.state import SandboxPaths, SandboxState, StateStore
+from orchard.env.runtime.local.zygote import AgentZygote
 
 __all__ = ["AGENT_MOUNT", "LocalRuntime"]
 
@@ -113,6 +114,7 @@ class LocalRuntime(Runtime):
         self._deleting: set[str] = set()
         self._exits: asyncio.Queue[SandboxExit | None] = asyncio.Queue()
         self._started = False
+        self._zygote = AgentZygote(config.python) if config.agent_launch == "zygote" else None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -123,6 +125,8 @@ class LocalRuntime(Runtime):
         cgroups = select_cgroup_driver(self.config.cgroup_parent, self.config.cgroup_version)
         cgroups.prepare()
         self._cgroups = cgroups
+        if self._zygote is not None:
+            await self._zygote.start()  # fails fast, with the fix, when it cannot start
         for directory in (self.config.state_dir, self.config.workspace_dir, self.config.run_dir):
             os.makedirs(directory, mode=0o711, exist_ok=True)
         self._started = True
@@ -163,6 +167,8 @@ class LocalRuntime(Runtime):
             loop.remove_reader(pidfd)
             os.close(pidfd)
         self._pidfds.clear()
+        if self._zygote is not None:
+            await self._zygote.close()
         self._started = False
         self._exits.put_nowait(None)
 
@@ -215,7 +221,11 @@ class LocalRuntime(Runtime):
         if snapshot_of is not None:
             await self._copy_upper(snapshot_of, paths)
         cgroups.create(sandbox_id, resources)
-        started = await start_sandbox_process(self._launch(spec, image, state), self.config.python)
+        launch = self._launch(spec, image, state)
+        if self._zygote is not None:
+            started = await self._zygote.start_sandbox_process(launch)
+        else:
+            started = await start_sandbox_process(launch, self.config.python)
         try:
             self._pidfds[sandbox_id] = started.pidfd
             self.store.write(state.with_process(started.pid, started.start_time))

@@ -228,8 +228,12 @@ def drop_capabilities(last_cap: int) -> None:
             _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"drop capability {cap}")
 
 
-def become_agent(plan: dict[str, object]) -> None:
-    """Runs as PID 1 of the new namespaces; returns only by raising."""
+def enter_root(plan: dict[str, object]) -> None:
+    """As PID 1 of the new namespaces: build the root, pivot into it and trim capabilities.
+
+    Leaves open only 0 (``/dev/null``), 1 and 2 (the log) and the ready descriptor, which it
+    makes inheritable. Also used by the agent's fork server, which then runs the agent in place.
+    """
     ready_fd = int(plan["ready_fd"])  # type: ignore[call-overload]
     log_fd = os.open(str(plan["log_file"]), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
     null_fd = os.open("/dev/null", os.O_RDONLY)
@@ -249,6 +253,12 @@ def become_agent(plan: dict[str, object]) -> None:
     os.closerange(3, ready_fd)
     os.closerange(ready_fd + 1, 65536)
     os.set_inheritable(ready_fd, True)
+
+
+def become_agent(plan: dict[str, object]) -> None:
+    """Runs as PID 1 of the new namespaces; returns only by raising."""
+    enter_root(plan)
+    ready_fd = int(plan["ready_fd"])  # type: ignore[call-overload]
     argv = [str(arg) for arg in plan["argv"]]  # type: ignore[attr-defined]
     argv += ["--ready-fd", str(ready_fd)]
     env = {str(k): str(v) for k, v in plan["env"].items()}  # type: ignore[attr-defined]
@@ -265,13 +275,18 @@ def join_cgroups(procs_files: list[str]) -> None:
             file.write(pid)
 
 
+def enter_namespaces(procs_files: list[str]) -> None:
+    """Join the sandbox's cgroups and unshare its namespaces; the next fork is its PID 1."""
+    join_cgroups(procs_files)
+    flags = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWPID
+    _check(_libc.unshare(flags), "unshare")
+
+
 def main() -> int:
     plan = marshal.loads(bytes.fromhex(sys.argv[1]))
     ready_fd = int(plan["ready_fd"])
     try:
-        join_cgroups(list(plan["cgroup_procs"]))
-        flags = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWPID
-        _check(_libc.unshare(flags), "unshare")
+        enter_namespaces(list(plan["cgroup_procs"]))
     except OSError as exc:
         os.write(ready_fd, f"!RESOURCES_UNAVAILABLE {exc}\n".encode())
         return 1
