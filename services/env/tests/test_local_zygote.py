@@ -206,3 +206,25 @@ async def test_delete_leaves_nothing(zr: ZygoteRuntime) -> None:
     assert children == []
     fds = os.listdir(f"/proc/{zygote}/fd")
     assert len(fds) <= 4, [os.readlink(f"/proc/{zygote}/fd/{fd}") for fd in fds]
+
+
+def test_readiness_check_takes_fd_numbers_above_1024() -> None:
+    # Hundreds of sandboxes push the service's descriptors past select()'s 1024 limit.
+    import resource
+
+    from orchard.env.runtime.local.zygote import _readable_now
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip("the descriptor limit is too low to test fd numbers above 1024")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    read_end, write_end = os.pipe()
+    high = os.dup2(read_end, 2000)
+    try:
+        assert not _readable_now(high)
+        os.write(write_end, b"x")
+        assert _readable_now(high)
+    finally:
+        for fd in (read_end, write_end, high):
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

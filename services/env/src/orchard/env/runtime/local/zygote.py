@@ -208,7 +208,7 @@ class AgentZygote:
         pid, pidfd = int(data), fds[0]
         start_time = process_start_time(pid) or 0
         # The pidfd is not readable while PID 1 lives: then the start time read above is its own.
-        if not start_time or select.select([pidfd], [], [], 0)[0]:
+        if not start_time or _readable_now(pidfd):
             os.close(pidfd)
             early = StartedSandbox(pid, start_time, -1, ready_read)
             await early.wait_ready(_REPLY_TIMEOUT_S)
@@ -225,3 +225,10 @@ class AgentZygote:
         except TimeoutError:
             return True
         return False
+
+
+def _readable_now(fd: int) -> bool:
+    """Whether ``fd`` is readable without waiting; poll, unlike select, takes any fd number."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
