@@ -456,8 +456,10 @@ class EnvBench:
                 wait=False,
                 keep_alive=False,
             )
-        except SDKError:
-            timings.fail("create")
+        except SDKError as exc:
+            timings.fail(f"create:{type(exc).__name__}")
+            if len(self.notes) < 5:
+                self.notes.append(f"create #{index}: {str(exc)[:300]}")
             return False
         timings.create.append(time.perf_counter() - t0)
         self._track(sandbox.id, sampler)
