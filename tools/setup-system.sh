@@ -8,6 +8,8 @@
 #   busybox-static   the minimal root filesystem the bundle is tested in
 #   unshare          (util-linux) namespaces for sandbox tests
 #   umoci, skopeo    build real OCI and docker-archive images offline in the image tests
+#   nftables, iproute2  sandbox egress rules (veth pairs, nftables sets)
+#   openssl          test certificates for the TLS tests
 set -euo pipefail
 
 missing=()
@@ -21,6 +23,9 @@ dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q "ok installed"
 command -v unshare >/dev/null || missing+=(util-linux)
 command -v umoci >/dev/null || missing+=(umoci)
 command -v skopeo >/dev/null || missing+=(skopeo)
+command -v nft >/dev/null || missing+=(nftables)
+command -v ip >/dev/null || missing+=(iproute2)
+command -v openssl >/dev/null || missing+=(openssl)
 
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0

@@ -215,6 +215,9 @@ class Settings:
     max_message_bytes: int = 1 << 22
     metrics_address: str | None = None
     unix_socket_mode: int = 0o600
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
 
 async def main() -> None:
     async with GrpcServer("toy", [], Settings()) as server:

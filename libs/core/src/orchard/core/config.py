@@ -48,7 +48,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from orchard.core.addresses import parse_listen_address
 from orchard.core.config_sources import (
@@ -142,6 +149,23 @@ class ServerConfig(ConfigModel):
         description="Permissions of Unix sockets the server creates (octal string accepted).",
     )
     log_level: LogLevel = Field(default="INFO", description="Lowest level of log records written.")
+    tls_cert_file: str | None = Field(
+        default=None,
+        description=(
+            "PEM certificate chain the server presents; with tls_key_file, TCP listeners serve "
+            "TLS only. Unix sockets stay plaintext (their file mode guards them)."
+        ),
+    )
+    tls_key_file: str | None = Field(
+        default=None, description="PEM private key of tls_cert_file; set both or neither."
+    )
+    tls_client_ca_file: str | None = Field(
+        default=None,
+        description=(
+            "PEM CA bundle; when set, TLS clients must present a certificate signed by it "
+            "(mutual TLS). Needs tls_cert_file and tls_key_file."
+        ),
+    )
 
     @field_validator("listen")
     @classmethod
@@ -174,6 +198,29 @@ class ServerConfig(ConfigModel):
     @classmethod
     def _upper_level(cls, value: object) -> object:
         return value.upper() if isinstance(value, str) else value
+
+    @field_validator("tls_cert_file", "tls_key_file", "tls_client_ca_file")
+    @classmethod
+    def _readable_pem(cls, value: str | None) -> str | None:
+        if not value:
+            return None  # an empty string (e.g. from the environment) means unset
+        from orchard.core.tls import read_pem  # noqa: PLC0415 - grpc, only when TLS is used
+
+        read_pem(value)
+        return value
+
+    @model_validator(mode="after")
+    def _tls_pairing(self) -> ServerConfig:
+        if not (self.tls_cert_file or self.tls_key_file or self.tls_client_ca_file):
+            return self
+        from orchard.core.tls import tls_pairing_problem  # noqa: PLC0415
+
+        problem = tls_pairing_problem(
+            self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file
+        )
+        if problem is not None:
+            raise ValueError(problem)
+        return self
 
 
 class ServiceConfig(ConfigModel):

@@ -348,6 +348,9 @@ class PlainServerConfig:
     metrics_address: str | None = None
     unix_socket_mode: int = 0o660
     log_level: str = "INFO"
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
 
     @classmethod
     def from_values(cls, values: Mapping[str, Any]) -> PlainServerConfig:
@@ -355,6 +358,8 @@ class PlainServerConfig:
         return cls(**{**values, "listen": tuple(values.get("listen", cls.listen))})
 
 
+# The TLS keys have no quick parser on purpose: their files must be checked and paired, which
+# the pydantic model does, so a service given TLS settings takes the full path.
 SERVER_PARSERS: dict[str, ValueParser] = {
     "server.listen": _listen_address,
     "server.grace_period_s": float_above(0, inclusive=True),

@@ -22,6 +22,10 @@ Two entry points:
           await server.set_serving()
           channel = grpc.aio.insecure_channel(server.addresses[0])
 
+With ``server.tls_cert_file`` and ``server.tls_key_file`` set, TCP listeners serve TLS (and,
+with ``server.tls_client_ca_file``, require client certificates); Unix sockets stay plaintext,
+guarded by their file mode (``server.unix_socket_mode``). See :mod:`orchard.core.tls`.
+
 Every server serves the stock ``grpc.health.v1.Health`` and reflection
 (``grpc.reflection.v1alpha``) for its services, health and reflection itself. Health says
 NOT_SERVING, for ``""`` and each service, until :meth:`GrpcServer.set_serving` and again from
@@ -105,6 +109,12 @@ class ServerSettings(Protocol):
     def metrics_address(self) -> str | None: ...
     @property
     def unix_socket_mode(self) -> int: ...
+    @property
+    def tls_cert_file(self) -> str | None: ...
+    @property
+    def tls_key_file(self) -> str | None: ...
+    @property
+    def tls_client_ca_file(self) -> str | None: ...
 
 
 class _RunSettings(ServerSettings, Protocol):
@@ -272,8 +282,10 @@ class GrpcServer:
 
         self._server = server
         try:
+            credentials = self._tls_credentials()
             for text in self.config.listen:
-                self._addresses.append(self._bind(server, parse_listen_address(text)))
+                address = parse_listen_address(text)
+                self._addresses.append(self._bind(server, address, credentials))
             await server.start()
             for path in self._unix_paths:
                 os.chmod(path, self.config.unix_socket_mode)
@@ -291,23 +303,59 @@ class GrpcServer:
             raise
         log.info(
             "serving",
-            extra={"addresses": self.addresses, "metrics_address": self.metrics_address},
+            extra={
+                "addresses": self.addresses,
+                "metrics_address": self.metrics_address,
+                "tls": self.tls,
+            },
         )
 
-    def _bind(self, server: grpc.aio.Server, address: ListenAddress) -> str:
+    @property
+    def tls(self) -> str:
+        """How TCP listeners are secured: ``"off"``, ``"tls"`` or ``"mutual"`` (client
+        certificates required). Unix sockets are plaintext either way."""
+        if not self.config.tls_cert_file:
+            return "off"
+        return "mutual" if self.config.tls_client_ca_file else "tls"
+
+    def _tls_credentials(self) -> grpc.ServerCredentials | None:
+        cert, key = self.config.tls_cert_file, self.config.tls_key_file
+        if not cert and not key:
+            return None
+        from orchard.core.tls import server_credentials, tls_pairing_problem  # noqa: PLC0415
+
+        # A validated ServerConfig has been checked already; a plain settings object has not.
+        problem = tls_pairing_problem(cert, key, self.config.tls_client_ca_file)
+        if problem is not None or not cert or not key:
+            raise ValueError(f"server: {problem}")
+        return server_credentials(cert, key, self.config.tls_client_ca_file)
+
+    def _bind(
+        self,
+        server: grpc.aio.Server,
+        address: ListenAddress,
+        credentials: grpc.ServerCredentials | None,
+    ) -> str:
         if address.unix_path is not None:
             path = Path(address.unix_path)
             _prepare_unix_socket(path)
-            self._bind_port(server, address)
+            self._bind_port(server, address, None)  # plaintext: guarded by the socket's mode
             self._unix_paths.append(path)
             return address.grpc_target()
-        port = self._bind_port(server, address)
+        port = self._bind_port(server, address, credentials)
         return address.with_port(port).grpc_target()
 
     @staticmethod
-    def _bind_port(server: grpc.aio.Server, address: ListenAddress) -> int:
+    def _bind_port(
+        server: grpc.aio.Server,
+        address: ListenAddress,
+        credentials: grpc.ServerCredentials | None,
+    ) -> int:
         try:
-            port = server.add_insecure_port(address.grpc_target())
+            if credentials is None:
+                port = server.add_insecure_port(address.grpc_target())
+            else:
+                port = server.add_secure_port(address.grpc_target(), credentials)
         except RuntimeError as exc:
             raise OSError(errno.EADDRNOTAVAIL, f"cannot listen on {address}: {exc}") from None
         if port == 0 and not address.is_unix:

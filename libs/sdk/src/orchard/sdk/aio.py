@@ -88,6 +88,11 @@ class AsyncSandboxClient:
     profile ``orchard up`` writes (see :mod:`orchard.sdk.connection`). ``timeout`` is the
     deadline of each quick call in seconds; ``retry`` how UNAVAILABLE is retried.
 
+    TLS: ``tls=True`` or an ``https://`` endpoint; ``tls_ca_file`` (default
+    ``$ORCHARD_TLS_CA``) is the CA that signed the server's certificate, the system's roots
+    when unset. A token goes in plaintext only to loopback or Unix endpoints unless
+    ``allow_insecure=True``.
+
     Use it as ``async with AsyncSandboxClient() as client:`` or call :meth:`close`.
     """
 
@@ -99,9 +104,17 @@ class AsyncSandboxClient:
         profile: str | os.PathLike[str] | None = None,
         retry: RetryPolicy | None = None,
         timeout: float = _DEFAULT_CALL_TIMEOUT_S,
+        tls: bool | None = None,
+        tls_ca_file: str | os.PathLike[str] | None = None,
+        allow_insecure: bool = False,
     ) -> None:
         self.settings: ConnectionSettings = resolve_connection(
-            endpoint, token, profile_path=profile
+            endpoint,
+            token,
+            tls=tls,
+            tls_ca_file=tls_ca_file,
+            allow_insecure=allow_insecure,
+            profile_path=profile,
         )
         self.retry = retry or RetryPolicy()
         self.timeout = timeout
@@ -122,7 +135,13 @@ class AsyncSandboxClient:
         """The generated ``EnvServiceStub`` (for calls this client does not wrap yet)."""
         if self._stub is None:
             # Created on first use, on the running loop: a grpc.aio channel belongs to one loop.
-            self._channel = grpc.aio.insecure_channel(self.endpoint, options=_CHANNEL_OPTIONS)
+            if self.settings.tls:
+                credentials = grpc.ssl_channel_credentials(root_certificates=self.settings.tls_ca)
+                self._channel = grpc.aio.secure_channel(
+                    self.endpoint, credentials, options=_CHANNEL_OPTIONS
+                )
+            else:
+                self._channel = grpc.aio.insecure_channel(self.endpoint, options=_CHANNEL_OPTIONS)
             self._stub = env_service_pb2_grpc.EnvServiceStub(self._channel)
         return self._stub
 

@@ -41,7 +41,8 @@ class SandboxClient:
     """A blocking connection to the environment service.
 
     Arguments as for :class:`~orchard.sdk.aio.AsyncSandboxClient`: ``endpoint`` and ``token``
-    default to ``$ORCHARD_ENDPOINT``/``$ORCHARD_TOKEN``, then the profile ``orchard up`` writes.
+    default to ``$ORCHARD_ENDPOINT``/``$ORCHARD_TOKEN``, then the profile ``orchard up`` writes;
+    ``tls``, ``tls_ca_file`` (default ``$ORCHARD_TLS_CA``) and ``allow_insecure`` as there.
     Use it as a context manager or call :meth:`close`.
     """
 
@@ -53,10 +54,20 @@ class SandboxClient:
         profile: str | os.PathLike[str] | None = None,
         retry: RetryPolicy | None = None,
         timeout: float = 30.0,
+        tls: bool | None = None,
+        tls_ca_file: str | os.PathLike[str] | None = None,
+        allow_insecure: bool = False,
     ) -> None:
         # Resolve (and fail on a bad configuration) before starting a thread.
         self._async = AsyncSandboxClient(
-            endpoint, token=token, profile=profile, retry=retry, timeout=timeout
+            endpoint,
+            token=token,
+            profile=profile,
+            retry=retry,
+            timeout=timeout,
+            tls=tls,
+            tls_ca_file=tls_ca_file,
+            allow_insecure=allow_insecure,
         )
         self._loop = LoopThread()
 

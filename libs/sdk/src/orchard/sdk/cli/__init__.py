@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from orchard.sdk.cli.bench import add_bench_commands
 from orchard.sdk.cli.sandbox import UsageError, add_sandbox_commands
 from orchard.sdk.cli.up import add_up_commands
-from orchard.sdk.connection import TOKEN_ENV
+from orchard.sdk.connection import TLS_CA_ENV, TOKEN_ENV
 from orchard.sdk.errors import (
     ConfigurationError,
     OrchardSDKError,
@@ -74,6 +74,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--endpoint", help="environment service address, e.g. 127.0.0.1:7100")
     parser.add_argument("--token", help=f"bearer token (default: ${TOKEN_ENV} or the profile)")
+    parser.add_argument(
+        "--tls-ca",
+        metavar="FILE",
+        help=f"connect with TLS, checking the server against this CA (default: ${TLS_CA_ENV}); "
+        "an https:// endpoint uses TLS with the system's roots",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow sending the token in plaintext to a non-loopback address",
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_up_commands(subparsers, _Formatter)
     add_sandbox_commands(subparsers, _connect, _Formatter)
@@ -82,7 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _connect(args: argparse.Namespace) -> SandboxClient:
-    return SandboxClient(args.endpoint, token=args.token, retry=_CLI_RETRY)
+    return SandboxClient(
+        args.endpoint,
+        token=args.token,
+        retry=_CLI_RETRY,
+        tls_ca_file=args.tls_ca,
+        allow_insecure=args.insecure,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -120,5 +137,7 @@ def _explain(exc: OrchardSDKError, args: argparse.Namespace) -> str:
     if isinstance(exc, SandboxNotFound):
         return f"{exc.message} (it may have been reaped after its --timeout without use)"
     if isinstance(exc, ConfigurationError):
-        return str(exc).replace("or pass endpoint=", "or pass --endpoint")
+        text = str(exc).replace("or pass endpoint=", "or pass --endpoint")
+        text = text.replace("tls_ca_file:", "--tls-ca:")
+        return text.replace("allow_insecure=True (orchard --insecure)", "--insecure")
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
