@@ -27,9 +27,9 @@ async def test_create_exec_delete(sandboxes: Any, agent_for: Any) -> None:
 
 
 async def test_env_and_working_dir_reach_commands(sandboxes: Any, agent_for: Any) -> None:
-    sandbox = await sandboxes.create(env={"GREETING": "hi"}, working_dir="/work/dir")
+    sandbox = await sandboxes.create(env={"GREETING": "hi"}, working_dir="/srv/task")
     result = await agent_for(sandbox).sh('echo "$GREETING"; pwd')
-    assert result.stdout == b"hi\n/work/dir\n"
+    assert result.stdout == b"hi\n/srv/task\n"
 
 
 async def test_host_image(sandboxes: Any, agent_for: Any) -> None:
