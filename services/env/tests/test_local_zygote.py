@@ -165,16 +165,16 @@ async def test_nothing_is_imported_after_the_fork(zr: ZygoteRuntime) -> None:
         assert caught.value.code() is grpc.StatusCode.NOT_FOUND
 
         async def chunks() -> AsyncIterator[agent_pb.WriteFileRequest]:
-            header = agent_pb.WriteFileHeader(path="/tmp/zygote-files/f.txt", make_parents=True)
+            header = agent_pb.WriteFileHeader(path="/srv/zygote-files/f.txt", make_parents=True)
             yield agent_pb.WriteFileRequest(header=header)
             yield agent_pb.WriteFileRequest(data=b"hello")
 
         await stub.WriteFile(chunks(), timeout=30)
-        read = stub.ReadFile(agent_pb.ReadFileRequest(path="/tmp/zygote-files/f.txt"))
+        read = stub.ReadFile(agent_pb.ReadFileRequest(path="/srv/zygote-files/f.txt"))
         data = b"".join([r.data async for r in read])
         assert data == b"hello"
-        await stub.ListFiles(agent_pb.ListFilesRequest(path="/tmp/zygote-files"), timeout=30)
-        await stub.StatFile(agent_pb.StatFileRequest(path="/tmp/zygote-files/f.txt"), timeout=30)
+        await stub.ListFiles(agent_pb.ListFilesRequest(path="/srv/zygote-files"), timeout=30)
+        await stub.StatFile(agent_pb.StatFileRequest(path="/srv/zygote-files/f.txt"), timeout=30)
         with pytest.raises(grpc.aio.AioRpcError):
             await stub.StatFile(agent_pb.StatFileRequest(path="/nope"), timeout=30)
     state = zr.runtime.store.read("zy-audit")
