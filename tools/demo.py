@@ -1,9 +1,11 @@
 """Orchard demo: start the in-sandbox agent and run a short, real session against it.
 
-Run it with `make demo`. It starts the self-contained agent bundle when it has been built
-(`make inagent-binary`), the Python entry point otherwise, on a Unix socket in a scratch
+Run it with `make demo`. Part one starts the self-contained agent bundle when it has been
+built (`make inagent-binary`), the Python entry point otherwise, on a Unix socket in a scratch
 directory, and drives it over gRPC: agent info, commands, a streamed command, a timeout, an
-output cap, a file round trip, and a bad request. Everything it starts, it stops.
+output cap, a file round trip, and a bad request. Part two (needs root) starts a private etcd and
+the environment service with the local runtime and uses sandboxes through the Python SDK.
+Everything it starts, it stops.
 """
 
 from __future__ import annotations
@@ -160,6 +162,74 @@ async def session(agent: pb_grpc.AgentServiceStub, workdir: Path) -> None:
             show(title, f"{error.code().name}: {error.details()}")
 
 
+async def sandboxes() -> None:
+    """Part two: the environment service, its local runtime and the SDK."""
+    import secrets  # noqa: PLC0415
+    import socket  # noqa: PLC0415
+
+    from orchard.sdk import AsyncSandboxClient, Resources  # noqa: PLC0415
+    from orchard.sdk.cli.stack import LocalStack  # noqa: PLC0415
+
+    print(f"\n{BOLD}Orchard — sandboxes through the environment service{RESET}")
+    if os.geteuid() != 0:
+        show("skipped", "the local runtime needs root (namespaces, cgroups, mounts)")
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    state = Path(tempfile.mkdtemp(prefix="orchard-demo-stack-"))
+    token = secrets.token_urlsafe(24)
+    tag = secrets.token_hex(3)
+    stack = LocalStack(
+        state,
+        listen=f"127.0.0.1:{port}",
+        token=token,
+        runtime={"cgroup_parent": f"orchard-demo-{tag}", "run_dir": f"/run/orchard-demo-{tag}"},
+    )
+    started = time.monotonic()
+    await asyncio.to_thread(stack.start)
+    try:
+        show("serving", f"etcd + orchard-env on 127.0.0.1:{port} after "
+             f"{(time.monotonic() - started) * 1000:.0f} ms")  # fmt: skip
+        async with AsyncSandboxClient(f"127.0.0.1:{port}", token=token) as client:
+            step("Create three sandboxes on the host image at once (256 MiB limit each)")
+            started = time.monotonic()
+            boxes = await asyncio.gather(
+                *(
+                    client.create(
+                        "host", labels={"demo": tag}, resources=Resources.of(memory="256M")
+                    )
+                    for _ in range(3)
+                )
+            )
+            show("ready", f"{len(boxes)} sandboxes in {(time.monotonic() - started) * 1000:.0f} ms")
+            box = boxes[0]
+            for title, shell in (
+                ("processes", "ps -e -o pid=,comm= | tr -s ' ' | paste -sd ';'"),
+                ("network", "ls /sys/class/net | paste -sd ' '"),
+                ("hostname", "hostname"),
+            ):
+                result = await box.exec(shell)
+                show(title, result.stdout.decode().strip() or result.stderr.decode().strip())
+            step("Files in one sandbox are invisible to the others")
+            await box.write_file("/root/only-here.txt", b"private\n")
+            seen = [
+                (await other.exec("cat /root/only-here.txt 2>&1")).stdout.decode().strip()
+                for other in boxes
+            ]
+            for other, text in zip(boxes, seen, strict=True):
+                show(other.id, text)
+            step("List by label, then delete")
+            listed = [info.id async for info in client.list(f"demo={tag}")]
+            show("listed", ", ".join(sorted(listed)))
+            await asyncio.gather(*(b.delete() for b in boxes))
+            left = [info.id async for info in client.list(f"demo={tag}")]
+            show("left", str(len(left)))
+    finally:
+        await asyncio.to_thread(stack.stop)
+        shutil.rmtree(state, ignore_errors=True)
+
+
 async def main() -> int:
     scratch = Path(tempfile.mkdtemp(prefix="orchard-demo-"))
     socket_path = scratch / "inagent.sock"
@@ -181,7 +251,10 @@ async def main() -> int:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=15)
         show("exit code", f"{GREEN if code == 0 else RED}{code}{RESET}")
-        return 0 if code == 0 else 1
+        if code != 0:
+            return 1
+        await sandboxes()
+        return 0
     finally:
         if proc.poll() is None:
             proc.kill()
