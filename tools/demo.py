@@ -168,6 +168,7 @@ async def sandboxes() -> None:
     import socket  # noqa: PLC0415
 
     from orchard.sdk import AsyncSandboxClient, Resources  # noqa: PLC0415
+    from orchard.sdk.cli.host_probe import remove_cgroup_parent  # noqa: PLC0415
     from orchard.sdk.cli.stack import LocalStack  # noqa: PLC0415
 
     print(f"\n{BOLD}Orchard — sandboxes through the environment service{RESET}")
@@ -180,11 +181,12 @@ async def sandboxes() -> None:
     state = Path(tempfile.mkdtemp(prefix="orchard-demo-stack-"))
     token = secrets.token_urlsafe(24)
     tag = secrets.token_hex(3)
+    cgroup_parent, run_dir = f"orchard-demo-{tag}", f"/run/orchard-demo-{tag}"
     stack = LocalStack(
         state,
         listen=f"127.0.0.1:{port}",
         token=token,
-        runtime={"cgroup_parent": f"orchard-demo-{tag}", "run_dir": f"/run/orchard-demo-{tag}"},
+        runtime={"cgroup_parent": cgroup_parent, "run_dir": run_dir},
     )
     started = time.monotonic()
     await asyncio.to_thread(stack.start)
@@ -227,6 +229,8 @@ async def sandboxes() -> None:
             show("left", str(len(left)))
     finally:
         await asyncio.to_thread(stack.stop)
+        remove_cgroup_parent(cgroup_parent)
+        shutil.rmtree(run_dir, ignore_errors=True)
         shutil.rmtree(state, ignore_errors=True)
 
 

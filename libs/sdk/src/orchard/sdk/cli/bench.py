@@ -59,6 +59,7 @@ from orchard.sdk.cli.host_probe import (
     process_running,
     process_start_time,
     pss_bytes,
+    remove_cgroup_parent,
 )
 from orchard.sdk.cli.output import print_table
 from orchard.sdk.errors import OrchardSDKError
@@ -776,18 +777,9 @@ def run_on_private_stack(settings: BenchSettings, progress: str = "auto") -> dic
         return result
     finally:
         stack.stop()
-        _remove_private_cgroups(cgroup_parent)
+        remove_cgroup_parent(cgroup_parent)
         shutil.rmtree(run_dir, ignore_errors=True)
         shutil.rmtree(state, ignore_errors=True)
-
-
-def _remove_private_cgroups(name: str) -> None:
-    """rmdir the private cgroup parents (empty after every delete; a busy one stays)."""
-    finder = SandboxCgroups()
-    if finder.locate(name):
-        for parent in finder.parents:
-            with contextlib.suppress(OSError):
-                os.rmdir(f"{parent}/{name}")
 
 
 def _run_async(run: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:

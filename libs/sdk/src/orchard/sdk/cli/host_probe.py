@@ -215,3 +215,13 @@ def mounts_naming(names: Iterable[str], mountinfo: str = "/proc/self/mountinfo")
             if any(name in line for name in wanted):
                 found.append(line.split()[4])
     return found
+
+
+def remove_cgroup_parent(name: str) -> None:
+    """rmdir a private cgroup parent in every hierarchy (empty after every delete; a busy one
+    stays, so nothing running is ever cut off)."""
+    finder = SandboxCgroups()
+    if finder.locate(name):
+        for parent in finder.parents:
+            with contextlib.suppress(OSError):
+                os.rmdir(f"{parent}/{name}")
