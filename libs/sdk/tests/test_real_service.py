@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from orchard.sdk import (
     SandboxState,
     Unauthenticated,
 )
+from orchard.sdk.cli.host_probe import remove_cgroup_parent
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -66,8 +69,17 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         if not k.startswith("ORCHARD_") or k in ("ORCHARD_ETCD_BINARY", "ORCHARD_INAGENT_BUNDLE")
     }
     env["ORCHARD_STATE_DIR"] = str(state)
+    # A private cgroup parent and run dir, removed at the end: the test leaves nothing behind.
+    tag = uuid.uuid4().hex[:8]
+    cgroup_parent, run_dir = f"orchard-sdk-test-{tag}", f"/run/orchard-sdk-test-{tag}"
+    private = [
+        "--set",
+        f"runtime.cgroup_parent={cgroup_parent}",
+        "--set",
+        f"runtime.run_dir={run_dir}",
+    ]
     up = subprocess.run(
-        [*CLI, "up", "--detach", "--json", "--listen", f"127.0.0.1:{_free_port()}"],
+        [*CLI, "up", "--detach", "--json", "--listen", f"127.0.0.1:{_free_port()}", *private],
         env=env,
         capture_output=True,
         text=True,
@@ -90,6 +102,8 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
             while _alive(component["pid"]) and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert not _alive(component["pid"]), component
+        remove_cgroup_parent(cgroup_parent)
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 @pytest.fixture
