@@ -33,6 +33,7 @@ import importlib.util
 import logging
 import marshal
 import os
+import signal
 import socket
 import sys
 from collections.abc import Sequence
@@ -156,7 +157,13 @@ def _helper(
         _sandbox_pid1(setup, plan, ready_fd)
     os.close(ready_fd)
     pidfd = os.pidfd_open(pid)
-    socket.send_fds(reply, [f"{pid}\n".encode()], [pidfd])
+    try:
+        socket.send_fds(reply, [f"{pid}\n".encode()], [pidfd])
+    except OSError:
+        # The runtime gave up on this create (its reply end is closed) and has already cleaned
+        # up what it knew of: nobody will ever own this PID 1, so it must not outlive us.
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        os._exit(1)
     os._exit(0)
 
 
