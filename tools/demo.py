@@ -214,9 +214,9 @@ async def sandboxes() -> None:
                 result = await box.exec(shell)
                 show(title, result.stdout.decode().strip() or result.stderr.decode().strip())
             step("Files in one sandbox are invisible to the others")
-            await box.write_file("/root/only-here.txt", b"private\n")
+            await box.write_file("/srv/only-here.txt", b"private\n")
             seen = [
-                (await other.exec("cat /root/only-here.txt 2>&1")).stdout.decode().strip()
+                (await other.exec("cat /srv/only-here.txt 2>&1")).stdout.decode().strip()
                 for other in boxes
             ]
             for other, text in zip(boxes, seen, strict=True):
