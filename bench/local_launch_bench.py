@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import shutil
@@ -158,10 +157,7 @@ async def one_round(mode: str, n: int, cpu: CpuMeter, bundle: str) -> dict[str, 
         for sandbox_id in await runtime.list_sandboxes():
             await runtime.delete(sandbox_id)
         await runtime.close()
-        if runtime._cgroups is not None:
-            for parent in runtime._cgroups.parents:
-                with contextlib.suppress(FileNotFoundError):
-                    os.rmdir(parent)
+        runtime.remove_cgroup_parents()
         shutil.rmtree(run_dir, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     return result

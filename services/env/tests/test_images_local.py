@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import shutil
@@ -116,8 +115,5 @@ async def test_a_sandbox_runs_from_a_docker_archive(tmp_path: Path) -> None:
         for sandbox_id in await runtime.list_sandboxes():
             await runtime.delete(sandbox_id)
         await runtime.close()
-        if runtime._cgroups is not None:
-            for parent in runtime._cgroups.parents:
-                with contextlib.suppress(FileNotFoundError):
-                    os.rmdir(parent)
+        assert runtime.remove_cgroup_parents() == []
         shutil.rmtree(run_dir, ignore_errors=True)

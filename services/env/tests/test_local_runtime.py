@@ -48,13 +48,6 @@ def config(tmp_path: Path) -> Iterator[LocalRuntimeConfig]:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def remove_cgroup_parents(runtime: LocalRuntime) -> None:
-    if runtime._cgroups is not None:
-        for parent in runtime._cgroups.parents:
-            if os.path.isdir(parent):
-                os.rmdir(parent)
-
-
 def test_config_is_strict_and_the_factory_builds_it(config: LocalRuntimeConfig) -> None:
     with pytest.raises(ValidationError):
         LocalRuntimeConfig.model_validate({"type": "local", "stat_dir": "/x"})
@@ -126,7 +119,7 @@ class TestWithTheAgent:
             await runtime.delete("limits")
         finally:
             await runtime.close()
-            remove_cgroup_parents(runtime)
+            assert runtime.remove_cgroup_parents() == []
 
     async def test_start_timeout_fails_and_cleans_up(self, config: LocalRuntimeConfig) -> None:
         runtime = LocalRuntime(config.model_copy(update={"start_timeout_s": 0.01}))
@@ -139,7 +132,7 @@ class TestWithTheAgent:
             assert await runtime.list_sandboxes() == []
         finally:
             await runtime.close()
-            remove_cgroup_parents(runtime)
+            assert runtime.remove_cgroup_parents() == []
 
     # A forked agent shares the zygote's pages (charged to the zygote's cgroup), so it needs
     # less of the sandbox's own memory to start than an executed one.
@@ -157,7 +150,7 @@ class TestWithTheAgent:
             assert await runtime.list_sandboxes() == []
         finally:
             await runtime.close()
-            remove_cgroup_parents(runtime)
+            assert runtime.remove_cgroup_parents() == []
 
     async def test_refusals_change_nothing(self, config: LocalRuntimeConfig) -> None:
         runtime = LocalRuntime(config)
@@ -174,4 +167,4 @@ class TestWithTheAgent:
             assert await runtime.list_sandboxes() == []
         finally:
             await runtime.close()
-            remove_cgroup_parents(runtime)
+            assert runtime.remove_cgroup_parents() == []

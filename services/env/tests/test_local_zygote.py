@@ -7,7 +7,6 @@ call through :class:`AgentZygote`; everything else is the real runtime.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import shutil
 import signal
@@ -77,10 +76,7 @@ async def zr(tmp_path: Path) -> AsyncIterator[ZygoteRuntime]:
         for sandbox_id in await runtime.list_sandboxes():
             await runtime.delete(sandbox_id)
         await runtime.close()
-        if runtime._cgroups is not None:
-            for parent in runtime._cgroups.parents:
-                with contextlib.suppress(FileNotFoundError):
-                    os.rmdir(parent)
+        assert runtime.remove_cgroup_parents() == []
         shutil.rmtree(run_dir, ignore_errors=True)
 
 

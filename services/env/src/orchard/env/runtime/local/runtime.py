@@ -172,6 +172,20 @@ class LocalRuntime(Runtime):
         self._started = False
         self._exits.put_nowait(None)
 
+    def remove_cgroup_parents(self) -> list[str]:
+        """rmdir this runtime's cgroup parent in every hierarchy; return those left because
+        something is still in them (a leak). For private runtimes (tests, benchmarks) once
+        every sandbox is deleted."""
+        busy = []
+        for parent in self._cgroups.parents if self._cgroups is not None else ():
+            try:
+                os.rmdir(parent)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                busy.append(parent)
+        return busy
+
     # -- sandboxes ---------------------------------------------------------------------------
 
     async def create(self, spec: RuntimeSandboxSpec) -> RuntimeSandbox:
