@@ -48,7 +48,7 @@ lint: setup ## buf lint, ruff and mypy on every package
 	cd protos && ../$(BUF) lint
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy libs/core/src libs/sdk/src services/inagent/src services/env/src tools bench
+	$(BIN)/mypy libs/core/src libs/sdk/src services/inagent/src services/env/src services/reward/src tools bench
 
 test: setup proto-check lint inagent-binary ## check generated code, lint, run every test
 	$(BIN)/pytest $(PYTEST_ARGS)

@@ -1,0 +1,84 @@
+"""An LLM judge's verdict on an open-ended task, read strictly.
+
+The judge answers ``{"success": true|false, "reason": "..."}``. A reply without such an
+object, or with a non-boolean ``success``, is malformed: the caller retries, and after the last
+attempt the reward is EXCLUDED (judge unavailable), never scored 0.
+
+Two reward variants: *binary* (+1 success, -1 failure) and *format* (+1 success, -1 when the
+policy's own output failed to parse repeatedly during the episode, 0 otherwise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from orchard.reward.judge_json import MalformedJudgeOutput, extract_json_object
+from orchard.reward.outcome import Evidence, Exclusion, ScoreResult, excluded, scored
+
+__all__ = ["Verdict", "parse_verdict", "score_verdicts"]
+
+SCORER = "judge"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A well-formed verdict."""
+
+    success: bool
+    reason: str
+
+
+def parse_verdict(reply: str) -> Verdict:
+    """The verdict in ``reply``, or :class:`MalformedJudgeOutput`."""
+    verdict = extract_json_object(reply)
+    success = verdict.get("success")
+    if not isinstance(success, bool):
+        raise MalformedJudgeOutput(f'"success" must be true or false, got {success!r}')
+    reason = verdict.get("reason", "")
+    if not isinstance(reason, str):
+        raise MalformedJudgeOutput(f'"reason" must be a string, got {reason!r}')
+    return Verdict(success, reason)
+
+
+def score_verdicts(
+    replies: Sequence[str],
+    *,
+    format_variant: bool = False,
+    policy_format_failures: int = 0,
+    format_failure_limit: int = 3,
+    unreachable: str = "",
+) -> ScoreResult:
+    """The reward from the judge's replies, one per attempt, in order.
+
+    The first well-formed reply decides. With none, or when ``unreachable`` says why the judge
+    could not be asked, the reward is EXCLUDED: the policy is never blamed for the judge.
+    ``format_variant`` scores a failure -1 when the policy's actions failed to parse at least
+    ``format_failure_limit`` times (``policy_format_failures``), else 0.
+    """
+    evidence: list[Evidence] = []
+    for attempt, reply in enumerate(replies, start=1):
+        try:
+            verdict = parse_verdict(reply)
+        except MalformedJudgeOutput as exc:
+            evidence.append(Evidence.of(f"attempt {attempt}: malformed verdict", f"{exc}\n{reply}"))
+            continue
+        evidence.append(Evidence.of(f"attempt {attempt}: verdict", reply))
+        if verdict.success:
+            value = 1.0
+        elif not format_variant:
+            value = -1.0
+        else:
+            value = -1.0 if policy_format_failures >= format_failure_limit else 0.0
+        return scored(
+            SCORER,
+            value,
+            detail=("success" if verdict.success else "failure") + f": {verdict.reason}",
+            components={
+                "attempts": float(attempt),
+                "policy_format_failures": float(policy_format_failures),
+            },
+            evidence=tuple(evidence),
+        )
+    why = unreachable or f"no well-formed verdict in {len(replies)} attempt(s)"
+    return excluded(SCORER, Exclusion.JUDGE_UNAVAILABLE, why, evidence=tuple(evidence))
