@@ -18,7 +18,7 @@ INAGENT_SOURCES := $(shell find services/inagent/src services/inagent/bundle lib
 	-type f \( -name '*.py' -o -name '*.c' -o -name '*.spec' \) 2>/dev/null)
 PYTEST_ARGS ?=
 
-.PHONY: help setup test demo proto proto-check lint bench inagent-binary clean
+.PHONY: help setup test demo proto proto-check lint bench inagent-binary charts images clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -52,6 +52,9 @@ lint: setup ## buf lint, ruff and mypy on every package
 
 test: setup proto-check lint inagent-binary ## check generated code, lint, run every test
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+charts: setup ## lint, render and validate every Helm chart; lint the Dockerfiles
+	$(BIN)/python tools/charts.py
 
 inagent-binary: $(INAGENT_BUNDLE) ## build the self-contained inagent bundle
 
