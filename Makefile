@@ -48,13 +48,16 @@ lint: setup ## buf lint, ruff and mypy on every package
 	cd protos && ../$(BUF) lint
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy libs/core/src libs/sdk/src services/inagent/src services/env/src services/reward/src tools bench
+	$(BIN)/mypy libs/core/src libs/sdk/src services/inagent/src services/env/src services/reward/src services/trainer/src tools bench
 
 test: setup proto-check lint inagent-binary ## check generated code, lint, run every test
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 charts: setup ## lint, render and validate every Helm chart; lint the Dockerfiles
 	$(BIN)/python tools/charts.py
+
+images: setup inagent-binary ## build every service image where docker or podman runs (says so where none does)
+	bash tools/images.sh
 
 inagent-binary: $(INAGENT_BUNDLE) ## build the self-contained inagent bundle
 
