@@ -344,6 +344,12 @@ def check_gpu(docs: list[Manifest], report: Report, where: str) -> None:
         report.check(limits.get("nvidia.com/gpu") == 8, f"{where}: the trainer asks for 8 GPUs")
 
 
+def check_all_services(docs: list[Manifest], report: Report, where: str) -> None:
+    names = {d["metadata"]["name"] for d in find(docs, "Deployment")}
+    want = {f"{RELEASE}-{service}" for service in SERVICES}
+    report.check(names == want, f"{where}: Deployments {sorted(names)}; want {sorted(want)}")
+
+
 GENERAL = (check_workloads, check_metrics)
 CASES = [
     Case(UMBRELLA, "default", (), (*GENERAL, check_env, check_etcd(3))),
@@ -352,6 +358,12 @@ CASES = [
         "production",
         ("values-production.yaml",),
         (*GENERAL, check_env, check_etcd(3), check_service_monitors),
+    ),
+    Case(
+        UMBRELLA,
+        "all-services",
+        ("ci/all-services-values.yaml",),
+        (*GENERAL, check_env, check_etcd(3), check_all_services),
     ),
     Case(
         UMBRELLA,
