@@ -50,7 +50,7 @@ lint: setup ## buf lint, ruff and mypy on every package
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy libs/core/src libs/sdk/src services/inagent/src services/env/src services/reward/src services/trainer/src tools bench
 
-test: setup proto-check lint inagent-binary ## check generated code, lint, run every test
+test: setup proto-check lint charts inagent-binary ## check generated code, lint, validate charts, run every test
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 charts: setup ## lint, render and validate every Helm chart; lint the Dockerfiles
