@@ -8,7 +8,8 @@ rendering, all offline), ``kubernetes-validate`` (the Kubernetes API's own OpenA
 strict: unknown fields fail) and ``hadolint`` for the Dockerfiles. On top of those, the checks
 below assert what Orchard's deployment promises (versions agree, probes on gRPC health,
 non-root Pods, the sandbox namespace's default-deny policy, RBAC kept to pods and network
-policies, a PodDisruptionBudget per workload, etcd with a quorum and persistent volumes), and
+policies, a PodDisruptionBudget per workload, etcd with a quorum and persistent volumes, an env
+config file that the env service's own model accepts), and
 that bad values fail with a message that names the problem.
 
 Exit status 0 when everything passes, 1 with one line per failure otherwise.
@@ -31,6 +32,8 @@ from typing import Any
 import helm_python as helm
 import kubernetes_validate  # type: ignore[import-untyped]
 import yaml
+
+from orchard.env.config import EnvConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 CHARTS = ROOT / "charts"
@@ -246,6 +249,12 @@ def check_env(docs: list[Manifest], report: Report, where: str) -> None:
     report.check(
         bool(config.get("etcd", {}).get("endpoints")), f"{where}: env config has no etcd endpoints"
     )
+    try:
+        EnvConfig.model_validate(config)
+    except ValueError as exc:
+        report.check(False, f"{where}: the env service refuses the chart's config: {exc}")
+    else:
+        report.passed += 1
     port = container["ports"][0]["containerPort"]
     report.check(
         config.get("server", {}).get("listen") == [f"0.0.0.0:{port}"],
