@@ -33,6 +33,7 @@ import helm_python as helm
 import kubernetes_validate  # type: ignore[import-untyped]
 import yaml
 
+from orchard.core.config import deep_merge
 from orchard.env.config import EnvConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,16 +75,6 @@ def load_values(chart_dir: Path, files: tuple[str, ...]) -> dict[str, Any]:
         data = yaml.safe_load((chart_dir / name).read_text()) or {}
         merged = deep_merge(merged, data)
     return merged
-
-
-def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
 
 
 def staged_chart(name: str, workdir: Path) -> Path:

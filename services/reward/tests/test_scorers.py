@@ -12,7 +12,7 @@ from orchard.reward.judge_json import MalformedJudgeOutput, extract_json_object
 from orchard.reward.outcome import Exclusion
 from orchard.reward.rubric import DEFAULT_RUBRIC, Dimension, combine, parse_grades, validate_rubric
 from orchard.reward.task_score import task_score
-from orchard.reward.verdict import parse_verdict, score_verdicts
+from orchard.reward.verdict import parse_verdict, score_verdicts, verdict_reward
 
 
 def test_default_rubric_is_valid_with_085_on_self_verification() -> None:
@@ -110,7 +110,7 @@ def test_malformed_verdicts_are_retried_then_excluded_never_zero() -> None:
     assert not none.is_scored
     assert none.exclusion is Exclusion.JUDGE_UNAVAILABLE
     assert len(none.evidence) == 3
-    down = score_verdicts([], unreachable="judge at 127.0.0.1:1: connection refused")
+    down = verdict_reward(None, why_none="judge at 127.0.0.1:1: connection refused")
     assert down.exclusion is Exclusion.JUDGE_UNAVAILABLE
     assert "connection refused" in down.detail
     with pytest.raises(MalformedJudgeOutput, match='"reason" must be a string'):

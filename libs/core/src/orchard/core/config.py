@@ -88,6 +88,7 @@ __all__ = [
     "ServiceConfig",
     "add_config_arguments",
     "config_from_args",
+    "deep_merge",
     "load_config",
     "service_env_prefix",
 ]
@@ -397,11 +398,12 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``update`` laid over it: mappings merge key by key, anything else replaces."""
     merged = dict(base)
     for key, value in update.items():
         if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
+            merged[key] = deep_merge(merged[key], value)
         else:
             merged[key] = value
     return merged
@@ -411,7 +413,7 @@ def _validate(model_cls: type[M], layers: Sequence[_Layer]) -> M:
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for layer in layers:
-        values = _merge(values, layer.values)
+        values = deep_merge(values, layer.values)
         sources.update(layer.sources)
     try:
         return model_cls.model_validate(values)

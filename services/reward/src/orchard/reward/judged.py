@@ -8,7 +8,6 @@ attempt's problem in its evidence.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from orchard.reward.credit import (
 from orchard.reward.judge_client import JudgeAnswer, OpenAIJudge, image_data_url
 from orchard.reward.outcome import Evidence, Exclusion, ScoreResult, excluded
 from orchard.reward.rubric import DEFAULT_RUBRIC, Dimension, combine, parse_grades, validate_rubric
-from orchard.reward.verdict import parse_verdict, score_verdicts
+from orchard.reward.verdict import parse_verdict, verdict_reward
 
 __all__ = ["CreditAnswer", "TranscriptStep", "assign_credit", "grade_rubric", "judge_outcome"]
 
@@ -85,21 +84,18 @@ async def judge_outcome(
         {"role": "user", "content": content},
     ]
     answer = await judge.ask(messages, parse_verdict)
-    unreachable = ""
-    if answer.value is None and not answer.replies:
-        unreachable = f"judge {judge.endpoint.model} unreachable: " + "; ".join(answer.problems)
-    result = score_verdicts(
-        answer.replies,
+    evidence = _problems(answer)
+    if answer.value is not None:
+        evidence += (Evidence.of(f"attempt {answer.attempts}: verdict", answer.replies[-1]),)
+    reached = "unreachable" if not answer.replies else "gave no well-formed verdict"
+    return verdict_reward(
+        answer.value,
+        evidence=evidence,
+        attempts=answer.attempts,
         format_variant=format_variant,
         policy_format_failures=policy_format_failures,
-        unreachable=unreachable,
+        why_none=f"judge {judge.endpoint.model} {reached} in {answer.attempts} attempt(s)",
     )
-    if answer.transport_failures:
-        extra = tuple(
-            Evidence.of("judge attempt", p) for p in answer.problems if "malformed" not in p
-        )
-        return dataclasses.replace(result, evidence=result.evidence + extra)
-    return result
 
 
 async def grade_rubric(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from orchard.reward.judge_json import MalformedJudgeOutput, extract_json_object
 from orchard.reward.outcome import Evidence, Exclusion, ScoreResult, excluded, scored
 
-__all__ = ["Verdict", "parse_verdict", "score_verdicts"]
+__all__ = ["Verdict", "parse_verdict", "score_verdicts", "verdict_reward"]
 
 SCORER = "judge"
 
@@ -41,44 +41,69 @@ def parse_verdict(reply: str) -> Verdict:
     return Verdict(success, reason)
 
 
+def verdict_reward(
+    verdict: Verdict | None,
+    *,
+    evidence: tuple[Evidence, ...] = (),
+    attempts: int = 1,
+    format_variant: bool = False,
+    policy_format_failures: int = 0,
+    format_failure_limit: int = 3,
+    why_none: str = "no well-formed verdict",
+) -> ScoreResult:
+    """The reward of one decided verdict; None (no usable verdict) is EXCLUDED with ``why_none``.
+
+    Binary: +1 success, -1 failure. ``format_variant`` scores a failure -1 when the policy's
+    actions failed to parse at least ``format_failure_limit`` times, else 0.
+    """
+    if verdict is None:
+        return excluded(SCORER, Exclusion.JUDGE_UNAVAILABLE, why_none, evidence=evidence)
+    if verdict.success:
+        value = 1.0
+    elif not format_variant:
+        value = -1.0
+    else:
+        value = -1.0 if policy_format_failures >= format_failure_limit else 0.0
+    return scored(
+        SCORER,
+        value,
+        detail=("success" if verdict.success else "failure") + f": {verdict.reason}",
+        components={
+            "attempts": float(attempts),
+            "policy_format_failures": float(policy_format_failures),
+        },
+        evidence=evidence,
+    )
+
+
 def score_verdicts(
     replies: Sequence[str],
     *,
     format_variant: bool = False,
     policy_format_failures: int = 0,
     format_failure_limit: int = 3,
-    unreachable: str = "",
 ) -> ScoreResult:
-    """The reward from the judge's replies, one per attempt, in order.
-
-    The first well-formed reply decides. With none, or when ``unreachable`` says why the judge
-    could not be asked, the reward is EXCLUDED: the policy is never blamed for the judge.
-    ``format_variant`` scores a failure -1 when the policy's actions failed to parse at least
-    ``format_failure_limit`` times (``policy_format_failures``), else 0.
+    """The reward from the judge's replies, one per attempt, in order: the first well-formed
+    one decides; with none the reward is EXCLUDED, so the policy is never blamed for the judge.
     """
     evidence: list[Evidence] = []
-    for attempt, reply in enumerate(replies, start=1):
+    verdict: Verdict | None = None
+    attempts = 0
+    for attempts, reply in enumerate(replies, start=1):
         try:
             verdict = parse_verdict(reply)
         except MalformedJudgeOutput as exc:
-            evidence.append(Evidence.of(f"attempt {attempt}: malformed verdict", f"{exc}\n{reply}"))
+            title = f"attempt {attempts}: malformed verdict"
+            evidence.append(Evidence.of(title, f"{exc}\n{reply}"))
             continue
-        evidence.append(Evidence.of(f"attempt {attempt}: verdict", reply))
-        if verdict.success:
-            value = 1.0
-        elif not format_variant:
-            value = -1.0
-        else:
-            value = -1.0 if policy_format_failures >= format_failure_limit else 0.0
-        return scored(
-            SCORER,
-            value,
-            detail=("success" if verdict.success else "failure") + f": {verdict.reason}",
-            components={
-                "attempts": float(attempt),
-                "policy_format_failures": float(policy_format_failures),
-            },
-            evidence=tuple(evidence),
-        )
-    why = unreachable or f"no well-formed verdict in {len(replies)} attempt(s)"
-    return excluded(SCORER, Exclusion.JUDGE_UNAVAILABLE, why, evidence=tuple(evidence))
+        evidence.append(Evidence.of(f"attempt {attempts}: verdict", reply))
+        break
+    return verdict_reward(
+        verdict,
+        evidence=tuple(evidence),
+        attempts=attempts,
+        format_variant=format_variant,
+        policy_format_failures=policy_format_failures,
+        format_failure_limit=format_failure_limit,
+        why_none=f"no well-formed verdict in {len(replies)} attempt(s)",
+    )
