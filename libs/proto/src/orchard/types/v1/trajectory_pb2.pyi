@@ -133,6 +133,7 @@ class Turn(_message.Message):
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
     START_TIME_FIELD_NUMBER: _builtins.int
     LATENCY_FIELD_NUMBER: _builtins.int
+    INPUT_TEXT_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """Position in the trajectory, from 0."""
     kind: Global___TurnKind.ValueType
@@ -143,6 +144,10 @@ class Turn(_message.Message):
     """Why sampling stopped: "stop", "length", "tool_calls"."""
     output_text: _builtins.str
     """The output decoded for reading (never used for training)."""
+    input_text: _builtins.str
+    """The context added before this call decoded for reading: the task text on the first turn,
+    tool observations after. For judges and people; never used for training.
+    """
     @_builtins.property
     def input_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens added to the context before this call (system and user text, tool observations),
@@ -188,10 +193,11 @@ class Turn(_message.Message):
         tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
         start_time: _timestamp_pb2.Timestamp | None = ...,
         latency: _duration_pb2.Duration | None = ...,
+        input_text: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["latency", b"latency", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "input_token_ids", b"input_token_ids", "kind", b"kind", "latency", b"latency", "output_logprobs", b"output_logprobs", "output_loss_mask", b"output_loss_mask", "output_text", b"output_text", "output_token_ids", b"output_token_ids", "start_time", b"start_time", "tool_calls", b"tool_calls", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "input_text", b"input_text", "input_token_ids", b"input_token_ids", "kind", b"kind", "latency", b"latency", "output_logprobs", b"output_logprobs", "output_loss_mask", b"output_loss_mask", "output_text", b"output_text", "output_token_ids", b"output_token_ids", "start_time", b"start_time", "tool_calls", b"tool_calls", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
