@@ -12,10 +12,10 @@ import random
 import pytest
 import torch
 
+from orchard.lm.models import tiny_causal_lm
 from orchard.trainer.batch import collate
 from orchard.trainer.losses import sft_loss, token_logprobs
 from orchard.trainer.masks import SampleConfig, build_sft_samples
-from orchard.trainer.models import tiny_causal_lm
 
 VOCAB = 48
 BOS, SEP, END, PAD = 1, 2, 3, 0

@@ -1,0 +1,73 @@
+"""Model folders: what is saved loads back as the same model and tokenizer, through our loader
+and through plain Hugging Face classes; folders appear whole or not at all."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from orchard.lm.model_folder import (
+    MANIFEST,
+    ModelFolderError,
+    load_model_folder,
+    save_model_folder,
+)
+from orchard.lm.models import tiny_causal_lm, tiny_causal_lm_for
+
+
+def test_tiny_model_fits_its_tokenizer(tokenizer):
+    model = tiny_causal_lm_for(tokenizer, seed=3)
+    assert model.config.vocab_size == len(tokenizer)
+    assert model.config.eos_token_id == tokenizer.eos_token_id
+    assert model.config.pad_token_id == tokenizer.pad_token_id
+    same = tiny_causal_lm_for(tokenizer, seed=3)
+    other = tiny_causal_lm_for(tokenizer, seed=4)
+    weight = model.model.embed_tokens.weight
+    assert torch.equal(weight, same.model.embed_tokens.weight)
+    assert not torch.equal(weight, other.model.embed_tokens.weight)
+    assert tiny_causal_lm(48).config.eos_token_id is None
+
+
+def test_saved_folder_loads_as_the_same_model(tokenizer, tmp_path):
+    model = tiny_causal_lm_for(tokenizer, seed=1).eval()
+    folder = save_model_folder(tmp_path / "v1", model, tokenizer, metadata={"step": 7})
+    assert {p.name for p in tmp_path.iterdir()} == {"v1"}
+    assert (folder / "model.safetensors").is_file()
+    assert (folder / MANIFEST).is_file()
+
+    ids = torch.tensor([tokenizer.encode("Run the tests.")])
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    loaded = load_model_folder(folder)
+    assert loaded.metadata == {"step": "7"}
+    assert loaded.tokenizer.encode("Run the tests.") == ids[0].tolist()
+    assert loaded.tokenizer.chat_template == tokenizer.chat_template
+    plain = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        assert torch.equal(loaded.model(input_ids=ids).logits, expected)
+        assert torch.equal(plain(input_ids=ids).logits, expected)
+
+
+def test_an_existing_folder_is_never_overwritten(tokenizer, tmp_path):
+    model = tiny_causal_lm_for(tokenizer)
+    save_model_folder(tmp_path / "v1", model, tokenizer)
+    with pytest.raises(ModelFolderError, match="exists already"):
+        save_model_folder(tmp_path / "v1", model, tokenizer)
+    assert {p.name for p in tmp_path.iterdir()} == {"v1"}
+
+
+def test_a_failed_save_leaves_nothing(tokenizer, tmp_path):
+    class Broken:
+        def save_pretrained(self, directory: str) -> None:
+            raise OSError("disk full")
+
+    model = tiny_causal_lm_for(tokenizer)
+    with pytest.raises(OSError, match="disk full"):
+        save_model_folder(tmp_path / "v1", model, Broken())  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_not_a_model_folder(tmp_path):
+    with pytest.raises(ModelFolderError, match=r"no config\.json"):
+        load_model_folder(tmp_path)
