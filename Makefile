@@ -70,6 +70,7 @@ demo: setup inagent-binary ## run the main job on embedded defaults
 bench: setup inagent-binary ## run the benchmarks; results in bench/results/*.json
 	$(BIN)/python bench/inagent_bench.py
 	$(BIN)/python bench/env_bench.py
+	$(BIN)/python bench/rollout_bench.py
 
 clean: ## remove build outputs (keeps .venv and .tools)
 	rm -rf services/inagent/build services/inagent/dist bench/results/*.json

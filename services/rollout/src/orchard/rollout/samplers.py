@@ -72,7 +72,8 @@ class SampledGroup:
 class Sampler(Protocol):
     """Runs rollouts of one pair through `run` and returns its group."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     async def sample(self, key: GroupKey, run: RunRollout) -> SampledGroup: ...
 
