@@ -90,6 +90,7 @@ __all__ = [
     "config_from_args",
     "deep_merge",
     "load_config",
+    "load_document",
     "service_env_prefix",
 ]
 
@@ -337,6 +338,48 @@ def _record_sources(value: Any, prefix: tuple[str, ...], source: str, out: dict[
     if isinstance(value, dict):
         for key, item in value.items():
             _record_sources(item, (*prefix, str(key)), source, out)
+
+
+def load_document(model_cls: type[M], path: str | os.PathLike[str]) -> M:
+    """One YAML document (a recipe, say; not a layered service configuration) as ``model_cls``.
+
+    Every problem names its key and line, e.g. ``stages.sft.learning_rate: Input should be
+    greater than 0, got -1 (from recipe.yaml, line 14)``; all problems are reported at once as a
+    :class:`ConfigError`.
+    """
+    import yaml  # noqa: PLC0415
+
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([f"{path}: {exc.strerror or exc}"]) from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{path}: not valid YAML: {exc}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: expected a mapping of keys at the top level"])
+    sources: dict[str, str] = {}
+    _record_lines(node, (), path.name, sources)
+    return _validate(model_cls, [_Layer(data, sources)])
+
+
+def _record_lines(node: Any, prefix: tuple[str, ...], name: str, out: dict[str, str]) -> None:
+    """Where each key path of a composed YAML node starts (lines from 1)."""
+    import yaml  # noqa: PLC0415
+
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            path = (*prefix, str(key.value))
+            out[".".join(path)] = f"{name}, line {key.start_mark.line + 1}"
+            _record_lines(value, path, name, out)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            path = (*prefix, str(index))
+            out[".".join(path)] = f"{name}, line {item.start_mark.line + 1}"
+            _record_lines(item, path, name, out)
 
 
 def _string_layer(model_cls: type[BaseModel], settings: Sequence[RawSetting]) -> _Layer:

@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from orchard.sdk.cli.bench import add_bench_commands
+from orchard.sdk.cli.recipe import add_recipe_commands
 from orchard.sdk.cli.sandbox import UsageError, add_sandbox_commands
 from orchard.sdk.cli.up import add_up_commands
 from orchard.sdk.connection import TLS_CA_ENV, TOKEN_ENV
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
             "  orchard sandbox get ID          show one sandbox\n"
             "  orchard sandbox rm ID...        delete sandboxes\n"
             "  orchard bench env               N sandboxes through create, exec, delete\n"
+            "  orchard recipe check FILE       validate a recipe, show its stages\n"
             "\n"
             "example:\n"
             "  orchard up --detach\n"
@@ -89,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_up_commands(subparsers, _Formatter)
     add_sandbox_commands(subparsers, _connect, _Formatter)
     add_bench_commands(subparsers, _Formatter)
+    add_recipe_commands(subparsers, _Formatter)
     return parser
 
 

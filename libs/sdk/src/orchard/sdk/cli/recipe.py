@@ -1,0 +1,110 @@
+"""``orchard recipe check FILE``: validate a recipe and show what it would run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from orchard.core.config import ConfigError
+from orchard.sdk.cli.output import print_json, print_table
+from orchard.sdk.recipe import STAGES, Recipe, builtin_recipe, load_recipe
+
+__all__ = ["add_recipe_commands"]
+
+
+def add_recipe_commands(subparsers: Any, formatter: type[argparse.HelpFormatter]) -> None:
+    recipe = subparsers.add_parser(
+        "recipe",
+        help="recipes: what to train, on which tasks, and how",
+        description=(
+            "A recipe is one YAML file naming the tasks, harnesses, teacher, student and the "
+            f"stages ({' -> '.join(STAGES)}). `check` validates one and shows its plan."
+        ),
+        formatter_class=formatter,
+    )
+    commands = recipe.add_subparsers(dest="recipe_command", metavar="COMMAND", required=True)
+    check = commands.add_parser(
+        "check",
+        help="validate a recipe and show its stages",
+        description=(
+            "Validate FILE (every problem is listed with its key and line) and print the stages "
+            "it runs with their main settings. Without FILE, the built-in recipe."
+        ),
+        epilog=(
+            "examples:\n"
+            "  orchard recipe check my-recipe.yaml\n"
+            "  orchard recipe check            # the built-in recipe `make demo` runs"
+        ),
+        formatter_class=formatter,
+    )
+    check.add_argument("file", nargs="?", type=Path, help="the recipe (default: built-in)")
+    check.add_argument("--json", action="store_true", help="print the validated recipe as JSON")
+    check.set_defaults(run=_check)
+
+
+def _check(args: argparse.Namespace) -> int:
+    path = args.file or builtin_recipe()
+    try:
+        recipe = load_recipe(path)
+    except ConfigError as exc:
+        sys.stderr.write(f"orchard: {path} is not a valid recipe:\n")
+        for problem in exc.problems:
+            sys.stderr.write(f"  {problem}\n")
+        return 2
+    if args.json:
+        print_json(recipe.model_dump(mode="json"))
+        return 0
+    sys.stdout.write(f"recipe {recipe.name}: {path}\n")
+    sys.stdout.write(f"  tasks     {_tasks(recipe)}\n")
+    sys.stdout.write(f"  harnesses {', '.join(recipe.harnesses)}\n")
+    sys.stdout.write(f"  teacher   {recipe.teacher.endpoint} ({recipe.teacher.model})\n")
+    sys.stdout.write(f"  student   {recipe.student.model} on the {recipe.student.engine} engine\n")
+    sys.stdout.write(f"  output    {recipe.output_dir}\n\n")
+    print_table(
+        ["stage", "runs", "settings"],
+        [[name, "yes" if _stage(recipe, name).enabled else "no", _settings(recipe, name)]
+         for name in STAGES],
+    )  # fmt: skip
+    return 0
+
+
+def _stage(recipe: Recipe, name: str) -> Any:
+    return getattr(recipe.stages, name)
+
+
+def _tasks(recipe: Recipe) -> str:
+    tasks = recipe.tasks
+    if tasks.builtin is not None:
+        split = tasks.split
+        return (
+            f"built-in suite, {tasks.builtin.count} tasks (seed {tasks.builtin.seed}); "
+            f"split sft {split.sft:g} / rl {split.rl:g} / evaluate {split.evaluate:g}"
+        )
+    assert tasks.jsonl is not None  # one of the two, validated
+    files = [f"{s}={getattr(tasks.jsonl, s)}" for s in ("sft", "rl", "evaluate")]
+    return "JSONL " + ", ".join(files)
+
+
+def _settings(recipe: Recipe, name: str) -> str:
+    s = recipe.stages
+    if name == "collect":
+        return (
+            f"{s.collect.attempts_per_task} attempts/task, {s.collect.budget.max_steps} steps max"
+        )
+    if name == "credit":
+        return f"judge {s.credit.judge_endpoint}, epsilon {s.credit.epsilon:g}"
+    if name == "curate":
+        shortest = "on" if s.curate.shortest_success_per_task else "off"
+        return f"max {s.curate.max_tokens} tokens, shortest success per task {shortest}"
+    if name == "sft":
+        sft = s.sft
+        return (
+            f"{sft.epochs} epochs, lr {sft.learning_rate:g}, batch {sft.batch_size}, "
+            f"ZeRO {sft.zero_stage}"
+        )
+    if name == "rl":
+        sampler = s.rl.sampler
+        return f"{s.rl.steps} steps x {s.rl.groups_per_step} groups, {sampler.kind} N={sampler.n}"
+    return f"{s.evaluate.attempts_per_task} attempts/task, {s.evaluate.confidence:.0%} intervals"

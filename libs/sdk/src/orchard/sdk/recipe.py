@@ -1,0 +1,388 @@
+"""Recipes: one YAML file that says what to train, on which tasks, and how.
+
+A recipe names the tasks (the built-in suite or SWE-bench-format JSONL files), the harnesses
+that drive them, the teacher that collects the first trajectories, the student model, and the
+stages in their fixed order::
+
+    collect -> credit -> curate -> sft -> rl -> evaluate
+
+Each stage has its own section; a stage left out keeps its defaults, and ``enabled: false``
+skips it. :func:`load_recipe` validates the whole file and reports every problem at once with
+its key and line; :func:`builtin_recipe` is the recipe ``make demo`` runs.
+
+Example::
+
+    name: swe-small
+    tasks:
+      builtin: {count: 24, seed: 7}
+      split: {sft: 0.5, rl: 0.25, evaluate: 0.25}
+    harnesses: [builtin:swe]
+    teacher: {endpoint: builtin:scripted}
+    student: {model: builtin:tiny}
+    stages:
+      sft: {epochs: 4, learning_rate: 0.001}
+      rl: {steps: 6, sampler: {kind: bar, n: 8}}
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlparse
+
+from pydantic import Field, field_validator, model_validator
+
+from orchard.core.config import ConfigModel, load_document
+
+__all__ = [
+    "STAGES",
+    "BuiltinTasks",
+    "JsonlTasks",
+    "Recipe",
+    "builtin_recipe",
+    "load_recipe",
+]
+
+STAGES = ("collect", "credit", "curate", "sft", "rl", "evaluate")
+"""The stages, in the order a recipe runs them."""
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+_HARNESS = re.compile(r"^(builtin|external):[a-z0-9][a-z0-9._-]*$")
+
+
+class BuiltinTasks(ConfigModel):
+    """The software-engineering suite generated in code: small Python repositories, each with a
+    real bug and real tests, of graded difficulty."""
+
+    count: int = Field(default=24, ge=3, le=10_000, description="How many tasks to generate.")
+    seed: int = Field(
+        default=0, description="Seed of the generator; the same seed gives the same tasks."
+    )
+
+
+class JsonlTasks(ConfigModel):
+    """SWE-bench-format JSONL files, one per split; their images must be reachable by the
+    environment service."""
+
+    sft: Path | None = Field(default=None, description="Tasks the teacher collects SFT data on.")
+    rl: Path | None = Field(default=None, description="Tasks reinforcement learning samples from.")
+    evaluate: Path = Field(description="Held-out tasks every model is evaluated on.")
+
+
+class TaskSplit(ConfigModel):
+    """How the built-in suite is divided; the fractions sum to 1."""
+
+    sft: float = Field(default=0.5, ge=0, le=1)
+    rl: float = Field(default=0.25, ge=0, le=1)
+    evaluate: float = Field(default=0.25, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _sums_to_one(self) -> TaskSplit:
+        total = self.sft + self.rl + self.evaluate
+        if not math.isclose(total, 1.0, abs_tol=1e-9):
+            raise ValueError(f"sft + rl + evaluate must sum to 1, they sum to {total:g}")
+        return self
+
+
+class Tasks(ConfigModel):
+    """Where the tasks come from: exactly one of ``builtin`` and ``jsonl``."""
+
+    builtin: BuiltinTasks | None = None
+    jsonl: JsonlTasks | None = None
+    split: TaskSplit = TaskSplit()
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Tasks:
+        if (self.builtin is None) == (self.jsonl is None):
+            raise ValueError("give exactly one of tasks.builtin and tasks.jsonl")
+        if self.jsonl is not None and "split" in self.model_fields_set:
+            raise ValueError("tasks.split divides the built-in suite; JSONL files are the split")
+        return self
+
+
+def _check_endpoint(value: str, builtin: tuple[str, ...]) -> str:
+    if value in builtin:
+        return value
+    url = urlparse(value)
+    if url.scheme not in ("http", "https") or not url.netloc:
+        choices = ", ".join(builtin)
+        raise ValueError(
+            f"neither {choices} nor an http(s) URL of an OpenAI-compatible API "
+            "(e.g. http://127.0.0.1:8000/v1)"
+        )
+    return value
+
+
+class Teacher(ConfigModel):
+    """The model that collects the first trajectories, behind an OpenAI-compatible API."""
+
+    endpoint: str = Field(
+        default="builtin:scripted",
+        description='"builtin:scripted" (a scripted policy, no network) or the base URL of an '
+        "OpenAI-compatible chat API.",
+    )
+    model: str = Field(
+        default="scripted-teacher", min_length=1, description="Model name sent with calls."
+    )
+    api_key_env: str | None = Field(
+        default=None, description="Environment variable holding the API key; never the key itself."
+    )
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, value: str) -> str:
+        return _check_endpoint(value, ("builtin:scripted",))
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _key_env(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+            raise ValueError("not an environment variable name (give the name, not the key)")
+        return value
+
+
+class Student(ConfigModel):
+    """The model that is trained."""
+
+    model: str = Field(
+        default="builtin:tiny",
+        description='"builtin:tiny" (a small model built in code) or the path of a Hugging '
+        "Face model directory.",
+    )
+    engine: Literal["local", "vllm"] = Field(
+        default="local", description="local: the CPU engine; vllm: vLLM on GPUs."
+    )
+
+    @model_validator(mode="after")
+    def _engine_fits(self) -> Student:
+        if self.engine == "vllm" and self.model.startswith("builtin:"):
+            raise ValueError("the vllm engine serves a Hugging Face model path, not builtin:tiny")
+        return self
+
+
+class Budget(ConfigModel):
+    """Limits of one rollout."""
+
+    max_steps: int = Field(default=20, ge=1, description="Agent steps (model calls).")
+    max_tokens: int = Field(
+        default=8192, ge=16, description="Tokens sampled over the whole rollout."
+    )
+    wall_clock_s: float = Field(default=600.0, gt=0, description="Seconds from start to reward.")
+
+
+class Stage(ConfigModel):
+    """What every stage has."""
+
+    enabled: bool = True
+
+
+class Collect(Stage):
+    """The teacher attempts the SFT tasks."""
+
+    attempts_per_task: int = Field(default=2, ge=1, le=64)
+    budget: Budget = Budget()
+
+
+class Credit(Stage):
+    """Retrospective credit assignment on failed teacher trajectories."""
+
+    judge_endpoint: str = Field(
+        default="builtin:scripted",
+        description='"builtin:scripted" or the base URL of an OpenAI-compatible judge.',
+    )
+    judge_model: str = Field(default="scripted-judge", min_length=1)
+    epsilon: float = Field(
+        default=0.05, gt=0, lt=1, description="Least rise of V that marks a step."
+    )
+
+    @field_validator("judge_endpoint")
+    @classmethod
+    def _endpoint(cls, value: str) -> str:
+        return _check_endpoint(value, ("builtin:scripted",))
+
+
+class Curate(Stage):
+    """Filters between collection and SFT."""
+
+    max_tokens: int = Field(default=4096, ge=16, description="Drop trajectories longer than this.")
+    drop_unparsable: bool = True
+    drop_unknown_tools: bool = True
+    shortest_success_per_task: bool = True
+    cap_per_source: int | None = Field(
+        default=None, ge=1, description="Most trajectories per repository."
+    )
+
+
+class Sft(Stage):
+    """Supervised fine-tuning on the curated trajectories."""
+
+    epochs: int = Field(default=3, ge=1, le=1000)
+    learning_rate: float = Field(default=1e-3, gt=0, lt=1)
+    batch_size: int = Field(default=8, ge=1)
+    gradient_accumulation: int = Field(default=1, ge=1)
+    warmup_steps: int = Field(default=10, ge=0)
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    per_turn_samples: bool = False
+
+
+class Sampler(ConfigModel):
+    """How RL groups are sampled."""
+
+    kind: Literal["bar", "fixed"] = Field(
+        default="bar", description="bar: Balanced Adaptive Rollout; fixed: fixed-N with filtering."
+    )
+    n: int = Field(default=8, ge=2, description="Trajectories per group.")
+    n_max: int = Field(default=16, ge=2, description="Most rollouts per task (bar).")
+    stride: int = Field(default=16, ge=1, description="Rollouts per stride (bar).")
+    rho_min: float = Field(default=0.375, ge=0, le=1)
+    rho_max: float = Field(default=0.625, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Sampler:
+        if self.n_max < self.n:
+            raise ValueError(f"n_max ({self.n_max}) must be at least n ({self.n})")
+        if self.rho_min > self.rho_max:
+            raise ValueError(f"rho_min ({self.rho_min}) is above rho_max ({self.rho_max})")
+        return self
+
+
+class Rl(Stage):
+    """Policy-gradient training on the RL tasks, starting from the SFT model."""
+
+    steps: int = Field(default=4, ge=1)
+    groups_per_step: int = Field(default=4, ge=1)
+    learning_rate: float = Field(default=5e-4, gt=0, lt=1)
+    clip_low: float = Field(default=0.2, gt=0, lt=1)
+    clip_high: float = Field(default=0.28, gt=0, lt=10)
+    kl_coef: float = Field(default=0.0, ge=0)
+    max_staleness: int = Field(
+        default=1, ge=0, description="Oldest weight version a batch may use."
+    )
+    sampler: Sampler = Sampler()
+    budget: Budget = Budget()
+
+
+class Evaluate(Stage):
+    """Held-out resolve rate of each model."""
+
+    attempts_per_task: int = Field(default=1, ge=1, le=64)
+    confidence: float = Field(
+        default=0.95, gt=0, lt=1, description="Level of the intervals reported."
+    )
+    temperature: float = Field(default=0.0, ge=0)
+
+
+class Stages(ConfigModel):
+    """The stages; each one left out keeps its defaults."""
+
+    collect: Collect = Collect()
+    credit: Credit = Credit()
+    curate: Curate = Curate()
+    sft: Sft = Sft()
+    rl: Rl = Rl()
+    evaluate: Evaluate = Evaluate()
+
+    def enabled(self) -> list[str]:
+        """Names of the stages that run, in order."""
+        return [name for name in STAGES if getattr(self, name).enabled]
+
+
+class Recipe(ConfigModel):
+    """A whole recipe."""
+
+    name: str = Field(description="Names the run and its output folder.")
+    tasks: Tasks
+    harnesses: list[str] = Field(default=["builtin:swe"], min_length=1)
+    teacher: Teacher = Teacher()
+    student: Student = Student()
+    stages: Stages = Stages()
+    output_dir: Path | None = Field(
+        default=None,
+        description="Where stage outputs go; relative to the recipe's folder. Default: "
+        "runs/<name> under the folder the run starts in.",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError(
+                "not a run name: use 1-63 lowercase letters, digits, '.', '_' or '-', starting "
+                "with a letter or digit (e.g. swe-small)"
+            )
+        return value
+
+    @field_validator("harnesses")
+    @classmethod
+    def _harnesses(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not _HARNESS.match(name):
+                raise ValueError(
+                    f"{name!r} is not a harness name: use builtin:<name> or external:<name>"
+                )
+        if len(set(value)) != len(value):
+            raise ValueError("a harness is named twice")
+        return value
+
+    @model_validator(mode="after")
+    def _stages_fit(self) -> Recipe:
+        stages = self.stages
+        if not stages.evaluate.enabled and not stages.sft.enabled and not stages.rl.enabled:
+            raise ValueError("nothing to do: enable at least one of sft, rl and evaluate")
+        if stages.sft.enabled and not stages.collect.enabled:
+            raise ValueError("stages.sft needs stages.collect (SFT trains on what it collects)")
+        if self.tasks.builtin is not None:
+            split = self.tasks.split
+            if stages.rl.enabled and split.rl == 0:
+                raise ValueError("stages.rl is on but tasks.split.rl is 0")
+            if stages.collect.enabled and split.sft == 0:
+                raise ValueError("stages.collect is on but tasks.split.sft is 0")
+        if self.tasks.jsonl is not None:
+            if stages.collect.enabled and self.tasks.jsonl.sft is None:
+                raise ValueError("stages.collect is on but tasks.jsonl.sft is not given")
+            if stages.rl.enabled and self.tasks.jsonl.rl is None:
+                raise ValueError("stages.rl is on but tasks.jsonl.rl is not given")
+        return self
+
+    def resolve_paths(self, base: Path, workdir: Path) -> Recipe:
+        """The recipe with relative paths taken from ``base`` (the recipe's folder) and the
+        default output folder under ``workdir``."""
+
+        def at(path: Path | None) -> Path | None:
+            return None if path is None or path.is_absolute() else base / path
+
+        update: dict[str, object] = {"output_dir": at(self.output_dir) or self.output_dir}
+        if self.output_dir is None:
+            update["output_dir"] = workdir / "runs" / self.name
+        if self.tasks.jsonl is not None:
+            jsonl = self.tasks.jsonl
+            files = {
+                split: at(getattr(jsonl, split)) or getattr(jsonl, split)
+                for split in ("sft", "rl", "evaluate")
+            }
+            update["tasks"] = self.tasks.model_copy(
+                update={"jsonl": jsonl.model_copy(update=files)}
+            )
+        return self.model_copy(update=update)
+
+
+def load_recipe(path: str | os.PathLike[str], workdir: Path | None = None) -> Recipe:
+    """The recipe in ``path``, validated, with relative paths taken from its folder; without an
+    ``output_dir`` its outputs go to ``runs/<name>`` under ``workdir`` (default: the current
+    folder).
+
+    Raises :class:`orchard.core.config.ConfigError` naming every problem with its line.
+    """
+    path = Path(path)
+    base = path.resolve().parent
+    return load_document(Recipe, path).resolve_paths(base, (workdir or Path.cwd()).resolve())
+
+
+def builtin_recipe() -> Path:
+    """The recipe ``make demo`` runs: the built-in suite, the scripted teacher, the tiny
+    student, every stage, sized to finish on two CPU cores."""
+    return Path(str(resources.files("orchard.sdk").joinpath("recipes/builtin-swe.yaml")))

@@ -1,0 +1,122 @@
+"""Recipes: the built-in one is valid, and every mistake is named with its key and line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchard.core.config import ConfigError
+from orchard.sdk.recipe import STAGES, builtin_recipe, load_recipe
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+def problems(path: Path) -> list[str]:
+    with pytest.raises(ConfigError) as caught:
+        load_recipe(path)
+    return list(caught.value.problems)
+
+
+def test_the_builtin_recipe_is_valid_and_runs_every_stage() -> None:
+    recipe = load_recipe(builtin_recipe(), workdir=Path("/srv/work"))
+    assert recipe.name == "builtin-swe"
+    assert recipe.stages.enabled() == list(STAGES)
+    assert recipe.tasks.builtin is not None
+    assert recipe.student.engine == "local"
+    assert recipe.output_dir == Path("/srv/work/runs/builtin-swe")
+
+
+def test_minimal_recipe_takes_defaults_and_writes_under_the_working_folder(tmp_path: Path) -> None:
+    recipe = load_recipe(
+        write(
+            tmp_path, "name: mini\ntasks:\n  builtin: {count: 6}\nstages:\n  rl: {enabled: false}\n"
+        ),
+        workdir=tmp_path / "elsewhere",
+    )
+    assert recipe.stages.enabled() == ["collect", "credit", "curate", "sft", "evaluate"]
+    assert recipe.stages.rl.sampler.n == 8  # the published defaults
+    assert (recipe.stages.rl.sampler.rho_min, recipe.stages.rl.sampler.rho_max) == (0.375, 0.625)
+    assert recipe.output_dir == (tmp_path / "elsewhere").resolve() / "runs" / "mini"
+
+
+def test_jsonl_paths_are_relative_to_the_recipe(tmp_path: Path) -> None:
+    recipe = load_recipe(
+        write(
+            tmp_path,
+            "name: real\ntasks:\n  jsonl: {sft: a.jsonl, rl: /data/b.jsonl, evaluate: c.jsonl}\n"
+            "output_dir: out\n",
+        )
+    )
+    assert recipe.tasks.jsonl is not None
+    assert recipe.tasks.jsonl.sft == tmp_path.resolve() / "a.jsonl"
+    assert recipe.tasks.jsonl.rl == Path("/data/b.jsonl")
+    assert recipe.tasks.jsonl.evaluate == tmp_path.resolve() / "c.jsonl"
+    assert recipe.output_dir == tmp_path.resolve() / "out"
+
+
+def test_every_problem_is_reported_with_its_key_and_line(tmp_path: Path) -> None:
+    found = problems(
+        write(
+            tmp_path,
+            "\n".join(
+                [
+                    "name: Bad Name",  # line 1
+                    "tasks:",
+                    "  builtin: {count: 24}",
+                    "stages:",
+                    "  sft:",
+                    "    learning_rate: -1",  # line 6
+                    "    epoch: 3",  # line 7: a typo
+                    "",
+                ]
+            ),
+        )
+    )
+    assert any(
+        p.startswith("name: not a run name") and "got 'Bad Name'" in p and "line 1" in p
+        for p in found
+    )
+    assert any(
+        p.startswith("stages.sft.learning_rate: Input should be greater than 0") and "line 6" in p
+        for p in found
+    ), found
+    assert any(
+        "stages.sft.epoch: unknown key; did you mean 'epochs'?" in p and "line 7" in p
+        for p in found
+    ), found
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("tasks: {builtin: {}, split: {sft: 0.5, rl: 0.5, evaluate: 0.5}}", "sum to 1.5"),
+        ("tasks: {}", "exactly one of tasks.builtin and tasks.jsonl"),
+        ("tasks: {builtin: {}}\nteacher: {endpoint: ftp://x}", "nor an http(s) URL"),
+        ("tasks: {builtin: {}}\nteacher: {api_key_env: 'sk-123 abc'}", "not an environment"),
+        ("tasks: {builtin: {}}\nstudent: {engine: vllm}", "Hugging Face model path"),
+        ("tasks: {builtin: {}}\nharnesses: [swe]", "builtin:<name> or external:<name>"),
+        ("tasks: {builtin: {}}\nstages: {rl: {sampler: {n: 8, n_max: 4}}}", "n_max (4)"),
+        (
+            "tasks: {builtin: {}}\nstages: {rl: {sampler: {rho_min: 0.7, rho_max: 0.6}}}",
+            "rho_min (0.7) is above rho_max (0.6)",
+        ),
+        ("tasks: {builtin: {}}\nstages: {collect: {enabled: false}}", "sft needs stages.collect"),
+        ("tasks: {jsonl: {evaluate: e.jsonl}}", "tasks.jsonl.sft is not given"),
+    ],
+)
+def test_inconsistent_recipes_are_refused_with_a_reason(
+    tmp_path: Path, text: str, expected: str
+) -> None:
+    found = problems(write(tmp_path, f"name: r\n{text}\n"))
+    assert any(expected in p for p in found), found
+
+
+def test_not_yaml_and_not_a_file_are_clear(tmp_path: Path) -> None:
+    assert "not valid YAML" in problems(write(tmp_path, "name: [unclosed\n"))[0]
+    assert "expected a mapping" in problems(write(tmp_path, "- a\n- b\n"))[0]
+    assert "No such file" in problems(tmp_path / "missing.yaml")[0]
