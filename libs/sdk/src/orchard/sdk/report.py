@@ -1,0 +1,363 @@
+"""The run report: what a recipe run did and whether it helped, as Markdown with PNG plots.
+
+:class:`RunReport` holds the numbers a run gathers (held-out resolve counts per model, loss and
+reward curves, sampler group statistics, trajectory counts, what the services' metrics say);
+:func:`write_report` turns it into ``report.md`` and ``report.json`` plus the plots beside them.
+Resolve rates carry Wilson score intervals, which stay inside [0, 1] and behave at 0 and at n
+successes, where the normal approximation does not. The plots need matplotlib (the ``report``
+extra); without it the report is written with tables only and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from statistics import NormalDist
+
+from prometheus_client.parser import text_string_to_metric_families
+
+__all__ = [
+    "Curve",
+    "GroupStats",
+    "ModelEvaluation",
+    "RunReport",
+    "ServiceStats",
+    "TrajectoryCounts",
+    "histogram_quantile",
+    "service_stats_from_metrics",
+    "wilson_interval",
+    "write_report",
+]
+
+
+def wilson_interval(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion; (0, 1) when there were no trials."""
+    if not 0 <= successes <= trials:
+        raise ValueError(f"need 0 <= successes <= trials, got {successes} of {trials}")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    if trials == 0:
+        return (0.0, 1.0)
+    z = NormalDist().inv_cdf(0.5 + confidence / 2)
+    p = successes / trials
+    denominator = 1 + z * z / trials
+    centre = (p + z * z / (2 * trials)) / denominator
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denominator
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEvaluation:
+    """Held-out attempts of one model."""
+
+    model: str
+    """e.g. "base", "sft", "rl"."""
+    resolved: int
+    attempts: int
+    weight_version: str = ""
+
+    @property
+    def rate(self) -> float:
+        return self.resolved / self.attempts if self.attempts else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Curve:
+    """One series over training steps."""
+
+    name: str
+    """e.g. "sft loss"."""
+    steps: tuple[float, ...]
+    values: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.steps) != len(self.values):
+            raise ValueError(
+                f"curve {self.name!r}: {len(self.steps)} steps for {len(self.values)} values"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class GroupStats:
+    """What a sampler produced."""
+
+    sampler: str
+    groups: int
+    rollouts: int
+    """Every rollout run for the groups, kept or not."""
+    kept_groups: int
+    """Groups the group filter kept (they carry signal)."""
+    mean_positive_fraction: float
+    """Over the kept groups."""
+    choices: Mapping[str, int] = field(default_factory=dict)
+    """How groups were assembled, e.g. {"balanced": 5, "relaxed": 1}."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrajectoryCounts:
+    """Where the trajectories of a run went."""
+
+    resolved: int = 0
+    unresolved: int = 0
+    credit_assigned: int = 0
+    """Failed trajectories that got rise segments and entered SFT."""
+    excluded: Mapping[str, int] = field(default_factory=dict)
+    """Trajectories without a reward, by reason (sandbox failure, timeout, judge unavailable)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceStats:
+    """What the environment service's metrics said at the end of the run."""
+
+    sandboxes_created: int
+    sandboxes_failed: Mapping[str, int]
+    sandboxes_reaped: int
+    execs: int
+    exec_p50_s: float | None
+    exec_p95_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class RunReport:
+    """Everything the report shows."""
+
+    title: str
+    evaluations: tuple[ModelEvaluation, ...] = ()
+    curves: tuple[Curve, ...] = ()
+    groups: tuple[GroupStats, ...] = ()
+    trajectories: TrajectoryCounts = TrajectoryCounts()
+    services: ServiceStats | None = None
+    stage_seconds: Mapping[str, float] = field(default_factory=dict)
+    confidence: float = 0.95
+    notes: tuple[str, ...] = ()
+
+
+def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
+    """The q-quantile from cumulative ``(upper_bound, count)`` buckets, interpolated linearly
+    inside a bucket as PromQL's ``histogram_quantile`` does; None without observations."""
+    ordered = sorted(buckets)
+    if not ordered or ordered[-1][1] <= 0:
+        return None
+    rank = q * ordered[-1][1]
+    lower, below = 0.0, 0.0
+    for upper, count in ordered:
+        if count >= rank:
+            if math.isinf(upper):
+                return lower  # past the last finite bound: its bound is all that is known
+            inside = count - below
+            return lower + (upper - lower) * ((rank - below) / inside if inside else 1.0)
+        lower, below = upper, count
+    return ordered[-1][0]
+
+
+def service_stats_from_metrics(text: str) -> ServiceStats:
+    """Sandbox counts and exec latency from the env service's Prometheus text exposition."""
+    created = reaped = execs = 0
+    failed: dict[str, int] = {}
+    exec_buckets: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "orchard_env_create_seconds_count":
+                created += int(sample.value)
+            elif sample.name == "orchard_env_sandboxes_reaped_total":
+                reaped += int(sample.value)
+            elif sample.name == "orchard_env_sandboxes_failed_total":
+                reason = sample.labels.get("reason", "")
+                failed[reason] = failed.get(reason, 0) + int(sample.value)
+            elif sample.name == "orchard_env_exec_seconds_count":
+                execs += int(sample.value)
+            elif sample.name == "orchard_env_exec_seconds_bucket":
+                bound = float(sample.labels["le"])  # summed over status codes
+                exec_buckets[bound] = exec_buckets.get(bound, 0.0) + sample.value
+    buckets = list(exec_buckets.items())
+    return ServiceStats(
+        sandboxes_created=created,
+        sandboxes_failed=failed,
+        sandboxes_reaped=reaped,
+        execs=execs,
+        exec_p50_s=histogram_quantile(0.5, buckets),
+        exec_p95_s=histogram_quantile(0.95, buckets),
+    )
+
+
+def write_report(report: RunReport, folder: Path) -> Path:
+    """Write ``report.md``, ``report.json`` and the plots into ``folder``; returns the
+    Markdown file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    plots = _plots(report, folder)
+    lines = [f"# {report.title}", ""]
+    lines += _evaluation_section(report, plots)
+    lines += _curves_section(report, plots)
+    lines += _groups_section(report)
+    lines += _trajectories_section(report.trajectories)
+    lines += _services_section(report.services)
+    if report.stage_seconds:
+        lines += ["## Time per stage", "", "| stage | seconds |", "|---|---:|"]
+        lines += [f"| {name} | {s:.1f} |" for name, s in report.stage_seconds.items()]
+        lines.append("")
+    if report.notes:
+        lines += ["## Notes", ""] + [f"- {note}" for note in report.notes] + [""]
+    markdown = folder / "report.md"
+    markdown.write_text("\n".join(lines))
+    (folder / "report.json").write_text(json.dumps(_as_json(report), indent=2) + "\n")
+    return markdown
+
+
+def _evaluation_section(report: RunReport, plots: Mapping[str, str]) -> list[str]:
+    if not report.evaluations:
+        return []
+    level = f"{report.confidence:.0%}"
+    lines = [
+        "## Held-out resolve rate",
+        "",
+        f"| model | weights | resolved | attempts | rate | {level} interval |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for e in report.evaluations:
+        low, high = wilson_interval(e.resolved, e.attempts, report.confidence)
+        lines.append(
+            f"| {e.model} | {e.weight_version or '-'} | {e.resolved} | {e.attempts} | "
+            f"{e.rate:.1%} | {low:.1%} to {high:.1%} |"
+        )
+    lines.append("")
+    if "evaluation" in plots:
+        lines += [f"![held-out resolve rate]({plots['evaluation']})", ""]
+    return lines
+
+
+def _curves_section(report: RunReport, plots: Mapping[str, str]) -> list[str]:
+    if not report.curves:
+        return []
+    lines = [
+        "## Training curves",
+        "",
+        "| series | steps | first | last | min |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for c in report.curves:
+        if c.values:
+            lines.append(
+                f"| {c.name} | {len(c.values)} | {c.values[0]:.4g} | {c.values[-1]:.4g} | "
+                f"{min(c.values):.4g} |"
+            )
+        else:
+            lines.append(f"| {c.name} | 0 | - | - | - |")
+    lines.append("")
+    if "curves" in plots:
+        lines += [f"![training curves]({plots['curves']})", ""]
+    return lines
+
+
+def _groups_section(report: RunReport) -> list[str]:
+    if not report.groups:
+        return []
+    lines = [
+        "## Sampler groups",
+        "",
+        "| sampler | groups | kept | rollouts | rollouts per kept group | mean positive fraction "
+        "| how assembled |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for g in report.groups:
+        per_kept = f"{g.rollouts / g.kept_groups:.1f}" if g.kept_groups else "-"
+        choices = ", ".join(f"{k} {v}" for k, v in sorted(g.choices.items())) or "-"
+        lines.append(
+            f"| {g.sampler} | {g.groups} | {g.kept_groups} | {g.rollouts} | {per_kept} | "
+            f"{g.mean_positive_fraction:.3f} | {choices} |"
+        )
+    return [*lines, ""]
+
+
+def _trajectories_section(counts: TrajectoryCounts) -> list[str]:
+    excluded = sum(counts.excluded.values())
+    lines = [
+        "## Trajectories",
+        "",
+        "| resolved | unresolved | credit-assigned | excluded |",
+        "|---:|---:|---:|---:|",
+        f"| {counts.resolved} | {counts.unresolved} | {counts.credit_assigned} | {excluded} |",
+        "",
+    ]
+    if counts.excluded:
+        lines += ["Excluded, by reason (never scored as policy failures):", ""]
+        lines += [f"- {reason}: {n}" for reason, n in sorted(counts.excluded.items())]
+        lines.append("")
+    return lines
+
+
+def _services_section(stats: ServiceStats | None) -> list[str]:
+    if stats is None:
+        return []
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1000:.1f} ms"
+
+    failed = ", ".join(f"{r} {n}" for r, n in sorted(stats.sandboxes_failed.items())) or "none"
+    return [
+        "## Sandboxes and exec (from the environment service's metrics)",
+        "",
+        f"- sandboxes created: {stats.sandboxes_created}; failed: {failed}; "
+        f"reaped after expiry: {stats.sandboxes_reaped}",
+        f"- commands run: {stats.execs}; exec latency p50 {ms(stats.exec_p50_s)}, "
+        f"p95 {ms(stats.exec_p95_s)} (from histogram buckets)",
+        "",
+    ]
+
+
+def _plots(report: RunReport, folder: Path) -> dict[str, str]:
+    """PNG plots by section; empty when matplotlib is not installed."""
+    try:
+        import matplotlib  # noqa: PLC0415 - optional, and slow to import
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot  # noqa: PLC0415
+    except ImportError:
+        return {}
+    made: dict[str, str] = {}
+    if report.evaluations:
+        figure, axes = pyplot.subplots(figsize=(5, 3.2))
+        names = [e.model for e in report.evaluations]
+        rates = [e.rate for e in report.evaluations]
+        intervals = [
+            wilson_interval(e.resolved, e.attempts, report.confidence) for e in report.evaluations
+        ]
+        errors = [[r - lo for r, (lo, _) in zip(rates, intervals, strict=True)],
+                  [hi - r for r, (_, hi) in zip(rates, intervals, strict=True)]]  # fmt: skip
+        axes.bar(names, rates, yerr=errors, capsize=6, color="#4c8c4a")
+        axes.set_ylim(0, 1)
+        axes.set_ylabel("resolve rate")
+        axes.set_title(f"Held-out resolve rate ({report.confidence:.0%} Wilson intervals)")
+        made["evaluation"] = _save(figure, folder / "resolve_rate.png", pyplot)
+    if report.curves:
+        figure, all_axes = pyplot.subplots(
+            len(report.curves), 1, figsize=(6, 2.2 * len(report.curves)), squeeze=False
+        )
+        for axes, curve in zip(all_axes[:, 0], report.curves, strict=True):
+            axes.plot(curve.steps, curve.values, marker="." if len(curve.values) < 50 else None)
+            axes.set_title(curve.name, fontsize=10)
+            axes.set_xlabel("step")
+        made["curves"] = _save(figure, folder / "curves.png", pyplot)
+    return made
+
+
+def _save(figure: object, path: Path, pyplot: object) -> str:
+    figure.tight_layout()  # type: ignore[attr-defined]
+    figure.savefig(path, dpi=110)  # type: ignore[attr-defined]
+    pyplot.close(figure)  # type: ignore[attr-defined]
+    return path.name
+
+
+def _as_json(report: RunReport) -> dict[str, object]:
+    data = asdict(report)
+    data["evaluations"] = [
+        {
+            **asdict(e),
+            "rate": e.rate,
+            "interval": list(wilson_interval(e.resolved, e.attempts, report.confidence)),
+        }
+        for e in report.evaluations
+    ]
+    return data
