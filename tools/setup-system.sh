@@ -10,6 +10,7 @@
 #   umoci, skopeo    build real OCI and docker-archive images offline in the image tests
 #   nftables, iproute2  sandbox egress rules (veth pairs, nftables sets)
 #   openssl          test certificates for the TLS tests
+#   prometheus       a real Prometheus scrapes the services in integration tests (promtool too)
 set -euo pipefail
 
 missing=()
@@ -26,6 +27,7 @@ command -v skopeo >/dev/null || missing+=(skopeo)
 command -v nft >/dev/null || missing+=(nftables)
 command -v ip >/dev/null || missing+=(iproute2)
 command -v openssl >/dev/null || missing+=(openssl)
+{ command -v prometheus >/dev/null && command -v promtool >/dev/null; } || missing+=(prometheus)
 
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0

@@ -1,0 +1,189 @@
+"""A real Prometheus server scrapes the services and answers PromQL about them.
+
+The Prometheus binary is the distribution's package (`make setup` installs it); it scrapes the
+environment service's /metrics every half second while the test creates sandboxes and runs
+commands through the SDK, and the test then asks it, over its HTTP API, the questions the
+report and the dashboards ask: how many sandboxes are in each state, how many commands ran and
+how long they took.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchard.sdk import SandboxClient
+from orchard.sdk.cli.stack import LocalStack, StackError
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Prometheus:
+    """A Prometheus server process with a scrape configuration of our own."""
+
+    def __init__(self, folder: Path, targets: dict[str, str]) -> None:
+        binary = shutil.which("prometheus")
+        if binary is None:
+            pytest.fail("prometheus is not installed: run `make setup` (tools/setup-system.sh)")
+        self.port = _free_port()
+        jobs = [
+            {"job_name": job, "static_configs": [{"targets": [address]}]}
+            for job, address in targets.items()
+        ]
+        config = {"global": {"scrape_interval": "500ms", "scrape_timeout": "400ms"}}
+        config["scrape_configs"] = jobs  # type: ignore[assignment]
+        (folder / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
+        self.log = folder / "prometheus.log"
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(
+                [
+                    binary,
+                    f"--config.file={folder / 'prometheus.yml'}",
+                    f"--storage.tsdb.path={folder / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                pytest.fail(f"prometheus exited: {self.log.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.1)
+        pytest.fail(f"prometheus not ready after 30 s: {self.log.read_text()[-2000:]}")
+
+    def query(self, promql: str) -> list[dict[str, Any]]:
+        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode(
+            {"query": promql}
+        )
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            body = json.load(reply)
+        assert body["status"] == "success", body
+        result: list[dict[str, Any]] = body["data"]["result"]
+        return result
+
+    def value(self, promql: str, timeout: float = 20.0) -> float:
+        """The single value of an instant query, once Prometheus has one."""
+        deadline = time.monotonic() + timeout
+        while True:
+            result = self.query(promql)
+            if result:
+                return float(result[0]["value"][1])
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no value for {promql} after {timeout} s")
+            time.sleep(0.25)
+
+    def wait_for(self, promql: str, expected: float, timeout: float = 20.0) -> float:
+        """Waits until the query gives ``expected`` (scrapes lag by an interval)."""
+        deadline = time.monotonic() + timeout
+        value = float("nan")
+        while time.monotonic() < deadline:
+            result = self.query(promql)
+            if result:
+                value = float(result[0]["value"][1])
+                if value == expected:
+                    return value
+            time.sleep(0.25)
+        raise AssertionError(f"{promql} = {value}, expected {expected}")
+
+    def targets_up(self) -> dict[str, float]:
+        return {r["metric"]["job"]: float(r["value"][1]) for r in self.query("up")}
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalStack, str, str]]:
+    state = tmp_path_factory.mktemp("stack")
+    run_dir = Path(tempfile.mkdtemp(prefix="op-"))  # socket paths must stay short
+    token = secrets.token_urlsafe(16)
+    metrics = f"127.0.0.1:{_free_port()}"
+    stack = LocalStack(
+        state,
+        listen=f"127.0.0.1:{_free_port()}",
+        token=token,
+        runtime={"cgroup_parent": f"orchard-test-{uuid.uuid4().hex[:8]}", "run_dir": str(run_dir)},
+        settings=[f"server.metrics_address={metrics}"],
+    )
+    try:
+        stack.start()
+    except StackError as exc:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        pytest.fail(str(exc))
+    try:
+        yield stack, token, metrics
+    finally:
+        stack.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def prometheus(
+    tmp_path_factory: pytest.TempPathFactory, stack: tuple[LocalStack, str, str]
+) -> Iterator[Prometheus]:
+    server = Prometheus(tmp_path_factory.mktemp("prometheus"), {"orchard-env": stack[2]})
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_prometheus_scrapes_the_env_service_and_answers_promql(
+    stack: tuple[LocalStack, str, str], prometheus: Prometheus
+) -> None:
+    env, token, _ = stack
+    prometheus.wait_for('up{job="orchard-env"}', 1.0)
+
+    with SandboxClient(env.endpoint, token=token) as client:
+        sandboxes = [client.create(labels={"test": "prometheus"}) for _ in range(2)]
+        try:
+            for sandbox in sandboxes:
+                for i in range(3):
+                    assert sandbox.exec(f"echo {i}").exit_code == 0
+            # Two READY sandboxes while they live: the gauge the leak alert watches.
+            prometheus.wait_for('sum(orchard_env_sandboxes{state="READY"})', 2.0)
+            prometheus.wait_for('sum(orchard_env_exec_seconds_count{code="OK"})', 6.0)
+            p50 = prometheus.value(
+                "histogram_quantile(0.5, sum by (le) (orchard_env_exec_seconds_bucket))"
+            )
+            assert 0 < p50 < 5.0
+        finally:
+            for sandbox in sandboxes:
+                sandbox.delete()
+
+    prometheus.wait_for('sum(orchard_env_sandboxes{state="READY"})', 0.0)
+    assert prometheus.value("sum(orchard_env_create_seconds_count)") == 2.0
+    assert prometheus.targets_up() == {"orchard-env": 1.0}
