@@ -20,7 +20,7 @@ import openai
 
 from orchard.reward.judge_json import MalformedJudgeOutput
 
-__all__ = ["JudgeAnswer", "JudgeEndpoint", "OpenAIJudge", "image_data_url"]
+__all__ = ["JudgeAnswer", "JudgeEndpoint", "OpenAIJudge", "RetryObserver", "image_data_url"]
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +84,20 @@ def image_data_url(image: bytes) -> str:
     return f"data:image/{kind};base64,{base64.b64encode(image).decode()}"
 
 
-class OpenAIJudge:
-    """A judge behind one endpoint; ``async with`` it, or call :meth:`close`."""
+RetryObserver = Callable[[str], None]
+"""Told the kind of every failed attempt that is retried: ``timeout``, ``http_error``,
+``connection``, ``bad_response`` (not a chat completion) or ``malformed`` (no usable answer)."""
 
-    def __init__(self, endpoint: JudgeEndpoint) -> None:
+
+class OpenAIJudge:
+    """A judge behind one endpoint; ``async with`` it, or call :meth:`close`.
+
+    ``on_retry`` (e.g. a metrics counter) hears of each failed attempt that is tried again.
+    """
+
+    def __init__(self, endpoint: JudgeEndpoint, *, on_retry: RetryObserver | None = None) -> None:
         self.endpoint = endpoint
+        self._on_retry = on_retry
         # Retries are ours (they also cover malformed replies), so the client makes none.
         self._client = openai.AsyncOpenAI(
             base_url=endpoint.base_url,
@@ -122,15 +131,21 @@ class OpenAIJudge:
                 answer.transport_failures += 1
                 answer.problems.append(f"attempt {attempt}: {_describe(exc)}")
                 log.warning("judge %s attempt %d failed: %s", self.endpoint.model, attempt, exc)
+                self._retrying(attempt, _failure_kind(exc))
                 continue
             answer.replies.append(reply)
             try:
                 answer.value = parse(reply)
             except (MalformedJudgeOutput, ValueError) as exc:
                 answer.problems.append(f"attempt {attempt}: malformed reply: {exc}")
+                self._retrying(attempt, "malformed")
                 continue
             return answer
         return answer
+
+    def _retrying(self, attempt: int, kind: str) -> None:
+        if self._on_retry is not None and attempt < self.endpoint.max_attempts:
+            self._on_retry(kind)
 
     async def _complete(self, messages: Sequence[dict[str, Any]]) -> str:
         response = await self._client.chat.completions.create(
@@ -146,6 +161,16 @@ class OpenAIJudge:
         if not isinstance(content, str):
             raise ValueError("the response's message has no text content")
         return content
+
+
+def _failure_kind(exc: BaseException) -> str:
+    if isinstance(exc, openai.APITimeoutError):
+        return "timeout"
+    if isinstance(exc, openai.APIStatusError):
+        return "http_error"
+    if isinstance(exc, openai.APIConnectionError):
+        return "connection"
+    return "bad_response"
 
 
 def _describe(exc: BaseException) -> str:

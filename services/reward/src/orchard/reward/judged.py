@@ -59,12 +59,19 @@ async def judge_outcome(
     last_screenshots: int = DEFAULT_LAST_SCREENSHOTS,
     format_variant: bool = False,
     policy_format_failures: int = 0,
+    format_failure_limit: int = 3,
 ) -> ScoreResult:
     """Was the open-ended task achieved? +1 / -1 (or the format variant), else EXCLUDED."""
     if not intent.strip():
         raise OrchardError(Reason.INVALID_ARGUMENT, "intent is empty: the judge needs the task")
+    if policy_format_failures < 0:
+        raise OrchardError(
+            Reason.INVALID_ARGUMENT,
+            f"policy_format_failures must not be negative, got {policy_format_failures}",
+        )
+    shown = screenshots[len(screenshots) - last_screenshots :] if last_screenshots > 0 else []
     try:
-        images = [image_data_url(shot) for shot in screenshots[-last_screenshots:]]
+        images = [image_data_url(shot) for shot in shown]
     except ValueError as exc:
         raise OrchardError(Reason.INVALID_ARGUMENT, str(exc)) from exc
     content: list[dict[str, Any]] = [
@@ -94,6 +101,7 @@ async def judge_outcome(
         attempts=answer.attempts,
         format_variant=format_variant,
         policy_format_failures=policy_format_failures,
+        format_failure_limit=format_failure_limit,
         why_none=f"judge {judge.endpoint.model} {reached} in {answer.attempts} attempt(s)",
     )
 

@@ -14,7 +14,15 @@ from orchard.core.errors import OrchardError, Reason
 from orchard.reward.outcome import Evidence, ScoreResult, scored
 from orchard.reward.test_output import PARSERS, Outcome, ParseError, outcomes_for
 
-__all__ = ["RESOLVED", "UNRESOLVED", "TestVerdict", "judge_test_run", "parser_named"]
+__all__ = [
+    "RESOLVED",
+    "UNRESOLVED",
+    "TestVerdict",
+    "judge_outcomes",
+    "judge_test_run",
+    "parser_named",
+    "require_fail_to_pass",
+]
 
 RESOLVED = 1.0
 UNRESOLVED = -1.0
@@ -41,6 +49,15 @@ def parser_named(name: str) -> str:
     return chosen
 
 
+def require_fail_to_pass(fail_to_pass: Sequence[str]) -> None:
+    """INVALID_ARGUMENT when the list is empty: without it no patch can be judged."""
+    if not fail_to_pass:
+        raise OrchardError(
+            Reason.INVALID_ARGUMENT,
+            "the task lists no FAIL_TO_PASS tests: without them a patch cannot be judged",
+        )
+
+
 def judge_test_run(
     output: str,
     fail_to_pass: Sequence[str],
@@ -49,21 +66,30 @@ def judge_test_run(
     parser: str = "pytest",
 ) -> TestVerdict:
     """Score a finished test run from its ``output`` (or JUnit XML, by ``parser``)."""
-    if not fail_to_pass:
-        raise OrchardError(
-            Reason.INVALID_ARGUMENT,
-            "the task lists no FAIL_TO_PASS tests: without them a patch cannot be judged",
-        )
+    require_fail_to_pass(fail_to_pass)
     parse = PARSERS[parser_named(parser)]
+    evidence: list[Evidence] = []
     try:
         outcomes = parse(output)
     except ParseError as exc:
         # Unreadable output is the policy's doing as far as we can tell (it may have broken the
         # test runner); the evidence keeps the output for a person to check.
         outcomes = {}
-        parse_note = str(exc)
-    else:
-        parse_note = ""
+        evidence.append(Evidence.of("report parse error", str(exc)))
+    evidence.append(Evidence.of(f"test output ({parser or 'pytest'})", output))
+    return judge_outcomes(outcomes, fail_to_pass, pass_to_pass, evidence=tuple(evidence))
+
+
+def judge_outcomes(
+    outcomes: dict[str, Outcome],
+    fail_to_pass: Sequence[str],
+    pass_to_pass: Sequence[str],
+    *,
+    evidence: tuple[Evidence, ...] = (),
+) -> TestVerdict:
+    """Score already parsed outcomes (several reports may be merged into one mapping: ids of
+    either spelling match, the worse outcome wins); ``evidence`` follows the listed tests."""
+    require_fail_to_pass(fail_to_pass)
     f2p = outcomes_for(fail_to_pass, outcomes)
     p2p = outcomes_for(pass_to_pass, outcomes)
     broken = [name for name, outcome in {**f2p, **p2p}.items() if outcome is not Outcome.PASSED]
@@ -75,10 +101,6 @@ def judge_test_run(
         for name, outcome in listing.items()
     ]
     detail = "resolved" if resolved else f"{len(broken)} listed test(s) not passing"
-    evidence = [Evidence.of("listed tests", "\n".join(lines))]
-    if parse_note:
-        evidence.append(Evidence.of("report parse error", parse_note))
-    evidence.append(Evidence.of(f"test output ({parser or 'pytest'})", output))
     result = scored(
         SCORER,
         RESOLVED if resolved else UNRESOLVED,
@@ -89,6 +111,6 @@ def judge_test_run(
             "pass_to_pass_passed": float(sum(o is Outcome.PASSED for o in p2p.values())),
             "pass_to_pass_total": float(len(p2p)),
         },
-        evidence=tuple(evidence),
+        evidence=(Evidence.of("listed tests", "\n".join(lines)), *evidence),
     )
     return TestVerdict(result, f2p, p2p)

@@ -68,6 +68,7 @@ class TestTask(_message.Message):
     PASS_TO_PASS_FIELD_NUMBER: _builtins.int
     TEST_COMMAND_FIELD_NUMBER: _builtins.int
     PARSER_FIELD_NUMBER: _builtins.int
+    IMAGE_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     """Instance id, e.g. "pkg__repo-123"."""
     repo: _builtins.str
@@ -80,6 +81,10 @@ class TestTask(_message.Message):
     """The test command, e.g. "pytest -rA"; empty uses the parser's default."""
     parser: _builtins.str
     """Output parser: "pytest", "junit" or a registered name; empty means "pytest"."""
+    image: _builtins.str
+    """Image to create a sandbox from when the request names none, with the repository at
+    `base_commit` in `repo_path` (as SWE-bench images hold it in /testbed).
+    """
     @_builtins.property
     def fail_to_pass(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Tests that must go from failing to passing."""
@@ -99,10 +104,11 @@ class TestTask(_message.Message):
         pass_to_pass: _abc.Iterable[_builtins.str] | None = ...,
         test_command: _builtins.str = ...,
         parser: _builtins.str = ...,
+        image: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_commit", b"base_commit", "fail_to_pass", b"fail_to_pass", "instance_id", b"instance_id", "parser", b"parser", "pass_to_pass", b"pass_to_pass", "repo", b"repo", "test_command", b"test_command", "test_patch", b"test_patch"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_commit", b"base_commit", "fail_to_pass", b"fail_to_pass", "image", b"image", "instance_id", b"instance_id", "parser", b"parser", "pass_to_pass", b"pass_to_pass", "repo", b"repo", "test_command", b"test_command", "test_patch", b"test_patch"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -120,18 +126,18 @@ class ScoreTestsRequest(_message.Message):
     TIMEOUT_FIELD_NUMBER: _builtins.int
     REPO_PATH_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
-    """Sandbox holding the repository at `base_commit`."""
+    """Sandbox holding the repository at `base_commit`; empty creates one from `task.image`."""
     candidate_patch: _builtins.str
     """The candidate patch (unified diff) produced by the policy."""
     repo_path: _builtins.str
-    """Repository path inside the sandbox."""
+    """Repository path inside the sandbox; empty uses the service's default ("/testbed")."""
     @_builtins.property
     def task(self) -> Global___TestTask:
         """The task."""
 
     @_builtins.property
     def timeout(self) -> _duration_pb2.Duration:
-        """Time limit for the test run."""
+        """Time limit for the test run; unset uses the service's default."""
 
     def __init__(
         self,
@@ -221,6 +227,7 @@ class JudgeOutcomeRequest(_message.Message):
     SCREENSHOTS_FIELD_NUMBER: _builtins.int
     JUDGE_FIELD_NUMBER: _builtins.int
     FORMAT_VARIANT_FIELD_NUMBER: _builtins.int
+    POLICY_FORMAT_FAILURES_FIELD_NUMBER: _builtins.int
     intent: _builtins.str
     """What the user asked for."""
     final_response: _builtins.str
@@ -229,6 +236,8 @@ class JudgeOutcomeRequest(_message.Message):
     """Judge to use, by configured name; empty means the default."""
     format_variant: _builtins.bool
     """Use the format reward variant: +1 success, -1 repeated format failures, 0 otherwise."""
+    policy_format_failures: _builtins.int
+    """How often the policy's own actions failed to parse during the episode (format variant)."""
     @_builtins.property
     def screenshots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """The last screenshots, oldest first, as PNG or JPEG bytes."""
@@ -241,10 +250,11 @@ class JudgeOutcomeRequest(_message.Message):
         screenshots: _abc.Iterable[_builtins.bytes] | None = ...,
         judge: _builtins.str = ...,
         format_variant: _builtins.bool = ...,
+        policy_format_failures: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["final_response", b"final_response", "format_variant", b"format_variant", "intent", b"intent", "judge", b"judge", "screenshots", b"screenshots"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["final_response", b"final_response", "format_variant", b"format_variant", "intent", b"intent", "judge", b"judge", "policy_format_failures", b"policy_format_failures", "screenshots", b"screenshots"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -312,6 +322,9 @@ class GradeRubricRequest(_message.Message):
 
     TRAJECTORY_FIELD_NUMBER: _builtins.int
     DIMENSIONS_FIELD_NUMBER: _builtins.int
+    TASK_FIELD_NUMBER: _builtins.int
+    task: _builtins.str
+    """The task as the grader reads it; empty uses the first turn's `input_text`."""
     @_builtins.property
     def trajectory(self) -> _trajectory_pb2.Trajectory:
         """The trajectory to grade."""
@@ -325,10 +338,11 @@ class GradeRubricRequest(_message.Message):
         *,
         trajectory: _trajectory_pb2.Trajectory | None = ...,
         dimensions: _abc.Iterable[Global___RubricDimension] | None = ...,
+        task: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["trajectory", b"trajectory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dimensions", b"dimensions", "trajectory", b"trajectory"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dimensions", b"dimensions", "task", b"task", "trajectory", b"trajectory"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -418,8 +432,14 @@ class AssignCreditRequest(_message.Message):
 
     TRAJECTORY_FIELD_NUMBER: _builtins.int
     EPSILON_FIELD_NUMBER: _builtins.int
+    TASK_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
     epsilon: _builtins.float
-    """Least climb of the value curve that makes a rise segment."""
+    """Least climb of the value curve that makes a rise segment; 0 uses the default (0.05)."""
+    task: _builtins.str
+    """The task as the judge reads it; empty uses the first turn's `input_text`."""
+    failure: _builtins.str
+    """How the trajectory failed (e.g. the failing tests); empty uses `trajectory.reward.detail`."""
     @_builtins.property
     def trajectory(self) -> _trajectory_pb2.Trajectory:
         """A failed trajectory."""
@@ -429,10 +449,12 @@ class AssignCreditRequest(_message.Message):
         *,
         trajectory: _trajectory_pb2.Trajectory | None = ...,
         epsilon: _builtins.float = ...,
+        task: _builtins.str = ...,
+        failure: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["trajectory", b"trajectory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epsilon", b"epsilon", "trajectory", b"trajectory"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epsilon", b"epsilon", "failure", b"failure", "task", b"task", "trajectory", b"trajectory"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -445,18 +467,26 @@ class AssignCreditResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CREDIT_FIELD_NUMBER: _builtins.int
+    REWARD_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def credit(self) -> _reward_pb2.CreditAssignment:
-        """The value curve and rise segments."""
+        """The value curve and rise segments; empty when `reward` is EXCLUDED."""
+
+    @_builtins.property
+    def reward(self) -> _reward_pb2.Reward:
+        """SCORED (scorer "credit", value unused) when a curve came; EXCLUDED (judge unavailable),
+        with every attempt's problem as evidence, when the judge gave no usable annotation.
+        """
 
     def __init__(
         self,
         *,
         credit: _reward_pb2.CreditAssignment | None = ...,
+        reward: _reward_pb2.Reward | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["credit", b"credit"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["credit", b"credit", "reward", b"reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["credit", b"credit"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["credit", b"credit", "reward", b"reward"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

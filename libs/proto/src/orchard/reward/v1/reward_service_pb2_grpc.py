@@ -73,9 +73,13 @@ class RewardServiceServicer:
     def ScoreTests(self, request, context):
         """Applies a candidate patch and a test patch in a sandbox, runs the tests with a time limit,
         and scores +1 when every fail-to-pass test passes and every pass-to-pass test still passes,
-        else -1. Side effects: the sandbox's files change. A patch that does not apply is a policy
-        failure (-1); a sandbox that dies is EXCLUDED.
-        Errors: INVALID_ARGUMENT (empty test lists, bad timeout), NOT_FOUND (sandbox).
+        else -1. Side effects: the sandbox's files change; without `sandbox_id` a sandbox is created
+        from `task.image` and deleted afterwards. A candidate patch that does not apply is a policy
+        failure (-1); a sandbox that dies or cannot be reached mid-run, and a test run past its time
+        limit, are EXCLUDED.
+        Errors: INVALID_ARGUMENT (empty FAIL_TO_PASS, unknown parser, bad timeout, neither a
+        sandbox nor an image), NOT_FOUND (sandbox), FAILED_PRECONDITION (sandbox not READY yet, or
+        no environment service configured), RESOURCE_EXHAUSTED (no sandbox could be admitted).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -84,7 +88,8 @@ class RewardServiceServicer:
     def JudgeOutcome(self, request, context):
         """Asks an LLM judge whether an open-ended task was achieved, from the task intent, the final
         response and the last screenshots. Malformed verdicts are retried, then EXCLUDED.
-        Changes nothing. Errors: INVALID_ARGUMENT (empty intent).
+        Changes nothing. Errors: INVALID_ARGUMENT (empty intent, unknown judge, a screenshot that
+        is not PNG or JPEG, negative policy_format_failures).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -100,8 +105,11 @@ class RewardServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ScoreTask(self, request, context):
-        """Scores a personal-assistant workflow by checking the final state against the task's
-        expected state. Changes nothing. Errors: INVALID_ARGUMENT, NOT_FOUND (sandbox).
+        """Scores a personal-assistant workflow by running the configured task's checks in the
+        sandbox: completion from its test scripts, safety and robustness from its checks, combined
+        as safety x (0.8 completion + 0.2 robustness), passing at 0.75. Changes nothing the checks
+        do not change. A sandbox that dies mid-check, or a check past its time limit, is EXCLUDED.
+        Errors: INVALID_ARGUMENT (unknown task id), NOT_FOUND (sandbox), FAILED_PRECONDITION.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -109,7 +117,9 @@ class RewardServiceServicer:
 
     def AssignCredit(self, request, context):
         """Estimates a value after each turn of a failed trajectory and returns the rise segments.
-        Changes nothing. Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1)).
+        A judge that gives no annotation passing the calibration rules leaves `credit` empty and
+        `reward` EXCLUDED. Changes nothing.
+        Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1)).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

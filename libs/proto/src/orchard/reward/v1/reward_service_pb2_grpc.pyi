@@ -39,14 +39,19 @@ class RewardServiceStub:
     ScoreTests: _grpc.UnaryUnaryMultiCallable[_reward_service_pb2.ScoreTestsRequest, _reward_service_pb2.ScoreTestsResponse]
     """Applies a candidate patch and a test patch in a sandbox, runs the tests with a time limit,
     and scores +1 when every fail-to-pass test passes and every pass-to-pass test still passes,
-    else -1. Side effects: the sandbox's files change. A patch that does not apply is a policy
-    failure (-1); a sandbox that dies is EXCLUDED.
-    Errors: INVALID_ARGUMENT (empty test lists, bad timeout), NOT_FOUND (sandbox).
+    else -1. Side effects: the sandbox's files change; without `sandbox_id` a sandbox is created
+    from `task.image` and deleted afterwards. A candidate patch that does not apply is a policy
+    failure (-1); a sandbox that dies or cannot be reached mid-run, and a test run past its time
+    limit, are EXCLUDED.
+    Errors: INVALID_ARGUMENT (empty FAIL_TO_PASS, unknown parser, bad timeout, neither a
+    sandbox nor an image), NOT_FOUND (sandbox), FAILED_PRECONDITION (sandbox not READY yet, or
+    no environment service configured), RESOURCE_EXHAUSTED (no sandbox could be admitted).
     """
     JudgeOutcome: _grpc.UnaryUnaryMultiCallable[_reward_service_pb2.JudgeOutcomeRequest, _reward_service_pb2.JudgeOutcomeResponse]
     """Asks an LLM judge whether an open-ended task was achieved, from the task intent, the final
     response and the last screenshots. Malformed verdicts are retried, then EXCLUDED.
-    Changes nothing. Errors: INVALID_ARGUMENT (empty intent).
+    Changes nothing. Errors: INVALID_ARGUMENT (empty intent, unknown judge, a screenshot that
+    is not PNG or JPEG, negative policy_format_failures).
     """
     GradeRubric: _grpc.UnaryUnaryMultiCallable[_reward_service_pb2.GradeRubricRequest, _reward_service_pb2.GradeRubricResponse]
     """Grades a whole trajectory on weighted rubric dimensions (each 0.0–1.0 with cited evidence)
@@ -54,12 +59,17 @@ class RewardServiceStub:
     Errors: INVALID_ARGUMENT (weights do not sum to 1, empty trajectory).
     """
     ScoreTask: _grpc.UnaryUnaryMultiCallable[_reward_service_pb2.ScoreTaskRequest, _reward_service_pb2.ScoreTaskResponse]
-    """Scores a personal-assistant workflow by checking the final state against the task's
-    expected state. Changes nothing. Errors: INVALID_ARGUMENT, NOT_FOUND (sandbox).
+    """Scores a personal-assistant workflow by running the configured task's checks in the
+    sandbox: completion from its test scripts, safety and robustness from its checks, combined
+    as safety x (0.8 completion + 0.2 robustness), passing at 0.75. Changes nothing the checks
+    do not change. A sandbox that dies mid-check, or a check past its time limit, is EXCLUDED.
+    Errors: INVALID_ARGUMENT (unknown task id), NOT_FOUND (sandbox), FAILED_PRECONDITION.
     """
     AssignCredit: _grpc.UnaryUnaryMultiCallable[_reward_service_pb2.AssignCreditRequest, _reward_service_pb2.AssignCreditResponse]
     """Estimates a value after each turn of a failed trajectory and returns the rise segments.
-    Changes nothing. Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1)).
+    A judge that gives no annotation passing the calibration rules leaves `credit` empty and
+    `reward` EXCLUDED. Changes nothing.
+    Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1)).
     """
 
 @_typing.type_check_only
@@ -73,14 +83,19 @@ class RewardServiceAsyncStub(RewardServiceStub):
     ScoreTests: _aio.UnaryUnaryMultiCallable[_reward_service_pb2.ScoreTestsRequest, _reward_service_pb2.ScoreTestsResponse]  # type: ignore[assignment]
     """Applies a candidate patch and a test patch in a sandbox, runs the tests with a time limit,
     and scores +1 when every fail-to-pass test passes and every pass-to-pass test still passes,
-    else -1. Side effects: the sandbox's files change. A patch that does not apply is a policy
-    failure (-1); a sandbox that dies is EXCLUDED.
-    Errors: INVALID_ARGUMENT (empty test lists, bad timeout), NOT_FOUND (sandbox).
+    else -1. Side effects: the sandbox's files change; without `sandbox_id` a sandbox is created
+    from `task.image` and deleted afterwards. A candidate patch that does not apply is a policy
+    failure (-1); a sandbox that dies or cannot be reached mid-run, and a test run past its time
+    limit, are EXCLUDED.
+    Errors: INVALID_ARGUMENT (empty FAIL_TO_PASS, unknown parser, bad timeout, neither a
+    sandbox nor an image), NOT_FOUND (sandbox), FAILED_PRECONDITION (sandbox not READY yet, or
+    no environment service configured), RESOURCE_EXHAUSTED (no sandbox could be admitted).
     """
     JudgeOutcome: _aio.UnaryUnaryMultiCallable[_reward_service_pb2.JudgeOutcomeRequest, _reward_service_pb2.JudgeOutcomeResponse]  # type: ignore[assignment]
     """Asks an LLM judge whether an open-ended task was achieved, from the task intent, the final
     response and the last screenshots. Malformed verdicts are retried, then EXCLUDED.
-    Changes nothing. Errors: INVALID_ARGUMENT (empty intent).
+    Changes nothing. Errors: INVALID_ARGUMENT (empty intent, unknown judge, a screenshot that
+    is not PNG or JPEG, negative policy_format_failures).
     """
     GradeRubric: _aio.UnaryUnaryMultiCallable[_reward_service_pb2.GradeRubricRequest, _reward_service_pb2.GradeRubricResponse]  # type: ignore[assignment]
     """Grades a whole trajectory on weighted rubric dimensions (each 0.0–1.0 with cited evidence)
@@ -88,12 +103,17 @@ class RewardServiceAsyncStub(RewardServiceStub):
     Errors: INVALID_ARGUMENT (weights do not sum to 1, empty trajectory).
     """
     ScoreTask: _aio.UnaryUnaryMultiCallable[_reward_service_pb2.ScoreTaskRequest, _reward_service_pb2.ScoreTaskResponse]  # type: ignore[assignment]
-    """Scores a personal-assistant workflow by checking the final state against the task's
-    expected state. Changes nothing. Errors: INVALID_ARGUMENT, NOT_FOUND (sandbox).
+    """Scores a personal-assistant workflow by running the configured task's checks in the
+    sandbox: completion from its test scripts, safety and robustness from its checks, combined
+    as safety x (0.8 completion + 0.2 robustness), passing at 0.75. Changes nothing the checks
+    do not change. A sandbox that dies mid-check, or a check past its time limit, is EXCLUDED.
+    Errors: INVALID_ARGUMENT (unknown task id), NOT_FOUND (sandbox), FAILED_PRECONDITION.
     """
     AssignCredit: _aio.UnaryUnaryMultiCallable[_reward_service_pb2.AssignCreditRequest, _reward_service_pb2.AssignCreditResponse]  # type: ignore[assignment]
     """Estimates a value after each turn of a failed trajectory and returns the rise segments.
-    Changes nothing. Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1)).
+    A judge that gives no annotation passing the calibration rules leaves `credit` empty and
+    `reward` EXCLUDED. Changes nothing.
+    Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1)).
     """
 
 class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -110,9 +130,13 @@ class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_reward_service_pb2.ScoreTestsResponse, _abc.Awaitable[_reward_service_pb2.ScoreTestsResponse]]:
         """Applies a candidate patch and a test patch in a sandbox, runs the tests with a time limit,
         and scores +1 when every fail-to-pass test passes and every pass-to-pass test still passes,
-        else -1. Side effects: the sandbox's files change. A patch that does not apply is a policy
-        failure (-1); a sandbox that dies is EXCLUDED.
-        Errors: INVALID_ARGUMENT (empty test lists, bad timeout), NOT_FOUND (sandbox).
+        else -1. Side effects: the sandbox's files change; without `sandbox_id` a sandbox is created
+        from `task.image` and deleted afterwards. A candidate patch that does not apply is a policy
+        failure (-1); a sandbox that dies or cannot be reached mid-run, and a test run past its time
+        limit, are EXCLUDED.
+        Errors: INVALID_ARGUMENT (empty FAIL_TO_PASS, unknown parser, bad timeout, neither a
+        sandbox nor an image), NOT_FOUND (sandbox), FAILED_PRECONDITION (sandbox not READY yet, or
+        no environment service configured), RESOURCE_EXHAUSTED (no sandbox could be admitted).
         """
 
     @_abc_1.abstractmethod
@@ -123,7 +147,8 @@ class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_reward_service_pb2.JudgeOutcomeResponse, _abc.Awaitable[_reward_service_pb2.JudgeOutcomeResponse]]:
         """Asks an LLM judge whether an open-ended task was achieved, from the task intent, the final
         response and the last screenshots. Malformed verdicts are retried, then EXCLUDED.
-        Changes nothing. Errors: INVALID_ARGUMENT (empty intent).
+        Changes nothing. Errors: INVALID_ARGUMENT (empty intent, unknown judge, a screenshot that
+        is not PNG or JPEG, negative policy_format_failures).
         """
 
     @_abc_1.abstractmethod
@@ -143,8 +168,11 @@ class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _reward_service_pb2.ScoreTaskRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_reward_service_pb2.ScoreTaskResponse, _abc.Awaitable[_reward_service_pb2.ScoreTaskResponse]]:
-        """Scores a personal-assistant workflow by checking the final state against the task's
-        expected state. Changes nothing. Errors: INVALID_ARGUMENT, NOT_FOUND (sandbox).
+        """Scores a personal-assistant workflow by running the configured task's checks in the
+        sandbox: completion from its test scripts, safety and robustness from its checks, combined
+        as safety x (0.8 completion + 0.2 robustness), passing at 0.75. Changes nothing the checks
+        do not change. A sandbox that dies mid-check, or a check past its time limit, is EXCLUDED.
+        Errors: INVALID_ARGUMENT (unknown task id), NOT_FOUND (sandbox), FAILED_PRECONDITION.
         """
 
     @_abc_1.abstractmethod
@@ -154,7 +182,9 @@ class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_reward_service_pb2.AssignCreditResponse, _abc.Awaitable[_reward_service_pb2.AssignCreditResponse]]:
         """Estimates a value after each turn of a failed trajectory and returns the rise segments.
-        Changes nothing. Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1)).
+        A judge that gives no annotation passing the calibration rules leaves `credit` empty and
+        `reward` EXCLUDED. Changes nothing.
+        Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1)).
         """
 
 def add_RewardServiceServicer_to_server(servicer: RewardServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,135 @@
+"""``orchard-reward``: the reward service process.
+
+::
+
+    orchard-reward --listen 127.0.0.1:7200 --env 127.0.0.1:7100 --metrics-address 127.0.0.1:9200
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import sys
+
+from orchard.core.config import ConfigFlag
+from orchard.core.config_sources import SERVER_FLAGS
+from orchard.core.server import GrpcServer, ServiceBinding, run_service
+from orchard.reward.config import RewardConfig
+from orchard.reward.judge_client import OpenAIJudge
+from orchard.reward.metrics import RewardMetrics
+from orchard.reward.service import RewardResources, RewardServicer
+from orchard.reward.v1 import reward_service_pb2_grpc
+from orchard.sdk.aio import AsyncSandboxClient
+
+__all__ = ["SERVICE_NAME", "RewardApplication", "main"]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "orchard.reward.v1.RewardService"
+
+FLAGS = [
+    *SERVER_FLAGS,
+    ConfigFlag("--env", "env.endpoint", "gRPC address of orchard-env", metavar="ADDRESS"),
+]
+
+
+class RewardApplication:
+    """The servicer, and on start the judges and the environment service client.
+
+    ``run_service`` drives it in the ``orchard-reward`` process; tests drive it around a
+    :class:`GrpcServer` of their own (:meth:`server`).
+    """
+
+    def __init__(self, config: RewardConfig) -> None:
+        self.config = config
+        # Metrics are bound on start, when the server's registry exists.
+        self.servicer = RewardServicer(config, RewardMetrics(None))
+        self._resources: RewardResources | None = None
+
+    def bindings(self) -> list[ServiceBinding]:
+        return [
+            ServiceBinding.servicer(
+                SERVICE_NAME,
+                reward_service_pb2_grpc.add_RewardServiceServicer_to_server,
+                self.servicer,
+            )
+        ]
+
+    async def start(self, server: GrpcServer) -> None:
+        config = self.config
+        metrics = RewardMetrics(server.metrics)
+        self.servicer.metrics = metrics
+        # Endpoints (and their API keys) first: a missing key fails the start, opening nothing.
+        endpoints = {name: judge.endpoint() for name, judge in config.judges.items()}
+        judges = {
+            name: OpenAIJudge(endpoint, on_retry=functools.partial(metrics.judge_retry, name))
+            for name, endpoint in endpoints.items()
+        }
+        env = None
+        if config.env.endpoint:
+            env = AsyncSandboxClient(
+                config.env.endpoint, token=config.env.token(), timeout=config.env.call_timeout_s
+            )
+        self._resources = RewardResources(judges, env)
+        self.servicer.attach(self._resources)
+        log.info(
+            "reward service ready",
+            extra={"judges": sorted(judges), "env_endpoint": config.env.endpoint},
+        )
+
+    async def stop(self) -> None:
+        self.servicer.attach(None)
+        resources, self._resources = self._resources, None
+        if resources is None:
+            return
+        for judge in resources.judges.values():
+            with contextlib.suppress(Exception):
+                await judge.close()
+        if resources.env is not None:
+            with contextlib.suppress(Exception):
+                await resources.env.close()
+
+    def server(self) -> GrpcServer:
+        """A server for this application (tests and embedding)."""
+
+        async def on_start(server: GrpcServer) -> None:
+            await self.start(server)
+
+        async def on_stop(server: GrpcServer) -> None:
+            await self.stop()
+
+        return GrpcServer(
+            "reward", self.bindings(), self.config.server, on_start=on_start, on_stop=on_stop
+        )
+
+
+def main() -> None:
+    # run_service builds the bindings, then calls the hooks, with the one validated config.
+    application: list[RewardApplication] = []
+
+    def services(config: RewardConfig) -> list[ServiceBinding]:
+        application.append(RewardApplication(config))
+        return application[0].bindings()
+
+    async def on_start(config: RewardConfig, server: GrpcServer) -> None:
+        await application[0].start(server)
+
+    async def on_stop(config: RewardConfig, server: GrpcServer) -> None:
+        await application[0].stop()
+
+    sys.exit(
+        run_service(
+            "reward",
+            RewardConfig,
+            services,
+            description="The Orchard reward service: test rewards, LLM judge, rubric, credit.",
+            flags=FLAGS,
+            on_start=on_start,
+            on_stop=on_stop,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
