@@ -98,6 +98,14 @@ class _SandboxLost(Exception):
     """The sandbox failed under us; the message says at which step."""
 
 
+@dataclass
+class _Progress:
+    """What happened so far: kept when the sandbox fails halfway."""
+
+    evidence: list[Evidence]
+    patch_applied: bool = False
+
+
 def patched_paths(diff: str) -> list[str]:
     """Repository-relative paths a unified diff touches, in order, without duplicates."""
     paths: list[str] = []
@@ -137,27 +145,28 @@ async def run_tests_in_sandbox(sandbox: AsyncSandbox, run: TestRun) -> TestRunRe
     """
     require_fail_to_pass(run.fail_to_pass)
     parser = parser_named(run.parser)
-    evidence: list[Evidence] = []
+    progress = _Progress([])
     try:
-        return await _run(sandbox, run, parser, evidence)
+        return await _run(sandbox, run, parser, progress)
     except _SandboxLost as exc:
+        evidence = tuple(progress.evidence)
         return TestRunResult(
-            excluded(SCORER, Exclusion.SANDBOX_FAILURE, str(exc), evidence=tuple(evidence)),
+            excluded(SCORER, Exclusion.SANDBOX_FAILURE, str(exc), evidence=evidence),
             None,
-            False,
+            progress.patch_applied,
         )
 
 
 async def _run(
-    sandbox: AsyncSandbox, run: TestRun, parser: str, evidence: list[Evidence]
+    sandbox: AsyncSandbox, run: TestRun, parser: str, progress: _Progress
 ) -> TestRunResult:
+    evidence = progress.evidence
     if not await _call(sandbox, "find the repository", sandbox.exists(run.repo_path)):
         detail = f"no repository at {run.repo_path} in sandbox {sandbox.id}"
         return TestRunResult(
             excluded(SCORER, Exclusion.OTHER, detail, evidence=tuple(evidence)), None, False
         )
 
-    patch_applied = False
     if not run.candidate_patch.strip():
         evidence.append(Evidence.of("candidate patch", "empty: nothing to apply"))
     else:
@@ -181,7 +190,7 @@ async def _run(
                 components={"patch_applied": 0.0}, evidence=tuple(evidence),
             )  # fmt: skip
             return TestRunResult(result, None, False)
-        patch_applied = True
+        progress.patch_applied = True
         evidence.append(Evidence.of("candidate patch applied", _output(applied) or "(no output)"))
 
     if run.test_patch.strip():
@@ -201,7 +210,7 @@ async def _run(
             return TestRunResult(
                 excluded(SCORER, Exclusion.OTHER, detail, evidence=tuple(evidence)),
                 None,
-                patch_applied,
+                progress.patch_applied,
             )
 
     junit_path = f"/tmp/orchard-junit-{uuid.uuid4().hex[:12]}.xml"
@@ -224,7 +233,7 @@ async def _run(
         return TestRunResult(
             excluded(SCORER, Exclusion.TIMEOUT, detail, evidence=tuple(evidence)),
             None,
-            patch_applied,
+            progress.patch_applied,
         )
     if tests.signal or tests.exit_code is None or tests.exit_code >= 128:
         await _still_ready(sandbox, "while the tests ran")
@@ -234,12 +243,12 @@ async def _run(
     evidence.extend(notes)
     verdict = judge_outcomes(outcomes, run.fail_to_pass, run.pass_to_pass, evidence=tuple(evidence))
     result = verdict.result
-    components = {**result.components, "patch_applied": 1.0 if patch_applied else 0.0}
+    components = {**result.components, "patch_applied": float(progress.patch_applied)}
     result = scored(
         SCORER, result.value, detail=result.detail, components=components,
         evidence=result.evidence,
     )  # fmt: skip
-    return TestRunResult(result, verdict, patch_applied)
+    return TestRunResult(result, verdict, progress.patch_applied)
 
 
 def _reset_script(base_commit: str, paths: Sequence[str]) -> str:
