@@ -1,0 +1,1 @@
+"""Built-in harnesses: the generic tool-calling loop and the bash ReAct loop for software tasks."""

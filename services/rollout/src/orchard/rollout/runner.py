@@ -1,0 +1,237 @@
+"""Runs one rollout end to end: sandbox, setup, harness, reward, capture, provenance.
+
+`RolloutRunner` is the `RunRollout` callable the samplers take. Per rollout it creates a sandbox
+through the environment service (after a random delay against bursts, retried per layer), runs
+the task's setup, drives the harness under the wall-clock budget, scores the task's check in the
+sandbox, collects the captured calls when a capture source is given, and deletes the sandbox.
+
+Every infrastructure failure is recorded with its layer and the rollout comes back ABORTED (no
+reward, never trained); a budget that runs out comes back TRUNCATED and is still scored. A setup
+killed for memory is retried once in a fresh sandbox with twice the memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import re
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import openai
+
+from orchard.rollout.budgets import InfrastructureError, LayeredRetries, RolloutBudget, with_retries
+from orchard.rollout.capture import CallRecord
+from orchard.rollout.harnesses.tool_loop import HarnessContext, ModelEndpoint, ToolCallingHarness
+from orchard.rollout.provenance import FailureLayer, InfraFailure, RolloutRecord
+from orchard.rollout.results import GroupKey, RolloutResult, RolloutStatus
+from orchard.rollout.tasks import TaskSpec
+from orchard.sdk import AsyncSandbox, AsyncSandboxClient, Resources
+from orchard.sdk import errors as sdk_errors
+
+log = logging.getLogger(__name__)
+
+SANDBOX_CREATE_RETRYABLE: tuple[type[Exception], ...] = (
+    sdk_errors.Unavailable,
+    sdk_errors.ResourceExhausted,
+    sdk_errors.SandboxFailed,
+    sdk_errors.DeadlineExceeded,
+    sdk_errors.Internal,
+)
+KILL_SIGNAL = 9
+
+
+class CaptureSource(Protocol):
+    """Where the captured calls of a rollout come from (the capture proxy's sessions)."""
+
+    async def settle(self, rollout_id: str) -> list[CallRecord]:
+        """The rollout's calls once their count is stable and none is pending."""
+        ...
+
+
+class _OutOfMemory(Exception):
+    pass
+
+
+def _double(memory: str) -> str:
+    match = re.fullmatch(r"(\d+)([KMGT]?)i?B?", memory.strip(), re.IGNORECASE)
+    if not match:
+        return memory
+    return f"{int(match.group(1)) * 2}{match.group(2).upper()}"
+
+
+@dataclass(slots=True)
+class RolloutRunner:
+    sandboxes: AsyncSandboxClient
+    endpoint: ModelEndpoint
+    harnesses: Mapping[str, ToolCallingHarness]
+    tasks: Mapping[str, TaskSpec]
+    budget: RolloutBudget = field(default_factory=RolloutBudget)
+    retries: LayeredRetries = field(default_factory=LayeredRetries)
+    capture: CaptureSource | None = None
+    seed: int | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+    """Labels put on every sandbox (e.g. the run id)."""
+    records: list[RolloutRecord] = field(default_factory=list)
+    """Every rollout's provenance record, in finishing order."""
+    _rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+
+    async def __call__(self, key: GroupKey, index: int) -> RolloutResult:
+        harness = self.harnesses.get(key.harness)
+        task = self.tasks.get(key.task_id)
+        if harness is None or task is None:
+            raise KeyError(f"no harness {key.harness!r} or no task {key.task_id!r} to run")
+        rollout_id = f"{key.task_id}.{index}.{uuid.uuid4().hex[:10]}"
+        memory = task.memory
+        for attempt in range(2):
+            record = RolloutRecord(rollout_id=rollout_id, task_id=key.task_id, harness=key.harness)
+            try:
+                result = await self._run(
+                    key=key, index=index, task=task, harness=harness, record=record, memory=memory
+                )
+            except _OutOfMemory:
+                if attempt == 0 and memory:
+                    log.info(
+                        "rollout %s: setup ran out of memory at %s, retrying", rollout_id, memory
+                    )
+                    memory = _double(memory)
+                    continue
+                record.failure = InfraFailure(
+                    FailureLayer.SANDBOX_CREATE,
+                    f"setup ran out of memory at {memory or 'default'}",
+                    attempt + 1,
+                )
+                result = self._finish(key, index, record, RolloutStatus.ABORTED)
+            self.records.append(record)
+            return result
+        raise AssertionError("unreachable")
+
+    async def _create(self, task: TaskSpec, record: RolloutRecord, memory: str) -> AsyncSandbox:
+        await asyncio.sleep(self._rng.uniform(0, self.retries.create_spread_s))
+        resources = Resources.of(memory=memory) if memory else None
+        labels = {**self.labels, "orchard-rollout": record.rollout_id[:63].replace(".", "-")}
+
+        async def attempt(_: int) -> AsyncSandbox:
+            return await self.sandboxes.create(image=task.image, labels=labels, resources=resources)
+
+        return await with_retries(
+            FailureLayer.SANDBOX_CREATE,
+            self.retries.sandbox_create,
+            attempt,
+            retryable=SANDBOX_CREATE_RETRYABLE,
+            rng=self._rng,
+        )
+
+    async def _run(
+        self,
+        *,
+        key: GroupKey,
+        index: int,
+        task: TaskSpec,
+        harness: ToolCallingHarness,
+        record: RolloutRecord,
+        memory: str,
+    ) -> RolloutResult:
+        status = RolloutStatus.ABORTED
+        sandbox: AsyncSandbox | None = None
+        try:
+            sandbox = await self._create(task, record, memory)
+            record.sandbox_ids.append(sandbox.id)
+            for command in task.setup:
+                setup = await sandbox.exec(["/bin/sh", "-c", command], timeout=300)
+                if setup.signal == KILL_SIGNAL and not setup.timed_out:
+                    raise _OutOfMemory()
+                if not setup.ok:
+                    raise InfrastructureError(
+                        FailureLayer.SANDBOX_CREATE,
+                        f"setup command {command!r} exited {setup.exit_code}: "
+                        f"{setup.stderr_text[-500:]}",
+                        1,
+                    )
+            client = openai.AsyncOpenAI(
+                base_url=self.endpoint.for_rollout(record.rollout_id),
+                api_key=self.endpoint.api_key,
+                max_retries=0,
+            )
+            try:
+                ctx = HarnessContext(
+                    rollout_id=record.rollout_id,
+                    instruction=task.instruction,
+                    sandbox=sandbox,
+                    client=client,
+                    endpoint=self.endpoint,
+                    budget=self.budget,
+                    retries=self.retries,
+                    record=record,
+                    rng=self._rng,
+                    tools=task.tools,
+                )
+                try:
+                    async with asyncio.timeout(self.budget.max_duration_s):
+                        outcome = await harness.run(ctx)
+                    record.outcome = outcome.outcome
+                    status = (
+                        RolloutStatus.TRUNCATED if outcome.truncated else RolloutStatus.COMPLETED
+                    )
+                except TimeoutError:
+                    record.outcome = "time_limit"
+                    status = RolloutStatus.TRUNCATED
+            finally:
+                await client.close()
+            record.reward = await with_retries(
+                FailureLayer.REWARD,
+                self.retries.reward,
+                lambda _: task.check.score(sandbox),
+                retryable=(
+                    sdk_errors.Unavailable,
+                    sdk_errors.Internal,
+                    sdk_errors.DeadlineExceeded,
+                ),
+                rng=self._rng,
+            )
+            if self.capture is not None:
+                record.calls = await self.capture.settle(record.rollout_id)
+        except InfrastructureError as exc:
+            record.failure = InfraFailure(exc.layer, exc.error, exc.attempts)
+            status = RolloutStatus.ABORTED
+        except asyncio.CancelledError:
+            record.failure = InfraFailure(FailureLayer.CANCELLED, "the rollout was cancelled", 1)
+            record.reward = None
+            self._finish(key, index, record, RolloutStatus.ABORTED)
+            self.records.append(record)
+            raise
+        except sdk_errors.OrchardSDKError as exc:
+            # A sandbox call outside the retried layers (setup) failed: infrastructure.
+            record.failure = InfraFailure(FailureLayer.TOOL_EXEC, f"{type(exc).__name__}: {exc}", 1)
+            status = RolloutStatus.ABORTED
+        finally:
+            if sandbox is not None:
+                try:
+                    await asyncio.shield(sandbox.delete())
+                except sdk_errors.OrchardSDKError as exc:
+                    log.warning(
+                        "rollout %s: sandbox %s not deleted: %s", record.rollout_id, sandbox.id, exc
+                    )
+        if status is RolloutStatus.ABORTED:
+            record.reward = None
+        return self._finish(key, index, record, status)
+
+    def _finish(
+        self, key: GroupKey, index: int, record: RolloutRecord, status: RolloutStatus
+    ) -> RolloutResult:
+        record.status = status
+        record.ended_at = time.time()
+        reward = record.reward.value if record.reward is not None else None
+        if status is RolloutStatus.ABORTED:
+            reward = None
+        length = sum(len(c.output_token_ids) for c in record.calls) or record.sampled_tokens
+        return RolloutResult(
+            key, index, status, reward, length, rollout_id=record.rollout_id, payload=record
+        )
