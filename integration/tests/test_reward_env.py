@@ -373,3 +373,38 @@ async def test_task_score_from_checks_in_the_sandbox(
     parts = dict(reply.reward.components)
     assert (parts["completion"], parts["safety"], parts["robustness"]) == (1.0, 1.0, 0.0)
     assert parts["passed"] == 1.0
+
+
+async def test_candidate_edits_to_the_official_tests_are_undone(
+    stack: Stack, reward: reward_service_pb2_grpc.RewardServiceStub
+) -> None:
+    instance = stack.instances["orchard-tasks__textkit-1"]
+    repo = Path(instance.repo_path)
+    tests = (repo / "tests/test_slugify.py").read_text()
+    # No fix: the candidate only writes a test of the same name that always passes.
+    cheat = diff_against_base(
+        repo, {"tests/test_slugify.py": tests + "\n\ndef test_keeps_digits():\n    pass\n"}
+    )
+    reply = await reward.ScoreTests(_request(instance, cheat))
+    assert (reply.reward.status, reply.reward.value) == (reward_pb2.REWARD_STATUS_SCORED, -1.0)
+    assert reply.patch_applied
+    assert _outcomes(reply)["tests/test_slugify.py::test_keeps_digits"] == "FAILED"
+    assert any(e.title == "test files reset to the base commit" for e in reply.reward.evidence)
+
+
+async def test_task_faults_are_excluded_not_blamed_on_the_policy(
+    stack: Stack, reward: reward_service_pb2_grpc.RewardServiceStub
+) -> None:
+    instance = stack.instances["orchard-tasks__intervals-1"]
+    broken_task = _request(instance, instance.patch)
+    # A test patch for a file the repository does not have: the task is broken.
+    broken_task.task.test_patch = instance.test_patch.replace("test_merge.py", "test_gone.py")
+    reply = await reward.ScoreTests(broken_task)
+    assert reply.reward.exclusion == reward_pb2.EXCLUSION_REASON_OTHER
+    assert "test patch does not apply" in reply.reward.detail
+
+    missing = _request(instance, instance.patch)
+    missing.repo_path = "/nonexistent/repo"
+    reply = await reward.ScoreTests(missing)
+    assert reply.reward.exclusion == reward_pb2.EXCLUSION_REASON_OTHER
+    assert "no repository at /nonexistent/repo" in reply.reward.detail
