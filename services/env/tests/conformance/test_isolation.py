@@ -27,8 +27,9 @@ async def test_no_network_but_loopback(sandboxes: Any, agent_for: Any) -> None:
         assert (await agent.sh("ls /sys/class/net")).stdout == b"lo\n"
         # Loopback itself works inside.
         both = await agent.sh(
-            "nc -l -p 7777 > /tmp/got & sleep 0.3; echo ping | nc -w 2 127.0.0.1 7777; "
-            "wait; cat /tmp/got"
+            # Retry the client until the listener is up: a loaded machine starts it late.
+            "nc -l -p 7777 > /tmp/got & for i in $(seq 100); do "
+            "echo ping | nc -w 2 127.0.0.1 7777 && break; sleep 0.1; done; wait; cat /tmp/got"
         )
         assert both.stdout.endswith(b"ping\n")
     finally:
