@@ -1,0 +1,98 @@
+"""The built-in suite: every generated bug is real (its new tests fail at the base commit), the
+teacher's solution fixes it and its failure does not, and the split keeps families together."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from orchard.recipes.swe_suite import (
+    FAMILIES,
+    SuiteTask,
+    generate_suite,
+    split_suite,
+    teacher_script,
+)
+from orchard.reward.swe_tasks import materialize
+from orchard.rollout.scripted_policy import PolicyScript
+
+
+def _pytest(repo: Path, tests: tuple[str, ...]) -> int:
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+        cwd=repo, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    return done.returncode
+
+
+def _apply(repo: Path, task: SuiteTask, which: str) -> None:
+    for edit in task.fix if which == "fix" else task.wrong_fix:
+        path = repo / edit.path
+        text = path.read_text()
+        assert text.count(edit.old_text) == 1, f"{task.instance_id}: edit target not unique"
+        path.write_text(text.replace(edit.old_text, edit.new_text))
+
+
+def test_same_seed_same_suite_and_difficulties_are_balanced() -> None:
+    a, b = generate_suite(15, seed=3), generate_suite(15, seed=3)
+    assert [t.blueprint for t in a] == [t.blueprint for t in b]
+    assert [t.blueprint for t in generate_suite(15, seed=4)] != [t.blueprint for t in a]
+    assert Counter(t.family for t in a) == {family: 3 for family in FAMILIES}
+    assert Counter(t.difficulty for t in a) == {1: 6, 2: 6, 3: 3}
+    assert len({t.instance_id for t in a}) == 15
+
+
+@pytest.mark.slow
+def test_every_bug_is_real_and_the_teachers_paths_do_what_they_say(tmp_path: Path) -> None:
+    tasks = generate_suite(len(FAMILIES), seed=11)  # one of each family
+    for task in tasks:
+        instance = materialize(task.blueprint, tmp_path)
+        repo = Path(instance.repo_path)
+        f2p, p2p = task.blueprint.fail_to_pass, task.blueprint.pass_to_pass
+        for relative, content in task.blueprint.tests.items():  # the test patch
+            (repo / relative).write_text(content)
+        assert _pytest(repo, p2p) == 0, f"{task.instance_id}: PASS_TO_PASS fails at base"
+        assert _pytest(repo, f2p) != 0, f"{task.instance_id}: FAIL_TO_PASS passes at base"
+
+        _apply(repo, task, "fix")
+        fixed = {path: (repo / path).read_text() for path in task.blueprint.fix}
+        assert fixed == dict(task.blueprint.fix), f"{task.instance_id}: edits != gold patch"
+        assert _pytest(repo, (*f2p, *p2p)) == 0, f"{task.instance_id}: the fix does not fix"
+
+        subprocess.run(["git", "checkout", "-q", "--", "src"], cwd=repo, check=True)
+        _apply(repo, task, "wrong")
+        assert _pytest(repo, (*f2p, *p2p)) != 0, f"{task.instance_id}: the wrong fix passes"
+
+
+def test_split_is_stratified_and_disjoint() -> None:
+    tasks = generate_suite(20, seed=0)
+    splits = split_suite(tasks, {"sft": 0.5, "rl": 0.25, "evaluate": 0.25}, seed=0)
+    ids = [t.instance_id for split in splits.values() for t in split]
+    assert sorted(ids) == sorted(t.instance_id for t in tasks)  # each task exactly once
+    assert [len(splits[s]) for s in ("sft", "rl", "evaluate")] == [10, 5, 5]
+    for split in splits.values():
+        assert {t.family for t in split} == set(FAMILIES)
+    with pytest.raises(ValueError, match="sum to 1"):
+        split_suite(tasks, {"sft": 0.5, "rl": 0.5, "evaluate": 0.5})
+
+
+def test_small_suites_still_hold_out_every_family() -> None:
+    splits = split_suite(generate_suite(10, seed=1), {"sft": 0.7, "rl": 0.2, "evaluate": 0.1})
+    assert {t.family for t in splits["evaluate"]} == set(FAMILIES)
+
+
+def test_the_teacher_script_selects_each_tasks_own_plan() -> None:
+    tasks = generate_suite(12, seed=5)
+    script = PolicyScript.from_json(teacher_script(tasks))
+    for task in tasks:
+        plan = script.plan_for(task.blueprint.problem_statement)
+        assert plan is not None and plan.match == task.marker
+        edits = [s for s in plan.solution if s.tool == "edit"]
+        assert [e.arguments["old_text"] for e in edits] == [e.old_text for e in task.fix]
+        assert plan.solution[-1].tool == "submit" and plan.failure[-1].tool == "submit"
+    rates = {t.difficulty: script.plan_for(t.blueprint.problem_statement).solve_rate for t in tasks}  # type: ignore[union-attr]
+    assert rates[1] > rates[2] > rates[3]
