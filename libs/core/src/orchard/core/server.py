@@ -71,12 +71,15 @@ if TYPE_CHECKING:
     from orchard.core.metrics import MetricsEndpoint, ServiceMetrics
 
 __all__ = [
+    "Application",
     "ConfigLoader",
     "GrpcServer",
     "ServerHook",
     "ServerSettings",
     "ServiceBinding",
     "ServiceSettings",
+    "application_server",
+    "run_application",
     "run_service",
 ]
 
@@ -584,3 +587,67 @@ def run_service(
         return 0
 
     return asyncio.run(serve())
+
+
+class Application(Protocol):
+    """A service's running parts around its gRPC server: what it serves (``bindings``), what
+    it starts once the server is bound (``start``: stores, clients, background loops) and
+    stops after the drain (``stop``). :func:`run_application` drives one in its process;
+    :func:`application_server` wraps one in a :class:`GrpcServer` for tests and embedding."""
+
+    def bindings(self) -> list[ServiceBinding]: ...
+
+    async def start(self, server: GrpcServer) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def application_server(
+    service: str, application: Application, config: ServerSettings
+) -> GrpcServer:
+    """A server that starts ``application`` after binding and stops it after the drain."""
+
+    async def on_start(server: GrpcServer) -> None:
+        await application.start(server)
+
+    async def on_stop(server: GrpcServer) -> None:
+        await application.stop()
+
+    return GrpcServer(service, application.bindings(), config, on_start=on_start, on_stop=on_stop)
+
+
+def run_application(
+    service: str,
+    config_cls: type[C] | ConfigLoader[C],
+    make_application: Callable[[C], Application],
+    *,
+    description: str | None = None,
+    flags: Sequence[ConfigFlag] | None = None,
+    argv: Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> int:
+    """:func:`run_service` for an :class:`Application` built from the one validated config."""
+    built: list[Application] = []
+
+    def services(config: C) -> list[ServiceBinding]:
+        built.append(make_application(config))
+        return built[0].bindings()
+
+    async def on_start(config: C, server: GrpcServer) -> None:
+        await built[0].start(server)
+
+    async def on_stop(config: C, server: GrpcServer) -> None:
+        if built:
+            await built[0].stop()
+
+    return run_service(
+        service,
+        config_cls,
+        services,
+        argv=argv,
+        env=env,
+        description=description,
+        flags=flags,
+        on_start=on_start,
+        on_stop=on_stop,
+    )

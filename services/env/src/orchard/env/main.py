@@ -14,7 +14,12 @@ import sys
 from orchard.core.config import ConfigFlag
 from orchard.core.config_sources import SERVER_FLAGS
 from orchard.core.etcd import EtcdStore
-from orchard.core.server import GrpcServer, ServiceBinding, run_service
+from orchard.core.server import (
+    GrpcServer,
+    ServiceBinding,
+    application_server,
+    run_application,
+)
 from orchard.env.config import EnvConfig
 from orchard.env.controller import SandboxController
 from orchard.env.metrics import EnvMetrics
@@ -85,41 +90,17 @@ class EnvApplication:
 
     def server(self) -> GrpcServer:
         """A server for this application (tests and embedding)."""
-
-        async def on_start(server: GrpcServer) -> None:
-            await self.start(server)
-
-        async def on_stop(server: GrpcServer) -> None:
-            await self.stop()
-
-        return GrpcServer(
-            "env", self.bindings(), self.config.server, on_start=on_start, on_stop=on_stop
-        )
+        return application_server("env", self, self.config.server)
 
 
 def main() -> None:
-    # run_service builds the bindings, then calls the hooks, with the one validated config.
-    application: list[EnvApplication] = []
-
-    def services(config: EnvConfig) -> list[ServiceBinding]:
-        application.append(EnvApplication(config))
-        return application[0].bindings()
-
-    async def on_start(config: EnvConfig, server: GrpcServer) -> None:
-        await application[0].start(server)
-
-    async def on_stop(config: EnvConfig, server: GrpcServer) -> None:
-        await application[0].stop()
-
     sys.exit(
-        run_service(
+        run_application(
             "env",
             EnvConfig,
-            services,
+            EnvApplication,
             description="The Orchard environment service: sandboxes, exec, files.",
             flags=FLAGS,
-            on_start=on_start,
-            on_stop=on_stop,
         )
     )
 
