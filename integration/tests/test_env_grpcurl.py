@@ -11,19 +11,14 @@ from __future__ import annotations
 import base64
 import json
 import os
-import secrets
 import shutil
 import subprocess
 import sys
-import tempfile
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-from orchard.sdk.cli.stack import LocalStack, StackError
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -32,15 +27,6 @@ def _grpcurl() -> str | None:
     return shutil.which("grpcurl", path=f"{Path(sys.executable).parent}{os.pathsep}") or (
         shutil.which("grpcurl")
     )
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class Grpcurl:
@@ -67,35 +53,11 @@ class Grpcurl:
 
 
 @pytest.fixture(scope="module")
-def grpcurl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Grpcurl]:
-    if os.geteuid() != 0:
-        pytest.skip("the local runtime needs root")
+def grpcurl(env_stack: Any) -> Grpcurl:
     binary = _grpcurl()
     if binary is None:
         pytest.skip("grpcurl not found beside the interpreter or on PATH (make setup installs it)")
-    state = tmp_path_factory.mktemp("stack")
-    # Sandbox socket paths live under run_dir and must fit a Unix socket address.
-    run_dir = Path(tempfile.mkdtemp(prefix="og-"))
-    token = secrets.token_urlsafe(16)
-    stack = LocalStack(
-        state,
-        listen=f"127.0.0.1:{_free_port()}",
-        token=token,
-        runtime={
-            "cgroup_parent": f"orchard-test-{uuid.uuid4().hex[:8]}",
-            "run_dir": str(run_dir),
-        },
-    )
-    try:
-        stack.start()
-    except StackError as exc:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        pytest.fail(str(exc))
-    try:
-        yield Grpcurl(binary, stack.endpoint, token)
-    finally:
-        stack.stop()
-        shutil.rmtree(run_dir, ignore_errors=True)
+    return Grpcurl(binary, env_stack.endpoint, env_stack.token)
 
 
 def test_reflection_lists_the_env_service(grpcurl: Grpcurl) -> None:

@@ -10,15 +10,12 @@ how long they took.
 from __future__ import annotations
 
 import json
-import secrets
 import shutil
 import socket
 import subprocess
-import tempfile
 import time
 import urllib.parse
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +23,6 @@ from typing import Any
 import pytest
 
 from orchard.sdk import SandboxClient
-from orchard.sdk.cli.stack import LocalStack, StackError
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -126,35 +122,10 @@ class Prometheus:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalStack, str, str]]:
-    state = tmp_path_factory.mktemp("stack")
-    run_dir = Path(tempfile.mkdtemp(prefix="op-"))  # socket paths must stay short
-    token = secrets.token_urlsafe(16)
-    metrics = f"127.0.0.1:{_free_port()}"
-    stack = LocalStack(
-        state,
-        listen=f"127.0.0.1:{_free_port()}",
-        token=token,
-        runtime={"cgroup_parent": f"orchard-test-{uuid.uuid4().hex[:8]}", "run_dir": str(run_dir)},
-        settings=[f"server.metrics_address={metrics}"],
+def prometheus(tmp_path_factory: pytest.TempPathFactory, env_stack: Any) -> Iterator[Prometheus]:
+    server = Prometheus(
+        tmp_path_factory.mktemp("prometheus"), {"orchard-env": env_stack.metrics_address}
     )
-    try:
-        stack.start()
-    except StackError as exc:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        pytest.fail(str(exc))
-    try:
-        yield stack, token, metrics
-    finally:
-        stack.stop()
-        shutil.rmtree(run_dir, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def prometheus(
-    tmp_path_factory: pytest.TempPathFactory, stack: tuple[LocalStack, str, str]
-) -> Iterator[Prometheus]:
-    server = Prometheus(tmp_path_factory.mktemp("prometheus"), {"orchard-env": stack[2]})
     try:
         yield server
     finally:
@@ -162,12 +133,11 @@ def prometheus(
 
 
 def test_prometheus_scrapes_the_env_service_and_answers_promql(
-    stack: tuple[LocalStack, str, str], prometheus: Prometheus
+    env_stack: Any, prometheus: Prometheus
 ) -> None:
-    env, token, _ = stack
     prometheus.wait_for('up{job="orchard-env"}', 1.0)
 
-    with SandboxClient(env.endpoint, token=token) as client:
+    with SandboxClient(env_stack.endpoint, token=env_stack.token) as client:
         sandboxes = [client.create(labels={"test": "prometheus"}) for _ in range(2)]
         try:
             for sandbox in sandboxes:

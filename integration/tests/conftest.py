@@ -1,0 +1,69 @@
+"""Fixtures of the integration tests: real services started as processes."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from orchard.sdk.cli.host_probe import remove_cgroup_parent
+from orchard.sdk.cli.stack import LocalStack, StackError
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for processes that take an address, not port 0)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass(frozen=True)
+class EnvStack:
+    """etcd and orchard-env with the local runtime, as `orchard up` runs them."""
+
+    stack: LocalStack
+    token: str
+    metrics_address: str
+    """HOST:PORT of orchard-env's Prometheus endpoint."""
+
+    @property
+    def endpoint(self) -> str:
+        return self.stack.endpoint
+
+
+@pytest.fixture(scope="module")
+def env_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EnvStack]:
+    """One private stack per test module: its own etcd, cgroup parent and run dir, all removed
+    at the end."""
+    if os.geteuid() != 0:
+        pytest.skip("the local runtime needs root")
+    state = tmp_path_factory.mktemp("stack")
+    run_dir = Path(tempfile.mkdtemp(prefix="oi-"))  # sandbox socket paths must stay short
+    cgroup_parent = f"orchard-test-{uuid.uuid4().hex[:8]}"
+    token = secrets.token_urlsafe(16)
+    metrics = f"127.0.0.1:{free_port()}"
+    stack = LocalStack(
+        state,
+        listen=f"127.0.0.1:{free_port()}",
+        token=token,
+        runtime={"cgroup_parent": cgroup_parent, "run_dir": str(run_dir)},
+        settings=[f"server.metrics_address={metrics}"],
+    )
+    try:
+        stack.start()
+        yield EnvStack(stack, token, metrics)
+    except StackError as exc:
+        pytest.fail(str(exc))
+    finally:
+        stack.stop()
+        remove_cgroup_parent(cgroup_parent)
+        shutil.rmtree(run_dir, ignore_errors=True)
