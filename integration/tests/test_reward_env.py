@@ -25,7 +25,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from google.protobuf import duration_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchard.reward.swe_instances import SweInstance
@@ -171,15 +170,7 @@ async def env_client(stack: Stack) -> AsyncIterator[AsyncSandboxClient]:
 def _request(
     instance: SweInstance, candidate: str, *, sandbox_id: str = "", timeout_s: float = 0
 ) -> api.ScoreTestsRequest:
-    request = api.ScoreTestsRequest(
-        sandbox_id=sandbox_id,
-        task=instance.to_task(),
-        candidate_patch=candidate,
-        repo_path=instance.repo_path,
-    )
-    if timeout_s:
-        request.timeout.CopyFrom(duration_pb2.Duration(seconds=int(timeout_s)))
-    return request
+    return instance.score_request(candidate, sandbox_id=sandbox_id, timeout_s=timeout_s)
 
 
 def _outcomes(reply: api.ScoreTestsResponse) -> dict[str, str]:

@@ -80,6 +80,21 @@ class SweInstance:
             image=self.image,
         )
 
+    def score_request(
+        self, candidate_patch: str, *, sandbox_id: str = "", timeout_s: float = 0
+    ) -> reward_service_pb2.ScoreTestsRequest:
+        """A ScoreTests request for ``candidate_patch``: in ``sandbox_id``, or (empty) in a
+        sandbox the service creates from :attr:`image`; ``timeout_s`` 0 is the service's."""
+        request = reward_service_pb2.ScoreTestsRequest(
+            sandbox_id=sandbox_id,
+            task=self.to_task(),
+            candidate_patch=candidate_patch,
+            repo_path=self.repo_path,
+        )
+        if timeout_s:
+            request.timeout.FromNanoseconds(int(timeout_s * 1e9))
+        return request
+
     def to_json(self) -> dict[str, Any]:
         """The SWE-bench line (test lists as JSON strings, as the datasets write them)."""
         record: dict[str, Any] = dict(self.extra)
