@@ -78,3 +78,41 @@ class TrajectoryBuilder:
 @pytest.fixture
 def build() -> TrajectoryBuilder:
     return TrajectoryBuilder()
+
+
+# The synthetic SFT task of the training tests: four observation tokens; the right action is
+# each shifted up by one, then END. A first, wrong attempt (shifted down: as easy a rule) sits
+# outside the rise segment of a failed trajectory, so only the right action may be learned.
+SYNTH_VOCAB = 48
+SYNTH_BOS, SYNTH_SEP, SYNTH_END, SYNTH_PAD = 1, 2, 3, 0
+SYNTH_FIRST = 10
+
+
+def synthetic_trajectories(n: int, seed: int) -> list[trajectory_pb2.Trajectory]:
+    import random
+
+    build = TrajectoryBuilder()
+    rng = random.Random(seed)
+    trajectories = []
+    for k in range(n):
+        obs = [rng.randrange(SYNTH_FIRST, SYNTH_VOCAB - 1) for _ in range(4)]
+        action = [o + 1 for o in obs] + [SYNTH_END]
+        wrong = [o - 1 for o in obs]
+        trajectories.append(
+            build(
+                [
+                    build.Turn(inputs=[SYNTH_BOS, *obs, SYNTH_SEP], outputs=wrong),
+                    build.Turn(inputs=[SYNTH_SEP], outputs=action),
+                ],
+                trajectory_id=f"s{seed}-{k}",
+                reward=0.0,
+                rise=[(1, 1)],
+            )
+        )
+    return trajectories
+
+
+@pytest.fixture
+def synthetic():
+    """`synthetic(n, seed)`: trajectories of the synthetic SFT task."""
+    return synthetic_trajectories

@@ -223,6 +223,14 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of the next-token distribution at each position, `[batch, tokens]`."""
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
 def sft_loss(
     logits: torch.Tensor,
     targets: torch.Tensor,

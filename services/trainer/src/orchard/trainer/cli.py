@@ -1,0 +1,129 @@
+"""``orchard-trainer``: offline SFT, plots of run logs, and the service.
+
+::
+
+    orchard-trainer sft --data trajectories.jsonl --model builtin:tiny --output runs/sft1 \\
+        --steps 200 --lr 3e-3 --warmup 20 --micro-batch 16 --accumulate 2 --zero-stage 2
+    orchard-trainer plot runs/sft1/run.jsonl runs/sft1/run.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _sft_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("sft", help="supervised fine-tuning on a trajectory dataset (JSONL)")
+    p.add_argument("--data", type=Path, required=True, help="JSONL, one Trajectory per line")
+    p.add_argument("--model", default="builtin:tiny", help="builtin:<size> or a local HF dir")
+    p.add_argument("--output", type=Path, required=True, help="directory for log, plot, weights")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=0, help="linear warmup steps")
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch")
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--clip-grad", type=float, default=1.0, help="global norm clip; 0 is off")
+    p.add_argument("--max-tokens", type=int, default=None, help="context window of a sample")
+    p.add_argument(
+        "--drop-long", action="store_true", help="drop over-long samples (default: left-truncate)"
+    )
+    p.add_argument("--per-turn", action="store_true", help="one sample per trained turn")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="embedding size of a builtin model for synthetic token ids (default: the tokenizer's)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _run_sft(args: argparse.Namespace) -> int:
+    from orchard.trainer.datasets import DatasetError  # noqa: PLC0415
+    from orchard.trainer.engine import EngineConfig, Precision  # noqa: PLC0415
+    from orchard.trainer.masks import Overflow, SampleConfig  # noqa: PLC0415
+    from orchard.trainer.policy import PolicyError  # noqa: PLC0415
+    from orchard.trainer.sft import SftRunConfig, run_offline_sft  # noqa: PLC0415
+
+    try:
+        config = SftRunConfig(
+            data=args.data,
+            model=args.model,
+            output_dir=args.output,
+            engine=EngineConfig(
+                zero_stage=args.zero_stage,
+                micro_batch_size=args.micro_batch,
+                gradient_accumulation=args.accumulate,
+                learning_rate=args.lr,
+                warmup_steps=args.warmup,
+                total_steps=args.steps,
+                weight_decay=args.weight_decay,
+                gradient_clipping=args.clip_grad,
+                precision=Precision(args.precision),
+                seed=args.seed,
+            ),
+            samples=SampleConfig(
+                context_window=args.max_tokens,
+                overflow=Overflow.DROP if args.drop_long else Overflow.TRUNCATE_LEFT,
+                per_turn=args.per_turn,
+            ),
+            vocab_size=args.vocab_size,
+            progress=not args.no_progress,
+        )
+        result = run_offline_sft(config)
+    except (ValueError, DatasetError, PolicyError) as exc:
+        print(f"orchard-trainer sft: {exc}", file=sys.stderr)
+        return 2
+    if not result.steps:
+        print("orchard-trainer sft: nothing to do (already at --steps)", file=sys.stderr)
+        return 0
+    summary = {
+        "samples": result.samples,
+        "skipped": dict(result.skipped),
+        "steps": len(result.steps),
+        "first_loss": result.steps[0].loss,
+        "last_loss": result.steps[-1].loss,
+        "run_log": str(result.run_log),
+        "plot": None if result.plot is None else str(result.plot),
+    }
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _run_plot(args: argparse.Namespace) -> int:
+    from orchard.trainer.telemetry import plot_run_log  # noqa: PLC0415
+
+    try:
+        panels = plot_run_log(args.run_log, args.png)
+    except (OSError, ValueError) as exc:
+        print(f"orchard-trainer plot: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.png}: {', '.join(panels)}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="orchard-trainer", description="Orchard trainer")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _sft_parser(sub)
+    plot = sub.add_parser("plot", help="draw a run log (run.jsonl) as a PNG")
+    plot.add_argument("run_log", type=Path)
+    plot.add_argument("png", type=Path)
+    args = parser.parse_args(argv)
+    if args.command == "sft":
+        return _run_sft(args)
+    return _run_plot(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

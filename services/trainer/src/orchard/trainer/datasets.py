@@ -1,0 +1,49 @@
+"""Trajectory datasets on disk: JSON Lines, one `orchard.types.v1.Trajectory` per line.
+
+Each line is the protobuf JSON form of a trajectory (`json_format.MessageToJson`, camelCase or
+the proto field names). A line that does not parse raises `DatasetError` naming the file, the
+line and the field, so a person can fix the file instead of guessing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from google.protobuf import json_format
+
+from orchard.types.v1 import trajectory_pb2
+
+__all__ = ["DatasetError", "read_trajectories", "write_trajectories"]
+
+
+class DatasetError(ValueError):
+    """A dataset file that cannot be read as trajectories."""
+
+
+def read_trajectories(path: Path) -> Iterator[trajectory_pb2.Trajectory]:
+    """The trajectories of a JSONL file, in file order; blank lines are skipped."""
+    try:
+        handle = path.open(encoding="utf-8")
+    except OSError as exc:
+        raise DatasetError(f"cannot read dataset {path}: {exc.strerror}") from exc
+    with handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            trajectory = trajectory_pb2.Trajectory()
+            try:
+                json_format.Parse(line, trajectory)
+            except json_format.ParseError as exc:
+                raise DatasetError(f"{path}:{number}: not a trajectory: {exc}") from exc
+            yield trajectory
+
+
+def write_trajectories(path: Path, trajectories: Iterable[trajectory_pb2.Trajectory]) -> int:
+    """Write trajectories as JSONL (one compact object per line); returns how many."""
+    count = 0
+    with path.open("w", encoding="utf-8") as handle:
+        for trajectory in trajectories:
+            handle.write(json_format.MessageToJson(trajectory, indent=None) + "\n")
+            count += 1
+    return count
