@@ -57,7 +57,7 @@ def test_sft_through_deepspeed_lowers_the_loss_and_learns_the_actions(tmp_path, 
         progress=False,
     )
     start_loss, start_match = held_out_scores(
-        load_policy("builtin:tiny", vocab_size=VOCAB), held_out
+        load_policy("builtin:tiny", vocab_size=VOCAB).model, held_out
     )
     result = run_offline_sft(config, keep_engine=True)
     assert result.engine is not None
