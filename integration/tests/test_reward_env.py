@@ -12,9 +12,7 @@ import asyncio
 import json
 import os
 import secrets
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,16 +32,12 @@ from orchard.reward.v1 import reward_service_pb2_grpc
 from orchard.sdk import AsyncSandboxClient
 from orchard.types.v1 import reward_pb2
 
+from .conftest import EnvStack, free_port
+
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 REWARD = str(Path(sys.executable).parent / "orchard-reward")
 LABEL = "orchard-reward"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -86,42 +80,19 @@ def _wait_serving(address: str, process: subprocess.Popen[bytes], log: Path) -> 
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    if os.geteuid() != 0:
-        pytest.skip("the local runtime needs root")
-    from orchard.core.etcd import find_etcd_binary
-    from orchard.sdk.cli.host_probe import remove_cgroup_parent
-    from orchard.sdk.cli.stack import LocalStack, StackError
-
-    try:
-        find_etcd_binary()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
+def stack(tmp_path_factory: pytest.TempPathFactory, env_stack: EnvStack) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("reward-env")
     instances = {i.instance_id: i for i in build_instances(root / "repos")}
-    token = secrets.token_urlsafe(16)
-    tag = secrets.token_hex(3)
-    # A private cgroup parent and run dir (short: sockets live there), removed at the end.
-    cgroup_parent, run_dir = f"orchard-reward-test-{tag}", f"/run/orc-rw-{tag}"
-    env_stack = LocalStack(
-        root / "env",
-        listen=f"127.0.0.1:{_free_port()}",
-        token=token,
-        runtime={"cgroup_parent": cgroup_parent, "run_dir": run_dir},
-    )
-    try:
-        env_stack.start()
-    except StackError as exc:
-        pytest.skip(f"orchard-env cannot run here: {exc}")
+    token = env_stack.token
     reward_socket = root / "reward.sock"
-    metrics_address = f"127.0.0.1:{_free_port()}"
+    metrics_address = f"127.0.0.1:{free_port()}"
     config = {
         "server": {
             "listen": [f"unix:{reward_socket}"],
             "metrics_address": metrics_address,
             "grace_period_s": 2,
         },
-        "env": {"endpoint": env_stack.listen, "token_env": "REWARD_TEST_ENV_TOKEN"},
+        "env": {"endpoint": env_stack.endpoint, "token_env": "REWARD_TEST_ENV_TOKEN"},
         "tests": {"default_timeout_s": 120, "sandbox_heartbeat_timeout_s": 30},
         "tasks": {
             "write-report": {
@@ -143,16 +114,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         process = subprocess.Popen([REWARD, "--config", str(config_path)], stderr=out, env=env)
     try:
         _wait_serving(f"unix:{reward_socket}", process, log)
-        yield Stack(env_stack.listen, token, f"unix:{reward_socket}", metrics_address, instances)
+        yield Stack(env_stack.endpoint, token, f"unix:{reward_socket}", metrics_address, instances)
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 0, log.read_text()[-3000:]
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
-        env_stack.stop()
-        remove_cgroup_parent(cgroup_parent)
-        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 @pytest.fixture

@@ -14,7 +14,12 @@ import sys
 
 from orchard.core.config import ConfigFlag
 from orchard.core.config_sources import SERVER_FLAGS
-from orchard.core.server import GrpcServer, ServiceBinding, run_service
+from orchard.core.server import (
+    GrpcServer,
+    ServiceBinding,
+    application_server,
+    run_application,
+)
 from orchard.reward.config import RewardConfig
 from orchard.reward.judge_client import OpenAIJudge
 from orchard.reward.metrics import RewardMetrics
@@ -37,7 +42,7 @@ FLAGS = [
 class RewardApplication:
     """The servicer, and on start the judges and the environment service client.
 
-    ``run_service`` drives it in the ``orchard-reward`` process; tests drive it around a
+    ``run_application`` drives it in the ``orchard-reward`` process; tests drive it around a
     :class:`GrpcServer` of their own (:meth:`server`).
     """
 
@@ -92,41 +97,17 @@ class RewardApplication:
 
     def server(self) -> GrpcServer:
         """A server for this application (tests and embedding)."""
-
-        async def on_start(server: GrpcServer) -> None:
-            await self.start(server)
-
-        async def on_stop(server: GrpcServer) -> None:
-            await self.stop()
-
-        return GrpcServer(
-            "reward", self.bindings(), self.config.server, on_start=on_start, on_stop=on_stop
-        )
+        return application_server("reward", self, self.config.server)
 
 
 def main() -> None:
-    # run_service builds the bindings, then calls the hooks, with the one validated config.
-    application: list[RewardApplication] = []
-
-    def services(config: RewardConfig) -> list[ServiceBinding]:
-        application.append(RewardApplication(config))
-        return application[0].bindings()
-
-    async def on_start(config: RewardConfig, server: GrpcServer) -> None:
-        await application[0].start(server)
-
-    async def on_stop(config: RewardConfig, server: GrpcServer) -> None:
-        await application[0].stop()
-
     sys.exit(
-        run_service(
+        run_application(
             "reward",
             RewardConfig,
-            services,
+            RewardApplication,
             description="The Orchard reward service: test rewards, LLM judge, rubric, credit.",
             flags=FLAGS,
-            on_start=on_start,
-            on_stop=on_stop,
         )
     )
 
