@@ -79,7 +79,17 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         f"runtime.run_dir={run_dir}",
     ]
     up = subprocess.run(
-        [*CLI, "up", "--detach", "--json", "--listen", f"127.0.0.1:{_free_port()}", *private],
+        [
+            *CLI,
+            "up",
+            "--detach",
+            "--json",
+            "--listen",
+            f"127.0.0.1:{_free_port()}",
+            "--reward-listen",
+            f"127.0.0.1:{_free_port()}",
+            *private,
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -119,8 +129,27 @@ def test_up_wrote_a_private_profile(service: dict[str, Any]) -> None:
     data = json.loads(profile.read_text())
     assert data["token"] and data["tenant"] == "local"
     names = [c["name"] for c in service["components"]]
-    assert names == ["etcd", "orchard-env", "orchard up"]
+    assert names == ["etcd", "orchard-env", "orchard-reward", "orchard up"]
     assert data["token"] not in (service["state"] / "env.yaml").read_text()
+    assert data["token"] not in (service["state"] / "reward.yaml").read_text()
+
+
+def test_up_runs_the_reward_service_against_its_env_service(service: dict[str, Any]) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from orchard.reward.v1 import reward_service_pb2, reward_service_pb2_grpc
+
+    reward = next(c for c in service["components"] if c["name"] == "orchard-reward")
+    with grpc.insecure_channel(reward["address"]) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        # A bad request is refused by the service itself (it got as far as validation).
+        with pytest.raises(grpc.RpcError) as caught:
+            reward_service_pb2_grpc.RewardServiceStub(channel).ScoreTests(
+                reward_service_pb2.ScoreTestsRequest(), timeout=10
+            )
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_sandbox_round_trip(client: SandboxClient, tmp_path: Path) -> None:

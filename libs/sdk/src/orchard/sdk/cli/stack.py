@@ -1,13 +1,15 @@
-"""A local environment stack: an embedded etcd and ``orchard-env`` with the local runtime.
+"""A local stack: an embedded etcd, ``orchard-env`` with the local runtime, and optionally the
+services built on it (``orchard-reward``), each a child process with its own config and log.
 
-``orchard up`` runs one in the foreground; ``orchard bench env`` runs a private one in a
-temporary directory. Both start it the same way::
+``orchard up`` runs one in the foreground; ``orchard bench env`` and integration tests run
+private ones in temporary directories. All start it the same way::
 
-    with LocalStack(state_dir, listen="127.0.0.1:7100", token=token) as stack:
-        ...  # stack.endpoint serves; stack.env_pid, stack.etcd_pid, stack.env_log
+    with LocalStack(state_dir, listen="127.0.0.1:7100", token=token,
+                    services={"reward": "127.0.0.1:7200"}) as stack:
+        ...  # stack.endpoint serves; stack.processes["reward"].address, .pid, .log
 
-``start()`` returns once the service answers health SERVING; ``stop()`` stops orchard-env
-(SIGTERM, then SIGKILL) and then etcd, and is safe to call more than once.
+``start()`` returns once every service answers health SERVING; ``stop()`` stops them in reverse
+order (SIGTERM, then SIGKILL) and then etcd, and is safe to call more than once.
 """
 
 from __future__ import annotations
@@ -21,14 +23,22 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from orchard.sdk.errors import OrchardSDKError
 
-__all__ = ["TENANT", "LocalStack", "StackError", "tail"]
+__all__ = [
+    "ENV_TOKEN_VARIABLE",
+    "SERVICES",
+    "TENANT",
+    "LocalStack",
+    "ServiceProcess",
+    "StackError",
+    "tail",
+]
 
 TENANT = "local"
 START_TIMEOUT_S = 60.0
@@ -44,7 +54,9 @@ class LocalStack:
     ``state_dir/logs/env.log``, runtime state under ``state_dir/runtime``).
 
     ``runtime`` overrides keys of the local runtime's settings (e.g. a private
-    ``cgroup_parent`` and ``run_dir``); ``settings`` are extra ``--set KEY=VALUE`` strings.
+    ``cgroup_parent`` and ``run_dir``); ``settings`` are extra ``--set KEY=VALUE`` strings for
+    orchard-env. ``services`` names the services to start after it, each with its listen
+    address (see :data:`SERVICES`); they reach orchard-env with the stack's token.
     ``stop_event``, when set while starting, aborts the start with KeyboardInterrupt.
     """
 
@@ -58,7 +70,11 @@ class LocalStack:
         settings: Sequence[str] = (),
         stop_event: threading.Event | None = None,
         etcd_data_dir: Path | None = None,
+        services: Mapping[str, str] | None = None,
     ) -> None:
+        unknown = sorted(set(services or {}) - set(SERVICES))
+        if unknown:
+            raise StackError(f"unknown service(s) {unknown}: choose from {sorted(SERVICES)}")
         self.state_dir = state_dir
         self.listen = listen
         self.token = token
@@ -68,7 +84,9 @@ class LocalStack:
         self.etcd_data_dir = etcd_data_dir or state_dir / "etcd"
         self.env_log = state_dir / "logs" / "env.log"
         self.etcd: Any = None
-        self.env_process: subprocess.Popen[bytes] | None = None
+        self.extra_services = dict(services or {})
+        self.processes: dict[str, ServiceProcess] = {}
+        """The running services by name ("env" first), in start order."""
 
     # -- what runs ---------------------------------------------------------------------------
 
@@ -77,8 +95,14 @@ class LocalStack:
         return self.listen
 
     @property
+    def env_process(self) -> subprocess.Popen[bytes] | None:
+        env = self.processes.get("env")
+        return env.process if env is not None else None
+
+    @property
     def env_pid(self) -> int:
-        return self.env_process.pid if self.env_process is not None else 0
+        env = self.processes.get("env")
+        return env.pid if env is not None else 0
 
     @property
     def etcd_pid(self) -> int:
@@ -116,21 +140,33 @@ class LocalStack:
             self.etcd = None
             raise StackError(f"etcd did not start: {exc}") from None
         try:
-            config = self._write_env_config()
-            self.env_process = _start_env(config, self.settings, self.env_log)
-            self._wait_serving()
+            env = ServiceProcess("env", self.listen, self._env_config(), self.state_dir)
+            self.processes["env"] = env
+            env.start(self.settings, self.stop_event)
+            for name, address in self.extra_services.items():
+                config = SERVICES[name](self, address)
+                process = ServiceProcess(
+                    name, address, config, self.state_dir, environ={ENV_TOKEN_VARIABLE: self.token}
+                )
+                self.processes[name] = process
+                process.start((), self.stop_event)
         except BaseException:
             self.stop()
             raise
 
     def alive(self) -> bool:
-        return self.env_process is not None and self.env_process.poll() is None
+        """Whether every service still runs."""
+        return bool(self.processes) and all(p.alive() for p in self.processes.values())
+
+    def exited(self) -> ServiceProcess | None:
+        """A service that has exited, if any."""
+        return next((p for p in self.processes.values() if not p.alive()), None)
 
     def stop(self) -> None:
-        """Stop orchard-env, then etcd (idempotent)."""
-        process, self.env_process = self.env_process, None
-        if process is not None:
-            _terminate(process)
+        """Stop the services in reverse order, then etcd (idempotent)."""
+        while self.processes:
+            _, process = self.processes.popitem()
+            process.stop()
         etcd, self.etcd = self.etcd, None
         if etcd is not None:
             etcd.stop()
@@ -149,11 +185,9 @@ class LocalStack:
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _write_env_config(self) -> Path:
+    def _env_config(self) -> dict[str, Any]:
         """The orchard-env configuration; it holds the token's digest, never the token."""
-        import yaml  # noqa: PLC0415
-
-        config = {
+        return {
             "server": {"listen": [self.listen]},
             "etcd": {"endpoints": [self.etcd_endpoint]},
             "auth": {
@@ -165,27 +199,104 @@ class LocalStack:
             },
             "runtime": self.runtime_settings(),
         }
-        path = self.state_dir / "env.yaml"
-        path.write_text(yaml.safe_dump(config, sort_keys=False))
-        path.chmod(0o600)
-        return path
 
-    def _wait_serving(self) -> None:
+
+ENV_TOKEN_VARIABLE = "ORCHARD_STACK_ENV_TOKEN"
+"""Where services of the stack find the token for orchard-env (never in a config file)."""
+
+
+def _reward_config(stack: LocalStack, address: str) -> dict[str, Any]:
+    return {
+        "server": {"listen": [address]},
+        "env": {"endpoint": stack.listen, "token_env": ENV_TOKEN_VARIABLE},
+    }
+
+
+SERVICES: dict[str, Callable[[LocalStack, str], dict[str, Any]]] = {"reward": _reward_config}
+"""Services a stack can run beside orchard-env, by name: how to configure each for it."""
+
+
+class ServiceProcess:
+    """One ``orchard-<name>`` child process: its config in ``state_dir/<name>.yaml``, its log
+    in ``state_dir/logs/<name>.log``; serving once its gRPC health says SERVING."""
+
+    def __init__(
+        self,
+        name: str,
+        address: str,
+        config: Mapping[str, Any],
+        state_dir: Path,
+        *,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self.program = f"orchard-{name}"
+        self.address = address
+        self.config = dict(config)
+        self.config_path = state_dir / f"{name}.yaml"
+        self.log = state_dir / "logs" / f"{name}.log"
+        self.environ = dict(environ or {})
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid if self.process is not None else 0
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode if self.process is not None else None
+
+    def start(self, settings: Sequence[str], stop_event: threading.Event) -> None:
+        """Start it and wait until it serves; StackError says why not, with its log."""
+        import yaml  # noqa: PLC0415
+
+        self.log.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
+        self.config_path.chmod(0o600)
+        command = [*_command(self.program, f"orchard.{self.name}.main")]
+        command += ["--config", str(self.config_path)]
+        for setting in settings:
+            command += ["--set", setting]
+        # Its settings come from its config file only, not from this shell's ORCHARD_<NAME>_*.
+        prefix = f"ORCHARD_{self.name.upper()}_"
+        environ = {k: v for k, v in os.environ.items() if not k.startswith(prefix)}
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**environ, **self.environ},
+                # Ctrl-C in the terminal reaches the parent only; it stops the children in order.
+                start_new_session=True,
+            )
+        self._wait_serving(stop_event)
+
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        if process is not None:
+            _terminate(process)
+            self.process = process  # keep its exit status readable
+
+    def _wait_serving(self, stop_event: threading.Event) -> None:
         import grpc  # noqa: PLC0415
         from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
 
-        process = self.env_process
+        process = self.process
         assert process is not None  # set by start() just before
         deadline = time.monotonic() + START_TIMEOUT_S
-        with grpc.insecure_channel(self.listen) as channel:
+        with grpc.insecure_channel(self.address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             while True:
                 if process.poll() is not None:
                     raise StackError(
-                        f"orchard-env exited with status {process.returncode} while starting; "
-                        f"see {self.env_log}:\n{tail(self.env_log)}"
+                        f"{self.program} exited with status {process.returncode} while "
+                        f"starting; see {self.log}:\n{tail(self.log)}"
                     )
-                if self.stop_event.is_set():
+                if stop_event.is_set():
                     raise KeyboardInterrupt
                 try:
                     reply = health.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
@@ -195,36 +306,18 @@ class LocalStack:
                     pass
                 if time.monotonic() > deadline:
                     raise StackError(
-                        f"orchard-env did not serve at {self.listen} within "
-                        f"{START_TIMEOUT_S:.0f} s; see {self.env_log}:\n{tail(self.env_log)}"
+                        f"{self.program} did not serve at {self.address} within "
+                        f"{START_TIMEOUT_S:.0f} s; see {self.log}:\n{tail(self.log)}"
                     )
                 time.sleep(0.1)
 
 
-def _env_command() -> list[str]:
-    script = Path(sys.executable).parent / "orchard-env"
+def _command(program: str, module: str) -> list[str]:
+    script = Path(sys.executable).parent / program
     if script.exists():
         return [str(script)]
-    found = shutil.which("orchard-env")
-    return [found] if found else [sys.executable, "-m", "orchard.env.main"]
-
-
-def _start_env(config: Path, settings: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
-    command = [*_env_command(), "--config", str(config)]
-    for setting in settings:
-        command += ["--set", setting]
-    # Its own settings come from the config file only, not from this shell's ORCHARD_ENV_*.
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("ORCHARD_ENV_")}
-    with log.open("ab") as out:
-        return subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=environ,
-            # Ctrl-C in the terminal reaches the parent only; it stops the children in order.
-            start_new_session=True,
-        )
+    found = shutil.which(program)
+    return [found] if found else [sys.executable, "-m", module]
 
 
 def _terminate(process: subprocess.Popen[bytes]) -> None:

@@ -1,7 +1,8 @@
-"""``orchard up`` and ``orchard down``: the environment service on this machine.
+"""``orchard up`` and ``orchard down``: Orchard's services on this machine.
 
 ``orchard up`` starts, in order, an embedded etcd (data kept under the state dir, so sandbox
-records survive a restart) and ``orchard-env`` with the local runtime, as child processes. It
+records survive a restart), ``orchard-env`` with the local runtime and ``orchard-reward``
+(``--without reward`` leaves it out), as child processes. It
 generates a local tenant and token once (kept in the profile), writes the profile the SDK and
 the command line read by default, prints what runs where, and stays in the foreground until
 Ctrl-C or SIGTERM; then it stops what it started, in reverse order. ``--detach`` runs the same
@@ -13,8 +14,10 @@ else ``~/.local/state/orchard``)::
     profile.json     endpoint and token (mode 0600)
     up.json          pid of the running ``orchard up`` and its components
     env.yaml         the configuration orchard-env runs with (token digests only)
+    reward.yaml      the configuration orchard-reward runs with (the env token comes from
+                     its environment, never the file)
     etcd/            etcd's data
-    logs/            env.log, up.log (detached runs)
+    logs/            env.log, reward.log, up.log (detached runs)
     runtime/         the local runtime's per-sandbox state and writable layers
 """
 
@@ -36,6 +39,7 @@ from typing import Any
 
 from orchard.sdk.cli.output import print_json, print_table
 from orchard.sdk.cli.stack import (
+    SERVICES,
     START_TIMEOUT_S,
     STOP_TIMEOUT_S,
     TENANT,
@@ -50,6 +54,8 @@ from orchard.sdk.errors import OrchardSDKError
 __all__ = ["add_up_commands"]
 
 DEFAULT_LISTEN = "127.0.0.1:7100"
+DEFAULT_SERVICE_LISTEN = {"reward": "127.0.0.1:7200"}
+"""Where the services beside orchard-env listen (the ports the charts use)."""
 
 
 class UpError(OrchardSDKError):
@@ -69,19 +75,37 @@ class Component:
 def add_up_commands(subparsers: Any, formatter: type[argparse.HelpFormatter]) -> None:
     up = subparsers.add_parser(
         "up",
-        help="run the environment service on this machine (etcd + orchard-env, local runtime)",
+        help="run Orchard on this machine (etcd, orchard-env with the local runtime, reward)",
         description=(
-            "Start an embedded etcd and the environment service with the local runtime, write "
-            "the profile the SDK and this command line use by default, and stay in the "
-            "foreground until Ctrl-C (then stop both, in order). The local runtime needs root."
+            "Start an embedded etcd, the environment service with the local runtime and the "
+            "reward service, write the profile the SDK and this command line use by default, "
+            "and stay in the foreground until Ctrl-C (then stop them in reverse order). The "
+            "local runtime needs root."
         ),
-        epilog="examples:\n  orchard up\n  orchard up --detach && orchard sandbox create",
+        epilog=(
+            "examples:\n  orchard up\n  orchard up --detach && orchard sandbox create\n"
+            "  orchard up --without reward       # etcd and the environment service only"
+        ),
         formatter_class=formatter,
     )
     up.add_argument(
         "--listen",
         default=DEFAULT_LISTEN,
         help=f"address of the environment service (default: {DEFAULT_LISTEN})",
+    )
+    for name, address in DEFAULT_SERVICE_LISTEN.items():
+        up.add_argument(
+            f"--{name}-listen",
+            default=address,
+            metavar="ADDRESS",
+            help=f"address of orchard-{name} (default: {address})",
+        )
+    up.add_argument(
+        "--without",
+        action="append",
+        default=[],
+        choices=sorted(SERVICES),
+        help="do not start this service (repeatable)",
     )
     up.add_argument("--state-dir", type=Path, help="where state, logs and the profile live")
     up.add_argument(
@@ -136,7 +160,19 @@ def _run(args: argparse.Namespace, state: Path, stop: threading.Event) -> int:
     profile_path = _profile_path(args, state)
     profile = read_profile(profile_path)
     token = profile.token if profile is not None and profile.token else secrets.token_urlsafe(32)
-    stack = LocalStack(state, listen=args.listen, token=token, settings=args.set, stop_event=stop)
+    services = {
+        name: getattr(args, f"{name}_listen")
+        for name in DEFAULT_SERVICE_LISTEN
+        if name not in args.without
+    }
+    stack = LocalStack(
+        state,
+        listen=args.listen,
+        token=token,
+        settings=args.set,
+        stop_event=stop,
+        services=services,
+    )
     run_file = state / "up.json"
     try:
         try:
@@ -144,23 +180,23 @@ def _run(args: argparse.Namespace, state: Path, stop: threading.Event) -> int:
         except StackError as exc:
             raise UpError(str(exc)) from None
         write_profile(Profile(endpoint=args.listen, token=token, tenant=TENANT), profile_path)
-        components = [
-            Component("etcd", stack.etcd_endpoint, stack.etcd_pid, stack.etcd_log),
-            Component("orchard-env", args.listen, stack.env_pid, str(stack.env_log)),
+        components = [Component("etcd", stack.etcd_endpoint, stack.etcd_pid, stack.etcd_log)]
+        components += [
+            Component(p.program, p.address, p.pid, str(p.log)) for p in stack.processes.values()
         ]
         run_file.write_text(
             json.dumps({"pid": os.getpid(), "components": [asdict(c) for c in components]})
         )
         _show(components, profile_path, args.json)
         while not stop.wait(0.5):
-            if not stack.alive():
-                code = stack.env_process.returncode if stack.env_process else None
+            exited = stack.exited()
+            if exited is not None:
                 sys.stderr.write(
-                    f"orchard: orchard-env exited with status {code}; "
-                    f"see {stack.env_log}\n{tail(stack.env_log)}\n"
+                    f"orchard: {exited.program} exited with status {exited.returncode}; "
+                    f"see {exited.log}\n{tail(exited.log)}\n"
                 )
                 return 1
-        sys.stderr.write("orchard: stopping orchard-env, then etcd\n")
+        sys.stderr.write("orchard: stopping the services, then etcd\n")
         return 0
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -223,6 +259,10 @@ def _detach(args: argparse.Namespace, state: Path) -> int:
         command += ["--state-dir", str(state)]
     for setting in args.set:
         command += ["--set", setting]
+    for name in DEFAULT_SERVICE_LISTEN:
+        command += [f"--{name}-listen", getattr(args, f"{name}_listen")]
+    for name in args.without:
+        command += ["--without", name]
     with log.open("ab") as out:
         process = subprocess.Popen(
             command,
