@@ -9,7 +9,9 @@ strict: unknown fields fail) and ``hadolint`` for the Dockerfiles. On top of tho
 below assert what Orchard's deployment promises (versions agree, probes on gRPC health,
 non-root Pods, the sandbox namespace's default-deny policy, RBAC kept to pods and network
 policies, a PodDisruptionBudget per workload, etcd with a quorum and persistent volumes, an env
-config file that the env service's own model accepts), and
+config file that the env service's own model accepts, alerting rules that pass ``promtool check
+rules`` and the chart's ``promtool test rules`` cases, alerts and Grafana dashboards that query
+only metrics the env service exports), and
 that bad values fail with a message that names the problem.
 
 Exit status 0 when everything passes, 1 with one line per failure otherwise.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -35,6 +38,7 @@ import yaml
 
 from orchard.core.config import deep_merge
 from orchard.env.config import EnvConfig
+from orchard.env.metrics import EnvMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 CHARTS = ROOT / "charts"
@@ -123,8 +127,21 @@ def check_service_monitor(doc: Manifest, report: Report, where: str) -> None:
     )
 
 
+def check_prometheus_rule_shape(doc: Manifest, report: Report, where: str) -> None:
+    """No bundled schema for the Operator's CRD: its fields checked here, its rules by promtool
+    (check_observability)."""
+    spec = doc.get("spec") or {}
+    report.check(
+        set(doc) == {"apiVersion", "kind", "metadata", "spec"}
+        and set(spec) == {"groups"}
+        and all(set(g) <= {"name", "interval", "rules"} and g.get("rules") for g in spec["groups"]),
+        f"{where}: {kind_name(doc)}: want spec.groups[].{{name, interval, rules}} only",
+    )
+
+
 CUSTOM_KINDS: dict[tuple[str, str], Callable[[Manifest, Report, str], None]] = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): check_service_monitor,
+    ("monitoring.coreos.com/v1", "PrometheusRule"): check_prometheus_rule_shape,
 }
 
 
@@ -290,6 +307,87 @@ def check_env(docs: list[Manifest], report: Report, where: str) -> None:
         )
 
 
+ALERT_TESTS = CHARTS / "env" / "ci" / "alert-tests.yaml"
+ALERTS = {"OrchardEnvSandboxLeak", "OrchardEnvExecErrorRate", "OrchardEnvReaperLag"}
+_METRIC_NAME = re.compile(r"\borchard_[a-z0-9_]+")
+
+
+def exported_metrics() -> set[str]:
+    """Every series name the env service exports, read from its own metric definitions."""
+    from orchard.core.metrics import ServiceMetrics  # noqa: PLC0415 - prometheus_client
+
+    metrics = ServiceMetrics("env")
+    EnvMetrics(metrics)
+    names = set()
+    for family in metrics.registry.collect():
+        if family.type == "histogram":
+            names |= {family.name + suffix for suffix in ("_bucket", "_count", "_sum")}
+        elif family.type == "counter":
+            names.add(family.name + "_total")
+        else:
+            names.add(family.name)
+    return names
+
+
+def _promtool(report: Report, where: str, *args: str) -> None:
+    binary = shutil.which("promtool")
+    if binary is None:
+        report.check(False, f"{where}: promtool is missing (tools/setup-system.sh installs it)")
+        return
+    result = subprocess.run([binary, *args], capture_output=True, text=True, check=False)
+    report.check(
+        result.returncode == 0,
+        f"{where}: promtool {' '.join(args[:2])}: {(result.stdout + result.stderr).strip()}",
+    )
+
+
+def check_observability(docs: list[Manifest], report: Report, where: str) -> None:
+    """The env alerting rules (PrometheusRule or rule-file ConfigMap) and Grafana dashboards."""
+    groups: list[Manifest] = []
+    sources = 0
+    for doc in docs:
+        if doc["kind"] == "PrometheusRule":
+            sources += 1
+            groups += doc["spec"]["groups"]
+        elif doc["kind"] == "ConfigMap":
+            for key, text in (doc.get("data") or {}).items():
+                if key.endswith(".rules.yaml"):
+                    sources += 1
+                    groups += yaml.safe_load(text)["groups"]
+    report.check(sources == 1, f"{where}: want one set of env alerting rules, got {sources}")
+    alerts = {rule.get("alert") for group in groups for rule in group["rules"]}
+    report.check(alerts >= ALERTS, f"{where}: alerts {sorted(ALERTS - alerts)} are missing")
+    exprs = [str(rule["expr"]) for group in groups for rule in group["rules"]]
+    dashboards = [
+        json.loads(text)
+        for doc in docs
+        if doc["kind"] == "ConfigMap"
+        and (doc["metadata"].get("labels") or {}).get("grafana_dashboard")
+        for key, text in (doc.get("data") or {}).items()
+        if key.endswith(".json")
+    ]
+    report.check(bool(dashboards), f"{where}: no Grafana dashboard ConfigMap")
+    exprs += [
+        str(target["expr"])
+        for dashboard in dashboards
+        for panel in dashboard.get("panels", [])
+        for target in panel.get("targets", [])
+    ]
+    known = exported_metrics()
+    for expr in exprs:
+        unknown = set(_METRIC_NAME.findall(expr)) - known
+        report.check(not unknown, f"{where}: {sorted(unknown)} are not env metrics: {expr}")
+    if not groups:
+        return
+    with tempfile.TemporaryDirectory(prefix="orchard-rules-") as tmp:
+        rules = Path(tmp) / "orchard-env.rules.yaml"
+        rules.write_text(yaml.safe_dump({"groups": groups}, sort_keys=False))
+        _promtool(report, where, "check", "rules", str(rules))
+        tests = Path(tmp) / "alert-tests.yaml"
+        tests.write_text(ALERT_TESTS.read_text().replace("[RULES]", f"[{rules}]"))
+        _promtool(report, where, "test", "rules", str(tests))
+
+
 def check_etcd(replicas: int) -> Callable[[list[Manifest], Report, str], None]:
     def check(docs: list[Manifest], report: Report, where: str) -> None:
         sets = find(docs, "StatefulSet", "etcd")
@@ -350,36 +448,43 @@ def check_all_services(docs: list[Manifest], report: Report, where: str) -> None
     report.check(names == want, f"{where}: Deployments {sorted(names)}; want {sorted(want)}")
 
 
+def check_prometheus_rule(docs: list[Manifest], report: Report, where: str) -> None:
+    report.check(bool(find(docs, "PrometheusRule")), f"{where}: production wants a PrometheusRule")
+
+
 GENERAL = (check_workloads, check_metrics)
+ENV = (check_env, check_observability)
 CASES = [
-    Case(UMBRELLA, "default", (), (*GENERAL, check_env, check_etcd(3))),
+    Case(UMBRELLA, "default", (), (*GENERAL, *ENV, check_etcd(3))),
     Case(
         UMBRELLA,
         "production",
         ("values-production.yaml",),
-        (*GENERAL, check_env, check_etcd(3), check_service_monitors),
+        (*GENERAL, *ENV, check_etcd(3), check_service_monitors, check_prometheus_rule),
     ),
     Case(
         UMBRELLA,
         "all-services",
         ("ci/all-services-values.yaml",),
-        (*GENERAL, check_env, check_etcd(3), check_all_services),
+        (*GENERAL, *ENV, check_etcd(3), check_all_services),
     ),
     Case(
         UMBRELLA,
         "external-etcd",
         ("ci/external-etcd-values.yaml",),
-        (*GENERAL, check_env, check_no_etcd),
+        (*GENERAL, *ENV, check_no_etcd),
     ),
     *(
-        Case(service, label, files, GENERAL + ((check_env,) if service == "env" else ()) + extra)
+        Case(service, label, files, GENERAL + (ENV if service == "env" else ()) + extra)
         for service in SERVICES
         for label, files, extra in (
             ("standalone", ("ci/standalone-values.yaml",), ()),
             (
                 "production",
                 ("values-production.yaml",),
-                (check_service_monitors,) + ((check_gpu,) if service == "trainer" else ()),
+                (check_service_monitors,)
+                + ((check_gpu,) if service == "trainer" else ())
+                + ((check_prometheus_rule,) if service == "env" else ()),
             ),
         )
     ),

@@ -10,7 +10,8 @@
 #   umoci, skopeo    build real OCI and docker-archive images offline in the image tests
 #   nftables, iproute2  sandbox egress rules (veth pairs, nftables sets)
 #   openssl          test certificates for the TLS tests
-#   prometheus       a real Prometheus scrapes the services in integration tests (promtool too)
+#   prometheus       a real Prometheus scrapes the services in integration tests; promtool
+#                    checks and unit-tests the alerting rules in make charts
 set -euo pipefail
 
 missing=()

@@ -2,20 +2,24 @@
 
 Each runtime provides a :class:`RuntimeHarness` (how to build it, what images it runs, how to
 kill a sandbox's agent from outside, how to check nothing leaked); the ``harness`` fixture is
-parametrized by runtime name, so a Kubernetes harness slots in beside ``local``.
+parametrized by runtime name. ``kubernetes`` runs against the Kubernetes API test double
+(``services/env/tests/kube/kube_api_double.py``); what a harness cannot check is listed in its
+``unchecked`` with the reason, and only those tests skip for it.
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
+import importlib.util
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +38,7 @@ from orchard.types.v1 import exec_pb2
 
 # Each entry is a runtime, optionally with a variant: the local runtime runs the suite with both
 # of its agent launches.
-RUNTIMES = ["local-zygote", "local-exec"]
+RUNTIMES = ["local-zygote", "local-exec", "kubernetes"]
 BUSYBOX = "/bin/busybox"
 
 
@@ -42,6 +46,13 @@ class RuntimeHarness(abc.ABC):
     """What the suite needs to know about one runtime beyond the interface."""
 
     images: dict[str, str]  # "busybox" (a static busybox root) and "host" where supported
+    missing_image: str = "rootfs:/nonexistent/orchard-image"  # an image that does not exist
+    unchecked: dict[str, str] = {}  # what this harness cannot check → why
+
+    def require(self, what: str) -> None:
+        """Skip the calling test when this harness cannot check ``what``."""
+        if what in self.unchecked:
+            pytest.skip(self.unchecked[what])
 
     @abc.abstractmethod
     def new_runtime(self, **overrides: Any) -> Runtime:
@@ -126,6 +137,56 @@ class LocalHarness(RuntimeHarness):
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
+KUBE_TESTS = Path(__file__).resolve().parent.parent / "kube"
+
+
+def _kube_module(name: str) -> Any:
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, KUBE_TESTS / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+class KubernetesHarness(RuntimeHarness):
+    """The kubernetes runtime against the Kubernetes API test double, whose Pods run in mount,
+    pid and uts namespaces over an image root, in the host's network namespace, without
+    cgroups: network isolation and limits are the cluster's (CNI, kubelet) and unchecked here."""
+
+    unchecked = {
+        "network-isolation": "NetworkPolicy enforcement is the cluster's CNI; the Kubernetes "
+        "API test double runs Pods in the host's network namespace",
+        "memory-limit": "memory limits are the kubelet's cgroups; the test double sets none",
+        "pids-limit": "Kubernetes has no per-container pids limit (the kubelet's podPidsLimit "
+        "is node-wide); the test double sets none",
+        "host-image": "a Pod has no 'host' image",
+    }
+
+    def __init__(self, double: Any, kube: Any) -> None:
+        self.double = double
+        self.kube = kube
+        self.config = kube.runtime_config(double)
+        self.images = {"busybox": kube.BUSYBOX_IMAGE}
+        self.missing_image = kube.MISSING_IMAGE
+
+    def new_runtime(self, **overrides: Any) -> Runtime:
+        from orchard.env.runtime.kubernetes import KubernetesRuntime
+
+        return KubernetesRuntime(self.config.model_copy(update=overrides))
+
+    def kill_agent(self, sandbox_id: str) -> None:
+        self.double.kill_container(self.kube.NAMESPACE, sandbox_id)
+
+    def leaks(self, sandbox_ids: set[str]) -> list[str]:
+        found: list[str] = self.kube.leftovers(self.double, sandbox_ids)
+        return found
+
+    def close(self) -> None:
+        pass
+
+
 def local_unavailable() -> str | None:
     from orchard.env.runtime.local.config import default_agent_bundle
 
@@ -158,21 +219,38 @@ def busybox_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def kube_image_catalog(tmp_path_factory: pytest.TempPathFactory, busybox_root: Path) -> Any:
+    _kube_module("kube_api_double")
+    kube = _kube_module("kube_harness")
+    reason = kube.unavailable()
+    if reason:
+        pytest.skip(reason)
+    return kube.catalog(busybox_root, kube.build_bundle_layer(tmp_path_factory.mktemp("inagent")))
+
+
 @pytest.fixture(params=RUNTIMES)
-def harness(
+async def harness(
     request: pytest.FixtureRequest, tmp_path: Path, busybox_root: Path
-) -> Iterator[RuntimeHarness]:
-    if request.param.startswith("local-"):
-        reason = local_unavailable()
-        if reason:
-            pytest.skip(reason)
-        made = LocalHarness(tmp_path, busybox_root, request.param.removeprefix("local-"))
-    else:  # pragma: no cover - other runtimes register here
-        raise AssertionError(request.param)
-    try:
-        yield made
-    finally:
-        made.close()
+) -> AsyncIterator[RuntimeHarness]:
+    made: RuntimeHarness
+    async with contextlib.AsyncExitStack() as stack:
+        if request.param.startswith("local-"):
+            reason = local_unavailable()
+            if reason:
+                pytest.skip(reason)
+            made = LocalHarness(tmp_path, busybox_root, request.param.removeprefix("local-"))
+        elif request.param == "kubernetes":
+            images = request.getfixturevalue("kube_image_catalog")
+            kube = _kube_module("kube_harness")
+            double = await stack.enter_async_context(kube.started_double(tmp_path / "kube", images))
+            made = KubernetesHarness(double, kube)
+        else:  # pragma: no cover - other runtimes register here
+            raise AssertionError(request.param)
+        try:
+            yield made
+        finally:
+            made.close()
 
 
 class Sandboxes:

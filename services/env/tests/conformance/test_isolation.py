@@ -15,6 +15,7 @@ pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 
 async def test_no_network_but_loopback(sandboxes: Any, agent_for: Any) -> None:
+    sandboxes.harness.require("network-isolation")
     listener = socket.create_server(("127.0.0.1", 0))
     listener.setblocking(False)
     port = listener.getsockname()[1]
@@ -60,6 +61,7 @@ async def test_hostname_is_the_id(sandboxes: Any, agent_for: Any) -> None:
 
 
 async def test_memory_limit_kills_the_command_not_the_agent(sandboxes: Any, agent_for: Any) -> None:
+    sandboxes.harness.require("memory-limit")
     # The agent itself needs about 40 MB; the command grows past the limit within a second.
     sandbox = await sandboxes.create(resources=RuntimeResources(memory_bytes=160 << 20))
     agent = agent_for(sandbox)
@@ -72,6 +74,7 @@ async def test_memory_limit_kills_the_command_not_the_agent(sandboxes: Any, agen
 
 
 async def test_pids_limit_contains_a_fork_bomb(sandboxes: Any, agent_for: Any) -> None:
+    sandboxes.harness.require("pids-limit")
     sandbox = await sandboxes.create(resources=RuntimeResources(pids=96))
     agent = agent_for(sandbox)
     result = await agent.sh("b() { b | b & }; b; sleep 2", timeout_s=3)

@@ -33,6 +33,7 @@ async def test_env_and_working_dir_reach_commands(sandboxes: Any, agent_for: Any
 
 
 async def test_host_image(sandboxes: Any, agent_for: Any) -> None:
+    sandboxes.harness.require("host-image")
     sandbox = await sandboxes.create("host")
     agent = agent_for(sandbox)
     result = await agent.sh("test -x /bin/sh && echo $(hostname)")
@@ -47,7 +48,7 @@ async def test_host_image(sandboxes: Any, agent_for: Any) -> None:
 
 async def test_missing_image_fails_cleanly(sandboxes: Any) -> None:
     spec = sandboxes.spec()
-    spec = type(spec)(sandbox_id=spec.sandbox_id, image="rootfs:/nonexistent/orchard-image")
+    spec = type(spec)(sandbox_id=spec.sandbox_id, image=sandboxes.harness.missing_image)
     with pytest.raises(RuntimeFailure) as caught:
         await sandboxes.runtime.create(spec)
     assert caught.value.reason is FailureReason.IMAGE_NOT_FOUND

@@ -231,6 +231,13 @@ class EnvConfig(ServiceConfig):
             raise ValueError("runtime.type is required (e.g. `local`)")
         if kind == "plugin" and ":" not in str(runtime.get("factory", "")):
             raise ValueError("runtime.factory must be `module:callable` for type plugin")
+        if kind == "kubernetes":
+            # Checked here, at start, with the backend's own model (pydantic only: no client).
+            from orchard.env.runtime.kubernetes.config import (  # noqa: PLC0415
+                KubernetesRuntimeConfig,
+            )
+
+            KubernetesRuntimeConfig.model_validate(runtime)
         return runtime
 
     @model_validator(mode="after")

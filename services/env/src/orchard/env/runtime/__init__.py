@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KNOWN_RUNTIMES", "create_runtime"]
 
-KNOWN_RUNTIMES = ("local",)
+KNOWN_RUNTIMES = ("local", "kubernetes")
 
 
 def create_runtime(config: Mapping[str, Any] | Any) -> Runtime:
@@ -32,4 +32,15 @@ def create_runtime(config: Mapping[str, Any] | Any) -> Runtime:
         if not isinstance(config, LocalRuntimeConfig):
             raise TypeError(f"runtime 'local' needs a LocalRuntimeConfig, got {type(config)!r}")
         return LocalRuntime(config)
+    if kind == "kubernetes":
+        from orchard.env.runtime.kubernetes.config import KubernetesRuntimeConfig  # noqa: PLC0415
+        from orchard.env.runtime.kubernetes.runtime import KubernetesRuntime  # noqa: PLC0415
+
+        if isinstance(config, Mapping):
+            config = KubernetesRuntimeConfig.model_validate(dict(config))
+        if not isinstance(config, KubernetesRuntimeConfig):
+            raise TypeError(
+                f"runtime 'kubernetes' needs a KubernetesRuntimeConfig, got {type(config)!r}"
+            )
+        return KubernetesRuntime(config)
     raise ValueError(f"unknown runtime type {kind!r}; known: {', '.join(KNOWN_RUNTIMES)}")

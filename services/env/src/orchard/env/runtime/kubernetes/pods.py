@@ -1,0 +1,302 @@
+"""The sandbox Pod manifest, and what a sandbox Pod's status means for the sandbox.
+
+One Pod per sandbox, named after the sandbox id (also its hostname):
+
+- an ``emptyDir`` volume; an init container from the inagent image copies the self-contained
+  ``orchard-inagent`` bundle into it (the image's own ``cp``: ``services/inagent/Dockerfile``);
+- the task image's container runs that executable as its entrypoint, read-only from the
+  volume, listening on the Pod IP (the downward API's ``status.podIP``): directly, so any Linux
+  image works, or through ``sh -c`` for images the configuration lists as having a shell;
+- requests equal limits from the sandbox request (cpu, memory, ephemeral storage);
+- a readiness probe on the agent's ``grpc.health.v1`` service;
+- node selector, tolerations and priority class from the configuration.
+
+Pure functions, no client: the manifest is a plain dict, checked by a snapshot test.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from orchard.env.runtime.base import FailureReason, RuntimeResources, RuntimeSandboxSpec
+from orchard.env.runtime.kubernetes.config import KubernetesRuntimeConfig
+
+__all__ = [
+    "AGENT_DIR",
+    "AGENT_EXECUTABLE",
+    "LABEL_MANAGED_BY",
+    "LABEL_OWNER",
+    "LABEL_SANDBOX",
+    "PodView",
+    "check_sandbox_id",
+    "pod_manifest",
+    "sandbox_selector",
+]
+
+LABEL_SANDBOX = "orchard.dev/sandbox-id"
+LABEL_OWNER = "orchard.dev/owner"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "orchard-env"
+ANNOTATION_LABELS = "orchard.dev/labels"
+AGENT_DIR = "/.orchard/inagent"
+"""Where the emptyDir holding the agent bundle is mounted, in both containers."""
+AGENT_EXECUTABLE = "orchard-inagent"
+BUNDLE_IN_IMAGE = "/opt/orchard-inagent"
+"""Where the inagent image keeps the bundle (services/inagent/Dockerfile)."""
+POD_IP_VAR = "ORCHARD_POD_IP"
+SANDBOX_CONTAINER = "sandbox"
+COPY_CONTAINER = "inagent-copy"
+VOLUME = "orchard-inagent"
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_SHELL_ENTRY = f'. /etc/profile >/dev/null 2>&1; exec {AGENT_DIR}/{AGENT_EXECUTABLE} "$@"'
+_PULL_FAILURES = {"ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull"}
+_BAD_IMAGE = {"InvalidImageName"}
+_START_FAILURES = {"CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
+_EVICTION_REASONS = {"Evicted", "EvictionByEvictionAPI", "TerminationByKubelet", "OutOfpods"}
+_PREEMPTION_REASONS = {"Preempted", "PreemptionByScheduler", "Shutdown", "NodeShutdown"}
+
+
+def check_sandbox_id(sandbox_id: str) -> None:
+    """Pod names are DNS labels: the sandbox id must be one."""
+    if not _DNS_LABEL.fullmatch(sandbox_id):
+        raise ValueError(
+            f"sandbox id {sandbox_id!r}: the kubernetes runtime needs a DNS label "
+            "(1-63 of a-z, 0-9, '-', starting and ending alphanumeric)"
+        )
+
+
+def sandbox_selector(config: KubernetesRuntimeConfig) -> str:
+    """The label selector of every Pod and policy this runtime made."""
+    return f"{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_OWNER}={config.owner}"
+
+
+def sandbox_labels(config: KubernetesRuntimeConfig, sandbox_id: str) -> dict[str, str]:
+    return {
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_OWNER: config.owner,
+        LABEL_SANDBOX: sandbox_id,
+    }
+
+
+def _quantities(resources: RuntimeResources) -> dict[str, str]:
+    amounts = {}
+    if resources.cpu_millis:
+        amounts["cpu"] = f"{resources.cpu_millis}m"
+    if resources.memory_bytes:
+        amounts["memory"] = str(resources.memory_bytes)
+    if resources.disk_bytes:
+        amounts["ephemeral-storage"] = str(resources.disk_bytes)
+    return amounts
+
+
+def _agent_args(spec: RuntimeSandboxSpec, config: KubernetesRuntimeConfig) -> list[str]:
+    args = ["--listen", f"$({POD_IP_VAR}):{config.agent_port}", "--working-dir", _workdir(spec)]
+    agent_own = {k: v for k, v in spec.env.items() if k.startswith("ORCHARD_")}
+    if agent_own:
+        # The agent takes ORCHARD_* variables as its own settings and hides them from commands:
+        # a sandbox's ORCHARD_* variables reach commands as the agent's `env` setting.
+        args += ["--set", f"env={json.dumps(agent_own, sort_keys=True)}"]
+    return args
+
+
+def _workdir(spec: RuntimeSandboxSpec) -> str:
+    import posixpath  # noqa: PLC0415 - tiny
+
+    return posixpath.normpath(posixpath.join("/", spec.working_dir or "/"))
+
+
+def uses_shell(config: KubernetesRuntimeConfig, image: str) -> bool:
+    return any(fnmatch.fnmatchcase(image, pattern) for pattern in config.shell_images)
+
+
+def pod_manifest(spec: RuntimeSandboxSpec, config: KubernetesRuntimeConfig) -> dict[str, Any]:
+    """The Pod of one sandbox (see the module docstring)."""
+    check_sandbox_id(spec.sandbox_id)
+    agent = f"{AGENT_DIR}/{AGENT_EXECUTABLE}"
+    if uses_shell(config, spec.image):
+        command = ["/bin/sh", "-c", _SHELL_ENTRY, AGENT_EXECUTABLE]
+    else:
+        command = [agent]
+    # Kubernetes expands $(VAR) in args only for variables defined before, in `env`.
+    env: list[dict[str, Any]] = [
+        {"name": POD_IP_VAR, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    ]
+    env += [
+        {"name": name, "value": value}
+        for name, value in sorted(spec.env.items())
+        if not name.startswith("ORCHARD_")
+    ]
+    amounts = _quantities(spec.resources)
+    container: dict[str, Any] = {
+        "name": SANDBOX_CONTAINER,
+        "image": spec.image,
+        "command": command,
+        "args": _agent_args(spec, config),
+        "env": env,
+        "workingDir": _workdir(spec),
+        "ports": [{"name": "inagent", "containerPort": config.agent_port, "protocol": "TCP"}],
+        "volumeMounts": [{"name": VOLUME, "mountPath": AGENT_DIR, "readOnly": True}],
+        "readinessProbe": {
+            "grpc": {"port": config.agent_port},
+            "periodSeconds": 1,
+            "timeoutSeconds": 1,
+            "failureThreshold": 3,
+        },
+        "resources": {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {},
+    }
+    copy: dict[str, Any] = {
+        "name": COPY_CONTAINER,
+        "image": config.inagent_image,
+        "command": ["cp", "-R", f"{BUNDLE_IN_IMAGE}/.", f"{AGENT_DIR}/"],
+        "volumeMounts": [{"name": VOLUME, "mountPath": AGENT_DIR}],
+        "resources": {
+            "requests": {"cpu": "10m", "memory": "16Mi"},
+            "limits": {"memory": "64Mi"},
+        },
+    }
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": config.termination_grace_s,
+        "volumes": [{"name": VOLUME, "emptyDir": {}}],
+        "initContainers": [copy],
+        "containers": [container],
+    }
+    if config.node_selector:
+        pod_spec["nodeSelector"] = dict(config.node_selector)
+    if config.tolerations:
+        pod_spec["tolerations"] = [toleration.manifest() for toleration in config.tolerations]
+    if config.priority_class_name:
+        pod_spec["priorityClassName"] = config.priority_class_name
+    if config.service_account_name:
+        pod_spec["serviceAccountName"] = config.service_account_name
+    if config.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": name} for name in config.image_pull_secrets]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": spec.sandbox_id,
+            "namespace": config.namespace,
+            "labels": sandbox_labels(config, spec.sandbox_id),
+            "annotations": {ANNOTATION_LABELS: json.dumps(dict(spec.labels), sort_keys=True)},
+        },
+        "spec": pod_spec,
+    }
+
+
+@dataclass(frozen=True)
+class PodFailure:
+    reason: FailureReason
+    message: str
+
+
+@dataclass(frozen=True)
+class PodView:
+    """What the runtime reads from one Pod object of the watch (a JSON dict)."""
+
+    name: str
+    resource_version: str
+    phase: str
+    pod_ip: str
+    ready: bool
+    deleting: bool
+    failure: PodFailure | None
+    waiting_for: str  # why it is not Ready yet (unschedulable, pulling), for timeout messages
+
+    @classmethod
+    def of(cls, pod: Mapping[str, Any]) -> PodView:
+        metadata = pod.get("metadata") or {}
+        status = pod.get("status") or {}
+        conditions = {c.get("type"): c for c in status.get("conditions") or ()}
+        ready = (conditions.get("Ready") or {}).get("status") == "True"
+        return cls(
+            name=str(metadata.get("name", "")),
+            resource_version=str(metadata.get("resourceVersion", "")),
+            phase=str(status.get("phase") or "Pending"),
+            pod_ip=str(status.get("podIP") or ""),
+            ready=ready,
+            deleting=bool(metadata.get("deletionTimestamp")),
+            failure=_failure(status, conditions),
+            waiting_for=_waiting_for(status, conditions),
+        )
+
+    @property
+    def running(self) -> bool:
+        return self.phase in ("Pending", "Running") and self.failure is None
+
+
+def _waiting_for(status: Mapping[str, Any], conditions: Mapping[str, Any]) -> str:
+    scheduled = conditions.get("PodScheduled") or {}
+    if scheduled.get("status") == "False":
+        return f"not scheduled: {scheduled.get('reason', '')} {scheduled.get('message', '')}"
+    for key in ("initContainerStatuses", "containerStatuses"):
+        for container in status.get(key) or ():
+            waiting = (container.get("state") or {}).get("waiting") or {}
+            if waiting:
+                return f"{container.get('name')}: {waiting.get('reason', '')}".strip()
+    return f"phase {status.get('phase') or 'Pending'}, not Ready"
+
+
+def _failure(status: Mapping[str, Any], conditions: Mapping[str, Any]) -> PodFailure | None:
+    """Why the sandbox in this Pod cannot (or no longer) serve; None while it can."""
+    reason = str(status.get("reason") or "")
+    message = str(status.get("message") or "")
+    disruption = conditions.get("DisruptionTarget") or {}
+    disrupted = str(disruption.get("reason") or "") if disruption.get("status") == "True" else ""
+    for known, kind in (
+        (_EVICTION_REASONS, FailureReason.EVICTED),
+        (_PREEMPTION_REASONS, FailureReason.PREEMPTED),
+    ):
+        if reason in known or (status.get("phase") == "Failed" and disrupted in known):
+            why = reason or disrupted
+            return PodFailure(
+                kind, f"the sandbox Pod was {kind.value.lower()} ({why}): {message}".rstrip(": ")
+            )
+    for key, where in (("initContainerStatuses", "the inagent copy"), ("containerStatuses", "")):
+        for container in status.get(key) or ():
+            state = container.get("state") or {}
+            image = container.get("image", "")
+            waiting = state.get("waiting") or {}
+            why = str(waiting.get("reason") or "")
+            detail = str(waiting.get("message") or "")
+            if why in _PULL_FAILURES:
+                return PodFailure(
+                    FailureReason.IMAGE_NOT_FOUND, f"image {image!r} cannot be pulled: {detail}"
+                )
+            if why in _BAD_IMAGE:
+                return PodFailure(FailureReason.IMAGE_INVALID, f"image {image!r}: {detail}")
+            if why in _START_FAILURES:
+                return PodFailure(FailureReason.IMAGE_INVALID, f"{why}: {detail}")
+            terminated = state.get("terminated")
+            if terminated is None:
+                continue
+            code = terminated.get("exitCode")
+            if key == "initContainerStatuses" and code == 0:
+                continue
+            ended = str(terminated.get("reason") or "")
+            text = str(terminated.get("message") or "")
+            if ended == "OOMKilled":
+                return PodFailure(
+                    FailureReason.OUT_OF_MEMORY,
+                    f"{where or 'the agent'} was killed for memory (OOMKilled); raise the "
+                    "sandbox's memory",
+                )
+            subject = where or "the agent"
+            return PodFailure(
+                FailureReason.AGENT_EXITED,
+                f"{subject} exited with status {code} ({ended or 'no reason'}) {text}".strip(),
+            )
+    if status.get("phase") in ("Failed", "Succeeded"):
+        return PodFailure(
+            FailureReason.RUNTIME_DIED,
+            f"the sandbox Pod is {status.get('phase')}: {reason} {message}".strip(),
+        )
+    return None

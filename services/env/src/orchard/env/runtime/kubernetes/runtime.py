@@ -1,0 +1,489 @@
+"""The ``kubernetes`` runtime: one Pod per sandbox, made with kubernetes-asyncio.
+
+- **Create** writes the sandbox's NetworkPolicy first when its request allows destinations
+  (``policies.py``), then its Pod (``pods.py``), and returns once the Pod is Ready: its readiness
+  probe on the agent's gRPC health passed. It learns that from the one LIST+WATCH stream over
+  every sandbox Pod (``pod_watch.py``); no call polls a Pod. A Pod that cannot start (image not
+  pullable, the agent exits, killed for memory) fails the create with that reason, and
+  whatever was made is deleted.
+- **The hot path** is the Pod IP: the agent listens on ``<pod IP>:<agent_port>`` and the
+  service dials it directly; the API server is never on the exec or file path.
+- **Exits** come from the same stream: a Ready sandbox whose Pod fails is reported with the
+  reason (``EVICTED``, ``PREEMPTED``, ``OUT_OF_MEMORY``, ``AGENT_EXITED``), and one whose Pod was
+  deleted by someone else as ``RUNTIME_DIED``.
+- **Delete** deletes the Pod (its grace period) and the policy, and returns once the Pod is gone
+  from the stream. **Egress expiry**: a timer rewrites the policy at the next expiry and deletes
+  it when no rule is left; a restarted runtime schedules the timers again from the policies'
+  annotations.
+- **Reconciliation**: ``list_sandboxes`` names every Pod and policy with this deployment's
+  labels; the service deletes those without a record (orphans).
+
+Sandboxes outlive the service: a new runtime finds them through its first LIST.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from kubernetes_asyncio import client
+from kubernetes_asyncio import config as kube_config
+
+from orchard.env.runtime.base import (
+    EgressRule,
+    FailureReason,
+    Runtime,
+    RuntimeFailure,
+    RuntimeNotSupported,
+    RuntimeSandbox,
+    RuntimeSandboxSpec,
+    RuntimeUnavailable,
+    SandboxExit,
+    SandboxStatus,
+)
+from orchard.env.runtime.kubernetes.api import KubeApiError, call_api
+from orchard.env.runtime.kubernetes.config import KubernetesRuntimeConfig
+from orchard.env.runtime.kubernetes.pod_watch import SandboxPodWatch
+from orchard.env.runtime.kubernetes.pods import (
+    LABEL_SANDBOX,
+    PodView,
+    check_sandbox_id,
+    pod_manifest,
+    sandbox_selector,
+)
+from orchard.env.runtime.kubernetes.policies import (
+    live_rules,
+    next_expiry,
+    policy_manifest,
+    policy_name,
+    rules_from_policy,
+)
+
+__all__ = ["KubernetesRuntime"]
+
+log = logging.getLogger(__name__)
+
+_LOCAL_IMAGES = ("rootfs:", "oci-archive:", "docker-archive:")
+
+
+def agent_address(pod_ip: str, port: int) -> str:
+    host = f"[{pod_ip}]" if ipaddress.ip_address(pod_ip).version == 6 else pod_ip
+    return f"{host}:{port}"
+
+
+def _create_failure(exc: KubeApiError, what: str) -> RuntimeFailure:
+    if exc.code == 403 and "quota" in exc.message:
+        return RuntimeFailure(FailureReason.RESOURCES_UNAVAILABLE, f"{what}: {exc.message}")
+    if exc.code == 409:
+        return RuntimeFailure(FailureReason.INTERNAL, f"{what} exists already; delete it first")
+    if exc.code == 422 and "image" in exc.message:
+        return RuntimeFailure(FailureReason.IMAGE_INVALID, f"{what}: {exc.message}")
+    return RuntimeFailure(FailureReason.INTERNAL, f"{what}: the API server answered {exc}")
+
+
+class KubernetesRuntime(Runtime):
+    """Sandboxes as Pods in one namespace (see the module docstring)."""
+
+    name = "kubernetes"
+
+    def __init__(self, config: KubernetesRuntimeConfig) -> None:
+        self.config = config
+        self._api: client.ApiClient | None = None
+        self._core: client.CoreV1Api | None = None
+        self._net: client.NetworkingV1Api | None = None
+        self._pods: SandboxPodWatch | None = None
+        self._policies: set[str] = set()  # sandbox ids with a policy
+        self._egress: dict[str, tuple[EgressRule, ...]] = {}
+        self._expiry_timers: dict[str, asyncio.TimerHandle] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._creating: set[str] = set()
+        self._deleting: set[str] = set()
+        self._reported: set[str] = set()
+        self._exits: asyncio.Queue[SandboxExit | None] = asyncio.Queue()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._pods is not None:
+            return
+        configuration = await self._client_configuration()
+        self._api = client.ApiClient(configuration)
+        self._core = client.CoreV1Api(self._api)
+        self._net = client.NetworkingV1Api(self._api)
+        self._pods = SandboxPodWatch(
+            self._core,
+            self.config.namespace,
+            sandbox_selector(self.config),
+            on_change=self._on_pod_change,
+            watch_timeout_s=self.config.watch_timeout_s,
+            request_timeout_s=self.config.request_timeout_s,
+        )
+        try:
+            await self._list_policies(schedule=True)
+            await self._pods.start()
+        except KubeApiError as exc:
+            await self._close_client()
+            raise RuntimeUnavailable(
+                f"the kubernetes runtime cannot list pods and networkpolicies in namespace "
+                f"{self.config.namespace!r}: {exc} (the env chart's Role grants both; check "
+                "the namespace exists and the API server is reachable)"
+            ) from None
+        log.info(
+            "kubernetes runtime ready",
+            extra={"namespace": self.config.namespace, "sandboxes": self._pods.names()},
+        )
+
+    async def _client_configuration(self) -> client.Configuration:
+        if self.config.api_url:
+            return client.Configuration(host=self.config.api_url)
+        configuration = client.Configuration()
+        try:
+            if self.config.kubeconfig:
+                await kube_config.load_kube_config(
+                    config_file=self.config.kubeconfig, client_configuration=configuration
+                )
+            else:
+                kube_config.load_incluster_config(  # type: ignore[no-untyped-call]
+                    client_configuration=configuration
+                )
+        except (kube_config.ConfigException, OSError) as exc:
+            where = self.config.kubeconfig or "the in-cluster service account"
+            raise RuntimeUnavailable(
+                f"the kubernetes runtime has no API server credentials from {where}: {exc}; "
+                "run the service in the cluster (the env chart), or set runtime.kubeconfig "
+                "or runtime.api_url"
+            ) from None
+        return configuration
+
+    async def close(self) -> None:
+        for timer in self._expiry_timers.values():
+            timer.cancel()
+        self._expiry_timers.clear()
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        if self._pods is not None:
+            await self._pods.close()
+            self._pods = None
+        await self._close_client()
+        self._exits.put_nowait(None)
+
+    async def _close_client(self) -> None:
+        if self._api is not None:
+            await self._api.close()
+            self._api = None
+
+    # -- sandboxes ---------------------------------------------------------------------------
+
+    async def create(self, spec: RuntimeSandboxSpec) -> RuntimeSandbox:
+        pods = self._watch()
+        check_sandbox_id(spec.sandbox_id)
+        sandbox_id = spec.sandbox_id
+        if spec.image == "host" or spec.image.startswith(_LOCAL_IMAGES):
+            raise RuntimeFailure(
+                FailureReason.IMAGE_INVALID,
+                f"image {spec.image!r} is a local runtime image; the kubernetes runtime runs "
+                "registry references (e.g. python:3.12-slim)",
+            )
+        manifest = pod_manifest(spec, self.config)
+        async with self._lock(sandbox_id):
+            if pods.view(sandbox_id) is not None or sandbox_id in self._policies:
+                raise RuntimeFailure(
+                    FailureReason.INTERNAL, f"sandbox {sandbox_id} exists already; delete it first"
+                )
+            self._creating.add(sandbox_id)
+            try:
+                return await self._create_locked(spec, manifest)
+            except BaseException:
+                # Shielded: a cancelled create still deletes what it made.
+                await asyncio.shield(self._delete_locked(sandbox_id))
+                raise
+            finally:
+                self._creating.discard(sandbox_id)
+
+    async def _create_locked(
+        self, spec: RuntimeSandboxSpec, manifest: dict[str, Any]
+    ) -> RuntimeSandbox:
+        sandbox_id = spec.sandbox_id
+        if spec.egress:
+            await self._write_policy(sandbox_id, tuple(spec.egress))
+        try:
+            await call_api(
+                self._core_api().create_namespaced_pod(
+                    self.config.namespace,
+                    manifest,  # type: ignore[arg-type]  # the client sends dicts as they are
+                    _preload_content=False,
+                    _request_timeout=self.config.request_timeout_s,
+                )
+            )
+        except KubeApiError as exc:
+            raise _create_failure(exc, f"sandbox Pod {sandbox_id}") from None
+        seen = False
+
+        def started(view: PodView | None) -> bool:
+            nonlocal seen  # the create's answer may come before the stream's ADDED event
+            seen = seen or view is not None
+            return (view is None and seen) or (
+                view is not None and (view.ready or view.failure is not None)
+            )
+
+        try:
+            view = await self._watch().wait_for(sandbox_id, started, self.config.start_timeout_s)
+        except TimeoutError:
+            now = self._watch().view(sandbox_id)
+            raise RuntimeFailure(
+                FailureReason.AGENT_START_TIMEOUT,
+                f"sandbox Pod {sandbox_id} not Ready after {self.config.start_timeout_s:g} s "
+                f"({now.waiting_for if now else 'gone'})",
+            ) from None
+        if view is None:
+            raise RuntimeFailure(
+                FailureReason.RUNTIME_DIED, f"sandbox Pod {sandbox_id} was deleted while starting"
+            )
+        if view.failure is not None:
+            raise RuntimeFailure(view.failure.reason, view.failure.message)
+        return RuntimeSandbox(sandbox_id, agent_address(view.pod_ip, self.config.agent_port))
+
+    async def fork(self, source_id: str, spec: RuntimeSandboxSpec) -> RuntimeSandbox:
+        raise RuntimeNotSupported(
+            "the kubernetes runtime cannot fork a sandbox: a running Pod's file system cannot "
+            "be copied through the Kubernetes API"
+        )
+
+    async def delete(self, sandbox_id: str) -> None:
+        self._watch()
+        check_sandbox_id(sandbox_id)
+        async with self._lock(sandbox_id):
+            await self._delete_locked(sandbox_id)
+
+    async def _delete_locked(self, sandbox_id: str) -> None:
+        self._deleting.add(sandbox_id)
+        try:
+            timer = self._expiry_timers.pop(sandbox_id, None)
+            if timer is not None:
+                timer.cancel()
+            self._egress.pop(sandbox_id, None)
+            await self._delete_object(
+                self._core_api().delete_namespaced_pod(
+                    sandbox_id,
+                    self.config.namespace,
+                    grace_period_seconds=self.config.termination_grace_s,
+                    _preload_content=False,
+                    _request_timeout=self.config.request_timeout_s,
+                )
+            )
+            await self._delete_policy(sandbox_id)
+            try:
+                await self._watch().wait_for(
+                    sandbox_id, lambda v: v is None, self.config.delete_timeout_s
+                )
+            except TimeoutError:
+                raise RuntimeFailure(
+                    FailureReason.INTERNAL,
+                    f"sandbox Pod {sandbox_id} still terminating after "
+                    f"{self.config.delete_timeout_s:g} s",
+                ) from None
+        finally:
+            self._deleting.discard(sandbox_id)
+            self._reported.discard(sandbox_id)
+
+    @staticmethod
+    async def _delete_object(pending: Any) -> None:
+        try:
+            await call_api(pending)
+        except KubeApiError as exc:
+            if exc.code != 404:
+                raise RuntimeFailure(
+                    FailureReason.INTERNAL, f"delete failed: the API server answered {exc}"
+                ) from None
+
+    async def status(self, sandbox_id: str) -> SandboxStatus:
+        view = self._watch().view(sandbox_id)
+        if view is not None:
+            return (
+                SandboxStatus.RUNNING
+                if view.running and not view.deleting
+                else (SandboxStatus.EXITED)
+            )
+        return SandboxStatus.EXITED if sandbox_id in self._policies else SandboxStatus.ABSENT
+
+    async def list_sandboxes(self) -> list[str]:
+        """Ids of every sandbox Pod (from the stream's cache) and policy (one LIST)."""
+        pods = self._watch()
+        try:
+            await self._list_policies(schedule=False)
+        except KubeApiError as exc:
+            raise RuntimeFailure(
+                FailureReason.INTERNAL, f"cannot list sandbox policies: {exc}"
+            ) from None
+        return sorted(set(pods.names()) | self._policies)
+
+    async def update_egress(self, sandbox_id: str, egress: Sequence[EgressRule]) -> None:
+        """Rewrite (or delete, for none) the sandbox's policy; applied when the API server
+        accepted it (the CNI enforces it shortly after)."""
+        check_sandbox_id(sandbox_id)
+        async with self._lock(sandbox_id):
+            view = self._watch().view(sandbox_id)
+            if view is None or not view.running:
+                raise RuntimeFailure(FailureReason.INTERNAL, f"sandbox {sandbox_id} is not running")
+            await self._write_policy(sandbox_id, tuple(egress))
+
+    async def exits(self) -> AsyncIterator[SandboxExit]:
+        """Sandboxes whose Pod failed or vanished without a delete. One consumer; ends on
+        close."""
+        while True:
+            event = await self._exits.get()
+            if event is None:
+                return
+            yield event
+
+    # -- the stream's changes ----------------------------------------------------------------
+
+    def _on_pod_change(self, name: str, before: PodView | None, after: PodView | None) -> None:
+        if name in self._creating or name in self._deleting:
+            return
+        if after is None:
+            if name not in self._reported and before is not None and before.running:
+                self._exits.put_nowait(
+                    SandboxExit(
+                        name,
+                        FailureReason.RUNTIME_DIED,
+                        "the sandbox Pod was deleted outside Orchard",
+                    )
+                )
+            self._reported.discard(name)
+            return
+        if after.failure is not None and name not in self._reported:
+            self._reported.add(name)
+            self._exits.put_nowait(SandboxExit(name, after.failure.reason, after.failure.message))
+
+    # -- policies ----------------------------------------------------------------------------
+
+    async def _list_policies(self, *, schedule: bool) -> None:
+        data = await call_api(
+            self._net_api().list_namespaced_network_policy(
+                self.config.namespace,
+                label_selector=sandbox_selector(self.config),
+                _preload_content=False,
+                _request_timeout=self.config.request_timeout_s,
+            )
+        )
+        found = {}
+        for item in data.get("items") or ():
+            sandbox_id = ((item.get("metadata") or {}).get("labels") or {}).get(LABEL_SANDBOX)
+            if sandbox_id:
+                found[sandbox_id] = item
+        self._policies = set(found)
+        if schedule:
+            for sandbox_id, item in found.items():
+                rules = tuple(rules_from_policy(item))
+                self._egress[sandbox_id] = rules
+                self._schedule_expiry(sandbox_id, rules)
+
+    async def _write_policy(self, sandbox_id: str, egress: tuple[EgressRule, ...]) -> None:
+        egress = tuple(live_rules(egress))  # expired rules leave the policy and its annotation
+        manifest = await policy_manifest(self.config, sandbox_id, egress)
+        self._egress[sandbox_id] = egress
+        if manifest is None:
+            self._egress.pop(sandbox_id, None)
+            await self._delete_policy(sandbox_id)
+            return
+        net = self._net_api()
+        name = policy_name(sandbox_id)
+        try:
+            if sandbox_id in self._policies:
+                try:
+                    await call_api(
+                        net.replace_namespaced_network_policy(
+                            name,
+                            self.config.namespace,
+                            manifest,  # type: ignore[arg-type]
+                            _preload_content=False,
+                            _request_timeout=self.config.request_timeout_s,
+                        )
+                    )
+                except KubeApiError as exc:
+                    if exc.code != 404:
+                        raise
+                    self._policies.discard(sandbox_id)
+            if sandbox_id not in self._policies:
+                await call_api(
+                    net.create_namespaced_network_policy(
+                        self.config.namespace,
+                        manifest,  # type: ignore[arg-type]
+                        _preload_content=False,
+                        _request_timeout=self.config.request_timeout_s,
+                    )
+                )
+                self._policies.add(sandbox_id)
+        except KubeApiError as exc:
+            raise _create_failure(exc, f"NetworkPolicy {name}") from None
+        self._schedule_expiry(sandbox_id, egress)
+
+    async def _delete_policy(self, sandbox_id: str) -> None:
+        await self._delete_object(
+            self._net_api().delete_namespaced_network_policy(
+                policy_name(sandbox_id),
+                self.config.namespace,
+                _preload_content=False,
+                _request_timeout=self.config.request_timeout_s,
+            )
+        )
+        self._policies.discard(sandbox_id)
+
+    def _schedule_expiry(self, sandbox_id: str, egress: Sequence[EgressRule]) -> None:
+        timer = self._expiry_timers.pop(sandbox_id, None)
+        if timer is not None:
+            timer.cancel()
+        now = time.time()
+        when = next_expiry(egress, now)
+        if len(live_rules(egress, now)) < len(egress):
+            when = now  # rules expired while no runtime watched (a restart): rewrite now
+        if when is None:
+            return
+        loop = asyncio.get_running_loop()
+        self._expiry_timers[sandbox_id] = loop.call_later(
+            max(0.0, when - now), self._start_expiry, sandbox_id
+        )
+
+    def _start_expiry(self, sandbox_id: str) -> None:
+        self._expiry_timers.pop(sandbox_id, None)
+        task = asyncio.create_task(self._expire(sandbox_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _expire(self, sandbox_id: str) -> None:
+        async with self._lock(sandbox_id):
+            egress = self._egress.get(sandbox_id)
+            if egress is None or sandbox_id in self._deleting:
+                return
+            try:
+                await self._write_policy(sandbox_id, egress)
+            except (RuntimeFailure, KubeApiError) as exc:
+                log.warning("sandbox %s: expiring egress rules failed: %s", sandbox_id, exc)
+                self._schedule_expiry(sandbox_id, egress)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _lock(self, sandbox_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(sandbox_id, asyncio.Lock())
+
+    def _watch(self) -> SandboxPodWatch:
+        if self._pods is None:
+            raise RuntimeError("KubernetesRuntime.start() was not called (or close() was)")
+        return self._pods
+
+    def _core_api(self) -> client.CoreV1Api:
+        if self._core is None:
+            raise RuntimeError("KubernetesRuntime.start() was not called")
+        return self._core
+
+    def _net_api(self) -> client.NetworkingV1Api:
+        if self._net is None:
+            raise RuntimeError("KubernetesRuntime.start() was not called")
+        return self._net
