@@ -1,0 +1,122 @@
+"""The one interface every inference engine serves: prompt token ids and sampling parameters in,
+sampled token ids with their logprobs, the finish reason and the weight version out.
+
+Engines see tokens only. Chat templates, tool-call parsing and text live in the capture proxy,
+so what the trainer later reads (the prompt ids and the sampled ids) is exactly what the engine
+was given and produced.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+from transformers import PreTrainedTokenizerBase
+
+FinishReason = Literal["stop", "length"]
+""""stop": a stop token or stop string ended the turn; "length": `max_tokens` or the context."""
+
+
+class EngineError(Exception):
+    """Base class of the engines' errors."""
+
+
+class EngineClosed(EngineError):
+    """The engine was used before `start()` or after `close()`."""
+
+
+class InvalidRequest(EngineError, ValueError):
+    """A request the engine cannot serve as given (prompt too long, bad parameters); retrying
+    the same request will not help. The message names the parameter."""
+
+
+class NoWeightsLoaded(EngineError):
+    """The engine has no model yet (no version was published before its start timeout)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to sample one completion."""
+
+    max_tokens: int = 256
+    """Most tokens to sample; fewer when the model's context ends first ("length")."""
+    temperature: float = 1.0
+    """0 samples greedily; otherwise logits are divided by it before sampling."""
+    top_p: float = 1.0
+    """Nucleus sampling: draw only from the smallest set of tokens whose mass reaches top_p."""
+    stop: tuple[str, ...] = ()
+    """Strings that end the turn once the decoded output contains one (the token that completed
+    it is the last sampled token)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end the turn; the stop token is part of the output (the policy chose it)."""
+    seed: int | None = None
+    """Makes sampling of this request reproducible, whatever else is batched with it."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not (math.isfinite(self.temperature) and 0 <= self.temperature <= 100):
+            raise InvalidRequest(f"temperature must be in [0, 100], got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise InvalidRequest("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """What one request produced.
+
+    `logprobs[i]` is the log-probability of `token_ids[i]` under the distribution it was drawn
+    from: the model's, divided by the temperature and cut to the top-p nucleus. For greedy
+    requests (temperature 0) it is the model's own log-probability at temperature 1.
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: FinishReason
+    weight_version: str
+    prompt_tokens: int
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    """An engine: `async with engine:` starts it (loading weights), then `generate` from any
+    number of concurrent tasks; the engine batches them as it sees fit."""
+
+    @property
+    def weight_version(self) -> str:
+        """The version new requests are sampled with (empty before any is loaded)."""
+        ...
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer of the loaded model; raises `NoWeightsLoaded` before one is."""
+        ...
+
+    @property
+    def context_length(self) -> int:
+        """The most tokens (prompt plus output) one sequence may hold."""
+        ...
+
+    async def start(self) -> None:
+        """Load the weights and start serving."""
+        ...
+
+    async def close(self) -> None:
+        """Stop serving; requests still waiting fail with `EngineClosed`."""
+        ...
+
+    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Generation:
+        """Sample one completion of `prompt_token_ids`.
+
+        Raises `InvalidRequest` (e.g. the prompt fills the context), `EngineClosed`,
+        `NoWeightsLoaded`.
+        """
+        ...
