@@ -18,7 +18,9 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
 
 END_OF_TEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -88,18 +90,6 @@ def chat_template() -> str:
 
 class ChatFormatError(ValueError):
     """A message or tool declaration that cannot be rendered; the message says which and why."""
-
-
-class TokenizerLike(Protocol):
-    """What the renderer needs from a Hugging Face tokenizer."""
-
-    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
-
-    def encode(self, text: str, **kwargs: Any) -> list[int]: ...
-
-    def decode(self, token_ids: Any, **kwargs: Any) -> str: ...
-
-    def convert_tokens_to_ids(self, tokens: Any) -> Any: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,7 +295,7 @@ class ChatRenderer:
     the text of messages is encoded as text.
     """
 
-    def __init__(self, tokenizer: TokenizerLike, *, template: str | None = None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, template: str | None = None) -> None:
         self._tokenizer = tokenizer
         own = getattr(tokenizer, "chat_template", None)
         self.template = template or (own if isinstance(own, str) and own else _CHAT_TEMPLATE)
@@ -331,9 +321,10 @@ class ChatRenderer:
         add_generation_prompt: bool = True,
     ) -> str:
         """The prompt as text; raises `ChatFormatError` for messages it cannot render."""
+        schemas: Any = normalize_tools(tools) or None
         text = self._tokenizer.apply_chat_template(
             normalize_messages(messages),
-            tools=normalize_tools(tools) or None,
+            tools=schemas,
             chat_template=self.template,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
