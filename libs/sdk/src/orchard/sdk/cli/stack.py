@@ -82,7 +82,6 @@ class LocalStack:
         self.settings = list(settings)
         self.stop_event = stop_event or threading.Event()
         self.etcd_data_dir = etcd_data_dir or state_dir / "etcd"
-        self.env_log = state_dir / "logs" / "env.log"
         self.etcd: Any = None
         self.extra_services = dict(services or {})
         self.processes: dict[str, ServiceProcess] = {}
@@ -132,7 +131,6 @@ class LocalStack:
     def start(self) -> None:
         from orchard.core.etcd import EmbeddedEtcd, EmbeddedEtcdError  # noqa: PLC0415
 
-        self.env_log.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
             self.etcd = EmbeddedEtcd(data_dir=self.etcd_data_dir)
             self.etcd.start()
