@@ -1,0 +1,230 @@
+"""Checkpoints with a version: DeepSpeed state to resume from, a Hugging Face folder to serve.
+
+A checkpoint is one folder, ``<root>/<version>/``, holding
+
+- ``deepspeed/`` — `DeepSpeedEngine.save_checkpoint` output (weights, optimizer, learning-rate
+  scheduler, step count), which `load_checkpoint` restores into an engine built with the same
+  `EngineConfig`, so training continues exactly where it stopped;
+- ``model/`` — the full weights, config and tokenizer in plain Hugging Face format
+  (`orchard.lm.model_folder.save_model_folder`; gathered from every rank under ZeRO-3), which
+  inference engines load;
+- ``checkpoint.json`` — the manifest (version, step, metadata), written last: a folder without
+  it is an unfinished save and is never listed.
+
+`publish_checkpoint` writes the model folder's location and metadata to the weight registry in
+etcd (`orchard.lm.weights.WeightRegistry`); inference engines that follow the registry load it.
+
+Every rank of a world calls `save_checkpoint` and `load_checkpoint` (they are collective); only
+rank 0 writes the model folder and the manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from orchard.lm.model_folder import save_model_folder
+from orchard.lm.weights import WeightRegistry, WeightVersion
+from orchard.trainer.distributed import import_deepspeed
+from orchard.trainer.engine import TrainingEngine
+
+__all__ = [
+    "DEEPSPEED_DIR",
+    "MANIFEST",
+    "MODEL_DIR",
+    "CheckpointError",
+    "CheckpointInfo",
+    "list_checkpoints",
+    "load_checkpoint",
+    "publish_checkpoint",
+    "read_checkpoint",
+    "save_checkpoint",
+    "step_version",
+]
+
+MANIFEST = "checkpoint.json"
+DEEPSPEED_DIR = "deepspeed"
+MODEL_DIR = "model"
+_FORMAT = 1
+_VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that is missing, incomplete or does not fit the engine; the message says
+    which."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """One saved checkpoint (its manifest)."""
+
+    version: str
+    """Its name: the folder name, and the weight version it is published as."""
+    step: int
+    """Optimizer steps taken when it was saved."""
+    path: Path
+    """The checkpoint folder."""
+    created_at: float
+    """Unix time the save finished."""
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def deepspeed_dir(self) -> Path:
+        return self.path / DEEPSPEED_DIR
+
+    @property
+    def model_dir(self) -> Path:
+        """The Hugging Face model folder (what `publish_checkpoint` publishes)."""
+        return self.path / MODEL_DIR
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": _FORMAT,
+                "version": self.version,
+                "step": self.step,
+                "created_at": self.created_at,
+                "metadata": dict(self.metadata),
+            },
+            sort_keys=True,
+            indent=1,
+        )
+
+
+def step_version(step: int, prefix: str = "step") -> str:
+    """The conventional version name of a step: ``step-000120`` (``<prefix>-000120``)."""
+    return f"{prefix}-{step:06d}"
+
+
+def save_checkpoint(
+    engine: TrainingEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    root: str | os.PathLike[str],
+    *,
+    version: str | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> CheckpointInfo:
+    """Save `engine` at its current step as ``root/<version>/`` (default version:
+    `step_version(engine.global_step)`). Collective: every rank calls it.
+
+    The version folder must not exist yet: a saved checkpoint never changes.
+    """
+    step = engine.global_step
+    version = version or step_version(step)
+    if not _VERSION.match(version):
+        raise CheckpointError(
+            f"checkpoint version {version!r} must be 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    path = Path(root) / version
+    if engine.rank == 0 and path.exists():
+        raise CheckpointError(f"{path} exists already; save each checkpoint under a new version")
+    path.mkdir(parents=True, exist_ok=True)
+    labels = {str(k): str(v) for k, v in (metadata or {}).items()}
+    engine.engine.save_checkpoint(
+        str(path / DEEPSPEED_DIR), tag=version, client_state={"orchard_version": version}
+    )
+    model_metadata = {**labels, "version": version, "step": str(step)}
+    if engine.config.zero_stage == 3:
+        deepspeed = import_deepspeed()
+        params = list(engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            if engine.rank == 0:
+                save_model_folder(
+                    path / MODEL_DIR, engine.module, tokenizer, metadata=model_metadata
+                )
+    elif engine.rank == 0:
+        save_model_folder(path / MODEL_DIR, engine.module, tokenizer, metadata=model_metadata)
+    info = CheckpointInfo(
+        version=version, step=step, path=path, created_at=time.time(), metadata=labels
+    )
+    if engine.rank == 0:
+        staging = path / f".{MANIFEST}.tmp"
+        staging.write_text(info.to_json())
+        staging.rename(path / MANIFEST)
+    if engine.world_size > 1:
+        torch.distributed.barrier()
+    return info
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
+    """The manifest of the checkpoint folder `path`."""
+    folder = Path(path)
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        raise CheckpointError(
+            f"{folder} is not a finished checkpoint: it has no {MANIFEST} (the save did not "
+            "complete, or the path is wrong)"
+        )
+    raw: dict[str, Any] = json.loads(manifest.read_text())
+    return CheckpointInfo(
+        version=str(raw["version"]),
+        step=int(raw["step"]),
+        path=folder,
+        created_at=float(raw["created_at"]),
+        metadata={str(k): str(v) for k, v in raw.get("metadata", {}).items()},
+    )
+
+
+def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
+    """The finished checkpoints under `root`, oldest step first (unfinished saves left out)."""
+    folder = Path(root)
+    if not folder.is_dir():
+        return []
+    found = [read_checkpoint(p) for p in folder.iterdir() if (p / MANIFEST).is_file()]
+    return sorted(found, key=lambda c: (c.step, c.created_at))
+
+
+def load_checkpoint(
+    engine: TrainingEngine, checkpoint: CheckpointInfo | str | os.PathLike[str]
+) -> int:
+    """Restore weights, optimizer, scheduler and step of `checkpoint` into `engine`; returns the
+    step. The engine must be built with the same model and `EngineConfig` (ZeRO stage and world
+    size included). Collective: every rank calls it."""
+    info = checkpoint if isinstance(checkpoint, CheckpointInfo) else read_checkpoint(checkpoint)
+    loaded, _ = engine.engine.load_checkpoint(
+        str(info.deepspeed_dir),
+        tag=info.version,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+    )
+    if loaded is None:
+        raise CheckpointError(f"no DeepSpeed checkpoint {info.version!r} in {info.deepspeed_dir}")
+    if engine.global_step != info.step:
+        raise CheckpointError(
+            f"checkpoint {info.version!r} was saved at step {info.step} but restored step "
+            f"{engine.global_step}"
+        )
+    return info.step
+
+
+async def publish_checkpoint(
+    registry: WeightRegistry,
+    checkpoint: CheckpointInfo,
+    *,
+    metadata: Mapping[str, str] | None = None,
+) -> WeightVersion:
+    """Publish `checkpoint`'s model folder as weight version `checkpoint.version`.
+
+    The registry record carries the checkpoint's metadata, its step and format, plus
+    `metadata`. Publishing the same checkpoint again returns the existing record.
+    """
+    if not (checkpoint.model_dir / "config.json").is_file():
+        raise CheckpointError(f"{checkpoint.path} has no model folder to publish")
+    labels = {
+        **checkpoint.metadata,
+        "step": str(checkpoint.step),
+        "format": "huggingface",
+        "checkpoint": str(checkpoint.path),
+        **{str(k): str(v) for k, v in (metadata or {}).items()},
+    }
+    return await registry.publish(checkpoint.version, str(checkpoint.model_dir.resolve()), labels)
