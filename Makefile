@@ -18,7 +18,7 @@ INAGENT_SOURCES := $(shell find services/inagent/src services/inagent/bundle lib
 	-type f \( -name '*.py' -o -name '*.c' -o -name '*.spec' \) 2>/dev/null)
 PYTEST_ARGS ?=
 
-.PHONY: help setup test demo proto proto-check lint bench inagent-binary charts images clean
+.PHONY: help setup test demo proto proto-check lint bench inagent-binary charts images versions release clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -50,11 +50,18 @@ lint: setup ## buf lint, ruff and mypy on every package
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy libs/core/src libs/sdk/src libs/lm/src services/inagent/src services/env/src services/reward/src services/rollout/src services/trainer/src libs/recipes/src tools bench
 
-test: setup proto-check lint charts inagent-binary ## check generated code, lint, validate charts, run every test
+test: setup proto-check versions lint charts inagent-binary ## check generated code, lint, validate charts, run every test
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 charts: setup ## lint, render and validate every Helm chart; lint the Dockerfiles
 	$(BIN)/python tools/charts.py
+
+versions: setup ## fail when a service's pyproject, CHANGELOG, chart and pinned image tags disagree
+	$(BIN)/python tools/release.py --check-versions
+
+release: setup $(BUF) $(if $(filter inagent,$(SERVICE)),inagent-binary) ## release SERVICE=<name> (RELEASE_ARGS=--draft before its CHANGELOG entry is dated)
+	@test -n "$(SERVICE)" || { echo "make release: name the service, e.g. make release SERVICE=reward"; exit 2; }
+	$(BIN)/python tools/release.py $(SERVICE) $(RELEASE_ARGS)
 
 images: setup inagent-binary ## build every service image where docker or podman runs (says so where none does)
 	bash tools/images.sh
@@ -74,4 +81,4 @@ bench: setup inagent-binary ## run the benchmarks; results in bench/results/*.js
 	$(BIN)/python bench/reward_bench.py
 
 clean: ## remove build outputs (keeps .venv and .tools)
-	rm -rf services/inagent/build services/inagent/dist bench/results/*.json
+	rm -rf services/inagent/build services/inagent/dist dist/release bench/results/*.json

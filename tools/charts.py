@@ -569,8 +569,10 @@ def run_case(case: Case, workdir: Path, report: Report, render_dir: Path | None)
     return len(docs)
 
 
-def run_bad_values(workdir: Path, report: Report) -> None:
-    for chart_name, values, expected in BAD_VALUES:
+def run_bad_values(
+    workdir: Path, report: Report, cases: list[tuple[str, dict[str, Any], str]]
+) -> None:
+    for chart_name, values, expected in cases:
         chart = helm.Chart.load(staged_chart(chart_name, workdir))
         try:
             chart.validate_schema(values)
@@ -587,8 +589,8 @@ def run_bad_values(workdir: Path, report: Report) -> None:
             chart.close()
 
 
-def hadolint(report: Report) -> int:
-    dockerfiles = sorted(ROOT.glob("services/*/Dockerfile"))
+def hadolint(report: Report, service: str | None = None) -> int:
+    dockerfiles = sorted(ROOT.glob(f"services/{service or '*'}/Dockerfile"))
     binary = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which(
         "hadolint"
     )
@@ -613,21 +615,26 @@ def hadolint(report: Report) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--render-dir", type=Path, help="write each rendering here")
+    parser.add_argument(
+        "--chart", choices=[*SERVICES, UMBRELLA], help="only this chart (what a release renders)"
+    )
     args = parser.parse_args(argv)
     report = Report()
     check_versions(report)
+    cases = [c for c in CASES if args.chart in (None, c.chart)]
+    bad_values = [b for b in BAD_VALUES if args.chart in (None, b[0])]
     documents_checked = 0
     with tempfile.TemporaryDirectory(prefix="orchard-charts-") as tmp:
         workdir = Path(tmp)
-        for case in CASES:
+        for case in cases:
             documents_checked += run_case(case, workdir, report, args.render_dir)
-        run_bad_values(workdir, report)
-    dockerfiles = hadolint(report)
+        run_bad_values(workdir, report, bad_values)
+    dockerfiles = hadolint(report, args.chart)
     for failure in report.failures:
         print(f"FAIL {failure}")
     print(
-        f"charts: {len(CASES)} renderings, {documents_checked} manifests "
-        f"(Kubernetes {KUBE_VERSION} schemas, strict), {len(BAD_VALUES)} refused values, "
+        f"charts: {len(cases)} renderings, {documents_checked} manifests "
+        f"(Kubernetes {KUBE_VERSION} schemas, strict), {len(bad_values)} refused values, "
         f"{dockerfiles} Dockerfiles linted; {report.passed} checks passed, "
         f"{len(report.failures)} failed"
     )

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Builds every service image (services/<name>/Dockerfile, context: the repository root) with the
-# first container engine that answers: docker, then podman. Tags: $IMAGE_PREFIX<name>:<version>,
+# Builds every service image (services/<name>/Dockerfile, context: the repository root), or only
+# those named (`tools/images.sh reward trainer`), with the first container engine that answers:
+# docker, then podman. Extra build arguments: $IMAGE_BUILD_ARGS (e.g. the trainer's
+# "--build-arg BASE=..." for a GPU base, see services/trainer/Dockerfile). Tags: $IMAGE_PREFIX<name>:<version>,
 # the version from the installed distribution (the service's pyproject).
 # No engine: says so and exits 0, since a machine without one can still test everything else.
 set -euo pipefail
@@ -21,10 +23,21 @@ if [ -z "$engine" ]; then
   exit 0
 fi
 
-for dockerfile in services/*/Dockerfile; do
-  name="$(basename "$(dirname "$dockerfile")")"
+names=("$@")
+if [ ${#names[@]} -eq 0 ]; then
+  for dockerfile in services/*/Dockerfile; do
+    names+=("$(basename "$(dirname "$dockerfile")")")
+  done
+fi
+for name in "${names[@]}"; do
+  dockerfile="services/$name/Dockerfile"
+  if [ ! -f "$dockerfile" ]; then
+    echo "images: $dockerfile does not exist" >&2
+    exit 1
+  fi
   version="$("$python" -c 'import sys, importlib.metadata as m; print(m.version("orchard-" + sys.argv[1]))' "$name")"
   tag="${prefix}${name}:${version}"
   echo "images: $engine build $tag"
-  DOCKER_BUILDKIT=1 "$engine" build -f "$dockerfile" -t "$tag" .
+  # shellcheck disable=SC2086 # IMAGE_BUILD_ARGS is a list of words on purpose
+  DOCKER_BUILDKIT=1 "$engine" build ${IMAGE_BUILD_ARGS:-} -f "$dockerfile" -t "$tag" .
 done
