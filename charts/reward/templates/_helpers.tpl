@@ -36,18 +36,18 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
-{{/* etcd client URLs: the chart's own list, else the umbrella's global list, else the etcd
-StatefulSet the umbrella chart runs in this release. */}}
-{{- define "reward.etcdEndpoints" -}}
-{{- $global := (.Values.global | default dict).etcd | default dict -}}
-{{- if .Values.etcd.endpoints -}}
-{{- toJson .Values.etcd.endpoints -}}
-{{- else if $global.endpoints -}}
-{{- toJson $global.endpoints -}}
+{{/* The env service's gRPC address (env.endpoint of the reward config): the chart's own, else
+the umbrella's global.envService.endpoint, else the env Service the umbrella runs in this release
+(named as the env chart names it), else none. */}}
+{{- define "reward.envEndpoint" -}}
+{{- $global := (.Values.global | default dict).envService | default dict -}}
+{{- if .Values.envService.endpoint -}}
+{{- .Values.envService.endpoint -}}
+{{- else if $global.endpoint -}}
+{{- $global.endpoint -}}
 {{- else if $global.bundled -}}
-{{- toJson (list (printf "http://%s-etcd-client.%s.svc:2379" .Release.Name .Release.Namespace)) -}}
-{{- else -}}
-{{- fail "etcd.endpoints is empty: give the etcd client URLs (or install the orchard umbrella chart, which runs etcd)" -}}
+{{- $name := ternary .Release.Name (printf "%s-env" .Release.Name) (contains "env" .Release.Name) | trunc 63 | trimSuffix "-" -}}
+{{- printf "%s.%s.svc:%v" $name .Release.Namespace ($global.port | default 7100) -}}
 {{- end -}}
 {{- end -}}
 
