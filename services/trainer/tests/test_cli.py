@@ -57,3 +57,106 @@ def test_sft_command_names_the_bad_line_of_a_dataset(tmp_path):
     assert proc.returncode == 2
     assert f"{data}:2: not a trajectory" in proc.stderr
     assert not (tmp_path / "run" / "run.jsonl").exists()
+
+
+def _tool_row(build, tid, task, tool, *, tokens, repository):
+    t = build(
+        [build.Turn(inputs=list(range(tokens - 1)), outputs=[7])],
+        trajectory_id=tid,
+        task_id=task,
+    )
+    t.turns[0].tool_calls.add(id="c", name=tool, arguments_json='{"command": "ls"}')
+    t.metadata["repository"] = repository
+    return t
+
+
+def test_curate_command_writes_the_surviving_rows_and_a_report(tmp_path, build):
+    from orchard.trainer.datasets import read_trajectories
+
+    tools = tmp_path / "tools.json"
+    tools.write_text(
+        json.dumps([{"name": "bash", "parameters": {"type": "object", "required": ["command"]}}])
+    )
+    rows = [
+        _tool_row(build, "a1", "a", "bash", tokens=6, repository="r1"),
+        _tool_row(build, "a2", "a", "bash", tokens=4, repository="r1"),
+        _tool_row(build, "b1", "b", "python", tokens=4, repository="r1"),
+        _tool_row(build, "c1", "c", "bash", tokens=40, repository="r2"),
+        _tool_row(build, "d1", "d", "bash", tokens=5, repository="r1"),
+        _tool_row(build, "e1", "e", "bash", tokens=5, repository="r2"),
+    ]
+    data, out, report = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "report.json"
+    write_trajectories(data, rows)
+    proc = subprocess.run(
+        [
+            *CLI,
+            *("curate", "--data", str(data), "--output", str(out)),
+            *("--token-limit", "20", "--tools", f"builtin:swe={tools}", "--parsable"),
+            *("--shortest-successful", "--cap-per-source", "1"),
+            *("--curation-report", str(report)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert [t.id for t in read_trajectories(out)] == ["a2", "e1"]
+    summary = json.loads(proc.stdout)
+    assert (summary["rows_in"], summary["rows_out"]) == (6, 2)
+    steps = [(s["step"].split("(")[0], s["by_reason"]) for s in summary["steps"]]
+    assert steps == [
+        ("token_limit", {"over_token_limit": 1}),
+        ("parsable_actions", {}),
+        ("known_tools", {"unknown_tool": 1}),
+        ("shortest_successful", {"longer_success": 1}),
+        ("cap_per_source", {"over_source_cap": 1}),
+    ]
+    assert json.loads(report.read_text()) == summary["steps"]
+    assert "b1: unknown_tool: turn 0 calls 'python'; the tools are bash" in proc.stderr
+
+
+def test_curate_command_refuses_bad_settings_with_a_reason(tmp_path, build):
+    data = tmp_path / "in.jsonl"
+    write_trajectories(data, [build([build.Turn(inputs=[1], outputs=[2])])])
+    out = str(tmp_path / "out.jsonl")
+    for flags, message in [
+        ((), "no curation step chosen"),
+        (("--tools", str(tmp_path / "absent.json")), "cannot read tool schema"),
+        (("--cap-per-source", "0"), "the cap per source must be at least 1"),
+    ]:
+        proc = subprocess.run(
+            [*CLI, "curate", "--data", str(data), "--output", out, *flags],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert proc.returncode == 2, flags
+        assert message in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_sft_command_trains_on_the_curated_rows(tmp_path, synthetic):
+    rows = synthetic(12, seed=3)
+    for k, t in enumerate(rows):
+        t.metadata["repository"] = f"r{k % 3}"
+    data = tmp_path / "data.jsonl"
+    write_trajectories(data, rows)
+    proc = subprocess.run(
+        [
+            *CLI,
+            *("sft", "--data", str(data), "--output", str(tmp_path / "run"), "--steps", "1"),
+            *("--micro-batch", "2", "--vocab-size", "48", "--no-progress"),
+            *("--cap-per-source", "2", "--per-turn"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout[proc.stdout.index("{") :])
+    # Three sources, two rows each; each failed row trains only its rise turn: one sample.
+    assert summary["samples"] == 6
+    assert summary["curation"][0]["by_reason"] == {"over_source_cap": 6}

@@ -211,3 +211,68 @@ def test_collate_shifts_targets_and_masks_and_pads_right(build):
     assert torch.allclose(
         batch.rollout_logprobs, torch.tensor([[0.0, -0.5, -0.25], [-0.1, 0.0, 0.0]])
     )
+
+
+def test_per_turn_samples_mask_exactly_their_own_turn_and_name_it(build):
+    t = build(
+        [
+            build.Turn(inputs=[1, 2], outputs=[3, 4]),
+            build.Turn(inputs=[5], outputs=[6, 7, 8], loss_mask=[T, F, T]),
+            build.Turn(inputs=[9], outputs=[10], auxiliary=True),
+            build.Turn(inputs=[11, 12], outputs=[13, 14]),
+        ]
+    )
+    samples = [r for r in sft_samples(t, SampleConfig(per_turn=True)) if isinstance(r, Sample)]
+    assert [s.turn for s in samples] == [0, 1, 3]
+    assert [s.loss_mask for s in samples] == [
+        (F, F, T, T),
+        (F, F, F, F, F, T, F, T),
+        (F, F, F, F, F, F, F, F, F, F, F, F, T, T),
+    ]
+    # Earlier outputs are context only; each sample ends with its own turn.
+    assert samples[2].token_ids == tuple(range(1, 15))
+    assert samples[1].rollout_logprobs == pytest.approx(
+        (0.0, 0.0, -0.1, -0.2, 0.0, -0.1, -0.2, -0.3)
+    )
+    whole = only_sample(sft_samples(t))
+    assert whole.turn is None
+    assert loss_positions(whole) == [2, 3, 5, 7, 12, 13]
+
+
+def test_per_turn_samples_are_left_truncated_each_to_the_window(build):
+    t = build(
+        [
+            build.Turn(inputs=[1, 2, 3], outputs=[4, 5]),
+            build.Turn(inputs=[6, 7], outputs=[8, 9, 10]),
+        ]
+    )
+    first, second = sft_samples(t, SampleConfig(per_turn=True, context_window=4))
+    assert isinstance(first, Sample) and isinstance(second, Sample)
+    assert (first.token_ids, first.loss_mask, first.truncated) == ((2, 3, 4, 5), (F, F, T, T), 1)
+    assert (second.token_ids, second.loss_mask, second.truncated) == (
+        (7, 8, 9, 10),
+        (F, T, T, T),
+        6,
+    )
+    # Dropping instead: the first turn (5 tokens) and the second (10) are both over 4.
+    dropped = sft_samples(t, SampleConfig(per_turn=True, context_window=6, overflow="drop"))
+    assert isinstance(dropped[0], Sample) and dropped[0].token_ids == (1, 2, 3, 4, 5)
+    assert dropped[1] == Skip("t0", SkipReason.TOO_LONG)
+
+
+def test_drop_over_leaves_far_too_long_samples_out_and_truncates_the_rest(build):
+    short = build([build.Turn(inputs=[1, 2], outputs=[3, 4])], trajectory_id="short")
+    near = build([build.Turn(inputs=[1, 2, 3], outputs=[4, 5, 6])], trajectory_id="near")
+    far = build([build.Turn(inputs=list(range(1, 9)), outputs=[9, 10])], trajectory_id="far")
+    config = SampleConfig(context_window=4, drop_over=6)
+    built = build_sft_samples([short, near, far], config)
+    assert [(s.trajectory_id, s.token_ids, s.truncated) for s in built.samples] == [
+        ("short", (1, 2, 3, 4), 0),
+        ("near", (3, 4, 5, 6), 2),
+    ]
+    assert built.skipped == {SkipReason.TOO_LONG: 1}
+    # Without a window the limit alone decides; RL samples obey it too.
+    assert rl_sample(far, SampleConfig(drop_over=9)) == Skip("far", SkipReason.TOO_LONG)
+    assert isinstance(rl_sample(far, SampleConfig(drop_over=10)), Sample)
+    with pytest.raises(ValueError, match="drop_over must be at least 2"):
+        SampleConfig(drop_over=1)

@@ -42,7 +42,7 @@ class SkipReason(enum.StrEnum):
     NO_LOSS_TOKENS = "no_loss_tokens"
     """No token would count in the loss (e.g. a failed trajectory without rise segments)."""
     TOO_LONG = "too_long"
-    """Longer than the context window, and the overflow policy is to drop."""
+    """Longer than `drop_over`, or than the context window when the overflow policy is drop."""
 
 
 class Overflow(enum.StrEnum):
@@ -66,12 +66,18 @@ class SampleConfig:
     """A scored trajectory is successful when its reward value is above this."""
     per_turn: bool = False
     """SFT only: each trained turn becomes its own sample, with the earlier turns as context."""
+    drop_over: int | None = None
+    """Samples with more tokens than this are dropped whatever `overflow` says, so that one
+    slightly over the window is truncated and one far over it is left out; None: no limit."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "overflow", Overflow(self.overflow))
         if self.context_window is not None and self.context_window < 2:
             raise ValueError(
                 f"context_window must be at least 2 tokens (or None), got {self.context_window}"
             )
+        if self.drop_over is not None and self.drop_over < 2:
+            raise ValueError(f"drop_over must be at least 2 tokens (or None), got {self.drop_over}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +94,8 @@ class Sample:
     rollout_logprobs: tuple[float, ...]
     truncated: int = 0
     """How many tokens were cut from the left."""
+    turn: int | None = None
+    """The one turn it trains on (per-turn samples); None when it trains on the whole."""
 
     @property
     def loss_tokens(self) -> int:
@@ -188,7 +196,11 @@ def _finish(
     mask: list[bool],
     logprobs: list[float],
     config: SampleConfig,
+    *,
+    turn: int | None = None,
 ) -> Sample | Skip:
+    if config.drop_over is not None and len(tokens) > config.drop_over:
+        return Skip(trajectory_id, SkipReason.TOO_LONG)
     cut = 0
     window = config.context_window
     if window is not None and len(tokens) > window:
@@ -201,6 +213,7 @@ def _finish(
         loss_mask=tuple(mask[cut:]),
         rollout_logprobs=tuple(logprobs[cut:]),
         truncated=cut,
+        turn=turn,
     )
     # The first token has no context to predict it from, so it can never be a target.
     if not any(sample.loss_mask[1:]):
@@ -227,7 +240,7 @@ def sft_samples(
         if turn.kind != trajectory_pb2.TURN_KIND_POLICY:
             continue
         tokens, mask, logprobs = _assemble(trajectory, {index}, index)
-        results.append(_finish(trajectory.id, tokens, mask, logprobs, config))
+        results.append(_finish(trajectory.id, tokens, mask, logprobs, config, turn=index))
     return results or [Skip(trajectory.id, SkipReason.NO_LOSS_TOKENS)]
 
 

@@ -1,6 +1,7 @@
 """Offline SFT: a trajectory dataset in, a trained policy, a run log and a plot out.
 
-The run reads the JSONL dataset, cuts SFT samples with their loss masks
+The run reads the JSONL dataset, runs its curation steps when it has any
+(`orchard.trainer.curation`), cuts SFT samples with their loss masks
 (`orchard.trainer.masks`), plans micro-batches for every (step, rank)
 (`orchard.trainer.microbatches`), and runs `total_steps` optimizer steps through the DeepSpeed
 engine with a progress bar on rank 0. Every step goes to the run log (`run.jsonl` in the output
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from orchard.trainer.curation import CurationResult, CurationStep, curate
 from orchard.trainer.datasets import read_trajectories
 from orchard.trainer.distributed import ProcessGroupSpec
 from orchard.trainer.engine import EngineConfig, StepResult, TrainingEngine
@@ -53,6 +55,8 @@ class SftRunConfig:
     progress: bool = True
     """Show a progress bar (rank 0 only)."""
     plot: bool = True
+    curation: Sequence[CurationStep] = ()
+    """Steps that filter the dataset's rows, in order, before samples are cut."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +68,8 @@ class SftRunResult:
     plot: Path | None
     engine: TrainingEngine | None = field(default=None, repr=False)
     """The engine, still open, when the caller asked to keep it."""
+    curation: CurationResult | None = field(default=None, repr=False)
+    """What the curation steps kept and dropped (None without steps)."""
 
 
 def run_offline_sft(
@@ -75,7 +81,12 @@ def run_offline_sft(
     on_step: Callable[[StepResult], None] | None = None,
 ) -> SftRunResult:
     """Train, log, plot; returns the steps' results (and the open engine with `keep_engine`)."""
-    sample_set = build_sft_samples(read_trajectories(config.data), config.samples)
+    rows = read_trajectories(config.data)
+    curated = None
+    if config.curation:
+        curated = curate(rows, config.curation)
+        log.info("sft curation\n%s", curated.summary())
+    sample_set = build_sft_samples(rows if curated is None else curated.rows, config.samples)
     skipped = Counter({str(reason): n for reason, n in sample_set.skipped.items()})
     log.info(
         "sft samples",
@@ -135,6 +146,7 @@ def run_offline_sft(
         run_log=run_log,
         plot=plot,
         engine=engine if keep_engine else None,
+        curation=curated,
     )
 
 
