@@ -81,7 +81,7 @@ def runtime_config(double: KubeApiDouble, **overrides: Any) -> KubernetesRuntime
         "api_url": double.url,
         "namespace": NAMESPACE,
         "inagent_image": INAGENT_IMAGE,
-        "owner": f"test-{uuid.uuid4().hex[:8]}",
+        "deployment": f"test-{uuid.uuid4().hex[:8]}",
         "start_timeout_s": 30,
         "delete_timeout_s": 20,
         "termination_grace_s": 1,

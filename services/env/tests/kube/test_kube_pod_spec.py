@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
 
 from orchard.env.runtime.base import EgressRule, FailureReason, RuntimeResources, RuntimeSandboxSpec
 from orchard.env.runtime.kubernetes.config import KubernetesRuntimeConfig
-from orchard.env.runtime.kubernetes.pods import PodView, pod_manifest
+from orchard.env.runtime.kubernetes.pods import PodView, label_value, pod_manifest
 from orchard.env.runtime.kubernetes.policies import policy_manifest, rules_from_policy
 
 CONFIG = KubernetesRuntimeConfig(
     namespace="sandboxes",
     inagent_image="ghcr.io/orchard-dev/orchard-inagent:0.1.0",
-    owner="env-a",
+    deployment="env-a",
     node_selector={"pool": "spot"},
     tolerations=[{"key": "spot", "operator": "Exists", "effect": "NoSchedule"}],  # type: ignore[list-item]
     priority_class_name="sandbox-low",
@@ -46,7 +47,7 @@ def test_pod_manifest_snapshot() -> None:
             "namespace": "sandboxes",
             "labels": {
                 "app.kubernetes.io/managed-by": "orchard-env",
-                "orchard.dev/owner": "env-a",
+                "orchard.dev/deployment": "env-a",
                 "orchard.dev/sandbox-id": "sbx-0123456789ab",
             },
             "annotations": {"orchard.dev/labels": '{"task": "t1"}'},
@@ -144,6 +145,37 @@ def test_bad_ids_and_config_are_refused() -> None:
         pod_manifest(spec(sandbox_id="Not_A_Label"), CONFIG)
     with pytest.raises(ValueError, match="tolerations"):
         KubernetesRuntimeConfig(inagent_image="i:1", tolerations=[{"effect": "Sometimes"}])  # type: ignore[list-item]
+
+
+def test_the_pod_carries_the_sandbox_owner() -> None:
+    plain = pod_manifest(spec(), CONFIG)["metadata"]
+    assert "orchard.dev/owner" not in plain["labels"]
+    assert "orchard.dev/owner-id" not in plain["annotations"]
+    owned = pod_manifest(spec(owner="own-0123456789ab"), CONFIG)["metadata"]
+    assert owned["labels"]["orchard.dev/owner"] == "own-0123456789ab"
+    assert owned["labels"]["orchard.dev/deployment"] == "env-a"
+    assert owned["annotations"]["orchard.dev/owner-id"] == "own-0123456789ab"
+    odd = pod_manifest(spec(owner="team a/run#7"), CONFIG)["metadata"]
+    assert odd["labels"]["orchard.dev/owner"] == label_value("team a/run#7")
+    assert odd["annotations"]["orchard.dev/owner-id"] == "team a/run#7"
+
+
+_VALID_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+
+
+@pytest.mark.parametrize(
+    "owner",
+    ["team a/run#7", "-leading", "trailing.", "x" * 200, "__", "ünïcode", "a" * 62 + "/b"],
+)
+def test_owner_label_values_are_valid_and_distinct(owner: str) -> None:
+    value = label_value(owner)
+    assert _VALID_LABEL_VALUE.fullmatch(value) and 0 < len(value) <= 63, value
+    assert value != label_value(owner + "!"), "different ids keep different labels"
+
+
+def test_valid_owner_ids_are_kept_as_they_are() -> None:
+    for owner in ("own-0123456789ab", "A.b_c-9", "x" * 63):
+        assert label_value(owner) == owner
 
 
 async def test_policy_manifest_and_its_expiry() -> None:

@@ -193,7 +193,7 @@ async def test_a_restarted_runtime_schedules_expiries_again(runtime_for: Any, do
     rules = (EgressRule("10.0.0.1"), EgressRule("10.0.0.2", expire_unix_s=time.time() + 1.0))
     await first.create(sandbox("kept", egress=rules))
     await first.close()
-    second = await runtime_for(owner=first.config.owner)
+    second = await runtime_for(deployment=first.config.deployment)
     assert await second.status("kept") is SandboxStatus.RUNNING
     await until(
         lambda: len(double.get("networkpolicies", NAMESPACE, "kept-egress")["spec"]["egress"]) == 1

@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 from kube_harness import BUSYBOX_IMAGE, NAMESPACE
 
-from orchard.env.runtime.kubernetes.pods import LABEL_MANAGED_BY, LABEL_OWNER, LABEL_SANDBOX
+from orchard.env.runtime.kubernetes.pods import (
+    ANNOTATION_OWNER,
+    LABEL_DEPLOYMENT,
+    LABEL_MANAGED_BY,
+    LABEL_OWNER,
+    LABEL_SANDBOX,
+)
 from orchard.env.v1 import env_pb2
 from orchard.env.v1 import env_service_pb2 as api
 
@@ -32,6 +38,38 @@ async def test_exec_reaches_the_pod_ip_not_the_api_server(
     assert pod["metadata"]["labels"][LABEL_SANDBOX] == sandbox.id
     await env.stub.DeleteSandbox(api.DeleteSandboxRequest(sandbox_id=sandbox.id), metadata=env.md())
     assert double.get("pods", NAMESPACE, sandbox.id) is None
+
+
+async def test_sandbox_pods_are_labelled_with_their_owner(
+    env_factory: Any, runtime_for: Any, double: Any
+) -> None:
+    env = await env_factory(runtime=await runtime_for())
+    request = api.CreateOwnerRequest()
+    request.heartbeat_timeout.FromSeconds(60)
+    owner = (await env.stub.CreateOwner(request, metadata=env.md())).owner
+    owned = await env.ready(image=BUSYBOX_IMAGE, owner_id=owner.id)
+    alone = await env.ready(image=BUSYBOX_IMAGE)
+    pod = double.get("pods", NAMESPACE, owned.id)
+    assert pod["metadata"]["labels"][LABEL_OWNER] == owner.id
+    assert pod["metadata"]["annotations"][ANNOTATION_OWNER] == owner.id
+    assert LABEL_OWNER not in double.get("pods", NAMESPACE, alone.id)["metadata"]["labels"]
+    # A LIST with a selector on it finds the owner's Pods, and no other.
+    import aiohttp
+
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(
+            f"{double.url}/api/v1/namespaces/{NAMESPACE}/pods",
+            params={"labelSelector": f"{LABEL_OWNER}={owner.id}"},
+        ) as reply,
+    ):
+        listed = await reply.json()
+    assert [p["metadata"]["name"] for p in listed["items"]] == [owned.id]
+    await env.stub.DeleteOwner(api.DeleteOwnerRequest(owner_id=owner.id), metadata=env.md())
+    deadline = time.monotonic() + 20
+    while double.get("pods", NAMESPACE, owned.id) is not None:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
 
 
 async def test_an_evicted_sandbox_becomes_failed_with_the_reason(
@@ -59,7 +97,7 @@ async def test_reconcile_deletes_pods_and_policies_without_a_record(
     runtime = await runtime_for()
     labels = {
         LABEL_MANAGED_BY: "orchard-env",
-        LABEL_OWNER: runtime.config.owner,
+        LABEL_DEPLOYMENT: runtime.config.deployment,
         LABEL_SANDBOX: "sbx-orphan",
     }
     double.put_object(
@@ -80,14 +118,14 @@ async def test_reconcile_deletes_pods_and_policies_without_a_record(
             "spec": {"podSelector": {"matchLabels": {LABEL_SANDBOX: "sbx-lone"}}},
         },
     )
-    # Another deployment's Pod (another owner) is none of this one's business.
+    # Another deployment's Pod is none of this one's business.
     double.put_object(
         "pods",
         {
             "metadata": {
                 "name": "sbx-other",
                 "namespace": NAMESPACE,
-                "labels": {**labels, LABEL_OWNER: "someone-else"},
+                "labels": {**labels, LABEL_DEPLOYMENT: "someone-else"},
             },
             "spec": {"containers": [{"name": "sandbox", "image": BUSYBOX_IMAGE}]},
         },

@@ -461,6 +461,7 @@ class SandboxController:
             working_dir=spec.working_dir or "/",
             egress=egress_rules(spec.network_policy),
             labels=dict(spec.labels),
+            owner=spec.owner_id,
         )
 
     async def _create_in_runtime(

@@ -98,6 +98,9 @@ class RuntimeSandboxSpec:
     working_dir: str = "/"
     egress: Sequence[EgressRule] = ()
     labels: Mapping[str, str] = field(default_factory=dict)
+    owner: str = ""
+    """The owner (EnvService.CreateOwner) whose lease keeps the sandbox alive; empty: the sandbox
+    has its own lease. Runtimes may record it (the kubernetes runtime labels the Pod with it)."""
 
 
 @dataclass(frozen=True)

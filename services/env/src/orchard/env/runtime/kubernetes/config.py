@@ -56,12 +56,12 @@ class KubernetesRuntimeConfig(BaseModel):
         "ghcr.io/orchard-dev/orchard-inagent:0.1.0.",
         min_length=1,
     )
-    owner: str = Field(
+    deployment: str = Field(
         "orchard-env",
         pattern=r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$",
-        description="Value of the orchard.dev/owner label on every Pod and policy this "
-        "deployment makes; its watch and reconciliation see only those, so two deployments "
-        "can share a namespace.",
+        description="Value of the orchard.dev/deployment label on every Pod and policy this "
+        "deployment of the env service makes; its watch and reconciliation see only those, so "
+        "two deployments can share a namespace.",
     )
     node_selector: dict[str, str] = Field(
         default_factory=dict, description="Node labels sandbox Pods must land on (a node pool)."

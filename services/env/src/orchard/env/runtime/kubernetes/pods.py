@@ -2,6 +2,9 @@
 
 One Pod per sandbox, named after the sandbox id (also its hostname):
 
+- labels: the sandbox id, the env deployment that made it (its watch and reconciliation select
+  on that), and the sandbox's owner (``spec.owner_id``, sanitized to a label value; the exact id
+  in an annotation) when it has one;
 - an ``emptyDir`` volume; an init container from the inagent image copies the self-contained
   ``orchard-inagent`` bundle into it (the image's own ``cp``: ``services/inagent/Dockerfile``);
 - the task image's container runs that executable as its entrypoint, read-only from the
@@ -17,6 +20,7 @@ Pure functions, no client: the manifest is a plain dict, checked by a snapshot t
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
 import re
 from collections.abc import Mapping
@@ -29,17 +33,24 @@ from orchard.env.runtime.kubernetes.config import KubernetesRuntimeConfig
 __all__ = [
     "AGENT_DIR",
     "AGENT_EXECUTABLE",
+    "LABEL_DEPLOYMENT",
     "LABEL_MANAGED_BY",
     "LABEL_OWNER",
     "LABEL_SANDBOX",
     "PodView",
     "check_sandbox_id",
+    "label_value",
     "pod_manifest",
     "sandbox_selector",
 ]
 
 LABEL_SANDBOX = "orchard.dev/sandbox-id"
 LABEL_OWNER = "orchard.dev/owner"
+"""The sandbox's owner (``spec.owner_id``), as a label value; absent when it has its own lease."""
+LABEL_DEPLOYMENT = "orchard.dev/deployment"
+"""The env deployment that made the Pod or policy (``KubernetesRuntimeConfig.deployment``)."""
+ANNOTATION_OWNER = "orchard.dev/owner-id"
+"""The owner id exactly, where the label holds it sanitized."""
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "orchard-env"
 ANNOTATION_LABELS = "orchard.dev/labels"
@@ -54,6 +65,8 @@ COPY_CONTAINER = "inagent-copy"
 VOLUME = "orchard-inagent"
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+_NOT_IN_LABEL = re.compile(r"[^-A-Za-z0-9_.]+")
 _SHELL_ENTRY = f'. /etc/profile >/dev/null 2>&1; exec {AGENT_DIR}/{AGENT_EXECUTABLE} "$@"'
 _PULL_FAILURES = {"ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull"}
 _BAD_IMAGE = {"InvalidImageName"}
@@ -71,17 +84,33 @@ def check_sandbox_id(sandbox_id: str) -> None:
         )
 
 
+def label_value(text: str) -> str:
+    """``text`` as a valid label value (at most 63 of A-Z, a-z, 0-9, ``-_.``, alphanumeric at
+    both ends). A value that had to change ends in 8 hex digits of its SHA-256, so two different
+    ids do not collapse into one label."""
+    if _LABEL_VALUE.fullmatch(text):
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:8]
+    cleaned = _NOT_IN_LABEL.sub("-", text).strip("-_.")[: 63 - 9].rstrip("-_.")
+    return f"{cleaned}-{digest}" if cleaned else digest
+
+
 def sandbox_selector(config: KubernetesRuntimeConfig) -> str:
     """The label selector of every Pod and policy this runtime made."""
-    return f"{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_OWNER}={config.owner}"
+    return f"{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_DEPLOYMENT}={config.deployment}"
 
 
-def sandbox_labels(config: KubernetesRuntimeConfig, sandbox_id: str) -> dict[str, str]:
-    return {
+def sandbox_labels(
+    config: KubernetesRuntimeConfig, sandbox_id: str, owner: str = ""
+) -> dict[str, str]:
+    labels = {
         LABEL_MANAGED_BY: MANAGED_BY,
-        LABEL_OWNER: config.owner,
+        LABEL_DEPLOYMENT: config.deployment,
         LABEL_SANDBOX: sandbox_id,
     }
+    if owner:
+        labels[LABEL_OWNER] = label_value(owner)
+    return labels
 
 
 def _quantities(resources: RuntimeResources) -> dict[str, str]:
@@ -179,14 +208,17 @@ def pod_manifest(spec: RuntimeSandboxSpec, config: KubernetesRuntimeConfig) -> d
         pod_spec["serviceAccountName"] = config.service_account_name
     if config.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": name} for name in config.image_pull_secrets]
+    annotations = {ANNOTATION_LABELS: json.dumps(dict(spec.labels), sort_keys=True)}
+    if spec.owner:
+        annotations[ANNOTATION_OWNER] = spec.owner
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
             "name": spec.sandbox_id,
             "namespace": config.namespace,
-            "labels": sandbox_labels(config, spec.sandbox_id),
-            "annotations": {ANNOTATION_LABELS: json.dumps(dict(spec.labels), sort_keys=True)},
+            "labels": sandbox_labels(config, spec.sandbox_id, spec.owner),
+            "annotations": annotations,
         },
         "spec": pod_spec,
     }
