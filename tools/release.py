@@ -341,7 +341,10 @@ def release(
     problems += release_problems(root, service, version, draft=draft)
     if problems:
         raise ReleaseError(problems)
-    lines = [f"{service} {version}: versions agree (pyproject, CHANGELOG, chart, umbrella, tags)"]
+    places = "pyproject, CHANGELOG, chart, umbrella dependency, pinned image tags"
+    if _chart(root, service) is None:
+        places = "pyproject, CHANGELOG, pinned image tags (no chart of its own)"
+    lines = [f"{service} {version}: versions agree ({places})"]
     lines.append(
         buf_breaking(
             root,
