@@ -257,6 +257,11 @@ def check_env(docs: list[Manifest], report: Report, where: str) -> None:
         f"{where}: env config needs runtime {{type: kubernetes, namespace, inagent_image}}",
     )
     report.check(
+        runtime.get("deployment") == f"{env['metadata']['namespace']}.{env['metadata']['name']}",
+        f"{where}: env runtime.deployment {runtime.get('deployment')!r} must be "
+        "<namespace>.<env fullname>, so releases sharing a sandbox namespace stay apart",
+    )
+    report.check(
         bool(config.get("etcd", {}).get("endpoints")), f"{where}: env config has no etcd endpoints"
     )
     try:
