@@ -43,6 +43,7 @@ from orchard.trainer.masks import Sample, SampleConfig, build_rl_samples
 from orchard.types.v1 import trajectory_pb2
 
 __all__ = [
+    "AdvantageFn",
     "RlBatch",
     "RlConfig",
     "StaleBatchError",
@@ -99,7 +100,13 @@ class RlBatch:
     """Mean reward of the scored trajectories of the batch (NaN when none)."""
     skipped: Counter[str] = field(default_factory=Counter)
     """Trajectories left out, by reason."""
+    rewards: tuple[float, ...] = ()
+    """The reward of each sample's trajectory, one per sample (for a critic's returns)."""
 
+
+AdvantageFn = Callable[[TokenBatch, range], torch.Tensor]
+"""(micro-batch, indices of its samples in the batch) -> advantages, `[batch]` or
+`[batch, tokens]`."""
 
 VersionLag = Callable[[str], int | None]
 """A weight version -> how many versions it lags behind the trainer (None: unknown)."""
@@ -148,6 +155,7 @@ def build_rl_batch(
     samples = count_shared_prefixes_once(sample_set.samples, rollout_of)
     kept: list[Sample] = []
     kept_advantages: list[float] = []
+    reward_of = {t.id: t.reward.value for t in batch}
     for sample in samples:
         advantage = advantages[sample.trajectory_id]
         if config.skip_zero_advantage and advantage == 0.0:
@@ -164,6 +172,7 @@ def build_rl_batch(
         advantages=tuple(kept_advantages),
         reward_mean=math.fsum(rewards) / len(rewards) if rewards else math.nan,
         skipped=skipped,
+        rewards=tuple(reward_of[s.trajectory_id] for s in kept),
     )
 
 
@@ -228,11 +237,14 @@ def rl_update(
     *,
     pad_id: int,
     reference: PreTrainedModel | None = None,
+    advantages_of: AdvantageFn | None = None,
 ) -> list[StepResult]:
     """Run `updates_per_batch` optimizer steps of the clipped objective on this rank's batch.
 
     The batch is cut into `updates_per_batch` mini-batches of `gradient_accumulation`
-    micro-batches each, so it needs at least that many samples.
+    micro-batches each, so it needs at least that many samples. `advantages_of` replaces the
+    batch's group-relative advantages, one micro-batch at a time, before any step (a critic's
+    per-token advantages: `orchard.trainer.critic.ppo_update`).
     """
     accumulation = engine.config.gradient_accumulation
     pieces = config.updates_per_batch * accumulation
@@ -248,9 +260,12 @@ def rl_update(
         ref = None
         if reference is not None and config.loss.kl_coef > 0.0:
             ref = _reference_logprobs(reference, tokens, engine.device)
-        advantages = torch.tensor(
-            [batch.advantages[i] for i in piece], dtype=torch.float32, device=engine.device
-        )
+        if advantages_of is not None:
+            advantages = advantages_of(tokens, piece).to(engine.device, torch.float32)
+        else:
+            advantages = torch.tensor(
+                [batch.advantages[i] for i in piece], dtype=torch.float32, device=engine.device
+            )
         micro.append(_RlMicroBatch(tokens, advantages, old, ref))
     results = []
     for update in range(config.updates_per_batch):
@@ -289,7 +304,10 @@ def _policy_loss_fn(
         stats["entropy"] = masked_entropy(logits, tokens.loss_mask)
         if not math.isnan(reward_mean):
             stats["reward_mean"] = reward_mean
-        stats["advantage_mean"] = float(micro.advantages.mean())
+        advantages = micro.advantages
+        if advantages.dim() == 2:  # per token: the mean over the loss tokens
+            advantages = advantages[tokens.loss_mask.bool()]
+        stats["advantage_mean"] = float(advantages.mean()) if advantages.numel() else 0.0
         return out.loss, stats
 
     return loss_fn
