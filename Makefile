@@ -79,6 +79,7 @@ bench: setup inagent-binary ## run the benchmarks; results in bench/results/*.js
 	$(BIN)/python bench/env_bench.py
 	$(BIN)/python bench/rollout_bench.py
 	$(BIN)/python bench/reward_bench.py
+	$(BIN)/python bench/trainer_bench.py
 
 clean: ## remove build outputs (keeps .venv and .tools)
 	rm -rf services/inagent/build services/inagent/dist dist/release bench/results/*.json
