@@ -6,13 +6,15 @@ the task's setup, drives the harness under the wall-clock budget, scores the tas
 sandbox, collects the captured calls when a capture source is given, and deletes the sandbox.
 
 Every infrastructure failure is recorded with its layer and the rollout comes back ABORTED (no
-reward, never trained); a budget that runs out comes back TRUNCATED and is still scored. A setup
-killed for memory is retried once in a fresh sandbox with twice the memory.
+reward, never trained); so does a reward the scorer EXCLUDED (layer `reward`). A budget that
+runs out comes back TRUNCATED and is still scored. A setup killed for memory is retried once in a
+fresh sandbox with twice the memory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import re
@@ -20,7 +22,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import openai
 
@@ -28,10 +30,15 @@ from orchard.rollout.budgets import InfrastructureError, LayeredRetries, Rollout
 from orchard.rollout.capture import CallRecord
 from orchard.rollout.harnesses.tool_loop import HarnessContext, ModelEndpoint, ToolCallingHarness
 from orchard.rollout.provenance import FailureLayer, InfraFailure, RolloutRecord
+from orchard.rollout.proxy.sessions import CaptureNotSettled
 from orchard.rollout.results import GroupKey, RolloutResult, RolloutStatus
+from orchard.rollout.scoring import LocalScorer, RewardExcluded, RewardUnavailable, TaskScorer
 from orchard.rollout.tasks import TaskSpec
 from orchard.sdk import AsyncSandbox, AsyncSandboxClient, Resources
 from orchard.sdk import errors as sdk_errors
+
+if TYPE_CHECKING:
+    from orchard.rollout.proxy.server import CaptureProxy
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +55,37 @@ KILL_SIGNAL = 9
 class CaptureSource(Protocol):
     """Where the captured calls of a rollout come from (the capture proxy's sessions)."""
 
-    async def settle(self, rollout_id: str) -> list[CallRecord]:
-        """The rollout's calls once their count is stable and none is pending."""
+    def open(self, rollout_id: str) -> str:
+        """Start capturing the rollout's calls; returns the base URL its harness talks to."""
         ...
+
+    async def settle(self, rollout_id: str) -> list[CallRecord]:
+        """The rollout's calls once their count is stable and none is pending; raises
+        `CaptureNotSettled` when they do not settle in time."""
+        ...
+
+    def close(self, rollout_id: str) -> None:
+        """Stop capturing (idempotent)."""
+        ...
+
+
+@dataclass(slots=True)
+class ProxyCapture:
+    """The capture proxy as a runner's capture source: a session per rollout, its calls taken
+    once settled. Harnesses reach the proxy (and through it the engine) at the session URL."""
+
+    proxy: CaptureProxy
+    settle_timeout_s: float = 30.0
+
+    def open(self, rollout_id: str) -> str:
+        return self.proxy.open_session(rollout_id).base_url
+
+    async def settle(self, rollout_id: str) -> list[CallRecord]:
+        return list(await self.proxy.settle(rollout_id, self.settle_timeout_s))
+
+    def close(self, rollout_id: str) -> None:
+        with contextlib.suppress(KeyError):
+            self.proxy.close_session(rollout_id)
 
 
 class _OutOfMemory(Exception):
@@ -73,6 +108,8 @@ class RolloutRunner:
     budget: RolloutBudget = field(default_factory=RolloutBudget)
     retries: LayeredRetries = field(default_factory=LayeredRetries)
     capture: CaptureSource | None = None
+    scorer: TaskScorer = field(default_factory=LocalScorer)
+    """Scores a task in its sandbox; `RewardServiceScorer` for tests and reward-service tasks."""
     seed: int | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
     """Labels put on every sandbox (e.g. the run id)."""
@@ -141,6 +178,7 @@ class RolloutRunner:
     ) -> RolloutResult:
         status = RolloutStatus.ABORTED
         sandbox: AsyncSandbox | None = None
+        capturing = False
         try:
             sandbox = await self._create(task, record, memory)
             record.sandbox_ids.append(sandbox.id)
@@ -155,8 +193,13 @@ class RolloutRunner:
                         f"{setup.stderr_text[-500:]}",
                         1,
                     )
+            if self.capture is not None:
+                base_url = self.capture.open(record.rollout_id)
+                capturing = True
+            else:
+                base_url = self.endpoint.for_rollout(record.rollout_id)
             client = openai.AsyncOpenAI(
-                base_url=self.endpoint.for_rollout(record.rollout_id),
+                base_url=base_url,
                 api_key=self.endpoint.api_key,
                 max_retries=0,
             )
@@ -185,19 +228,27 @@ class RolloutRunner:
                     status = RolloutStatus.TRUNCATED
             finally:
                 await client.close()
+            if self.capture is not None:
+                try:
+                    record.calls = await self.capture.settle(record.rollout_id)
+                except CaptureNotSettled as exc:
+                    raise InfrastructureError(FailureLayer.INFERENCE, str(exc), 1) from None
+            scored_in = sandbox
             record.reward = await with_retries(
                 FailureLayer.REWARD,
                 self.retries.reward,
-                lambda _: task.check.score(sandbox),
+                lambda _: self.scorer.score(task, scored_in),
                 retryable=(
                     sdk_errors.Unavailable,
                     sdk_errors.Internal,
                     sdk_errors.DeadlineExceeded,
+                    RewardUnavailable,
                 ),
                 rng=self._rng,
             )
-            if self.capture is not None:
-                record.calls = await self.capture.settle(record.rollout_id)
+        except RewardExcluded as exc:
+            record.failure = InfraFailure(FailureLayer.REWARD, str(exc), 1)
+            status = RolloutStatus.ABORTED
         except InfrastructureError as exc:
             record.failure = InfraFailure(exc.layer, exc.error, exc.attempts)
             status = RolloutStatus.ABORTED
@@ -212,6 +263,8 @@ class RolloutRunner:
             record.failure = InfraFailure(FailureLayer.TOOL_EXEC, f"{type(exc).__name__}: {exc}", 1)
             status = RolloutStatus.ABORTED
         finally:
+            if capturing and self.capture is not None:
+                self.capture.close(record.rollout_id)
             if sandbox is not None:
                 try:
                     await asyncio.shield(sandbox.delete())

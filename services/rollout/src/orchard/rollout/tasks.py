@@ -5,6 +5,12 @@ a JSON object with
 
 - `setup`: shell commands run in the fresh sandbox before the harness starts,
 - `check`: {"command": shell command, "timeout_s": seconds}: exit code 0 scores 1, else 0,
+  run in the sandbox through the environment service,
+- or `tests`: a SWE-style test task (the fields of `orchard.reward.v1.TestTask`, plus
+  `repo_path` and `timeout_s`): the reward service's ScoreTests scores the sandbox's changes
+  to the repository as the candidate patch,
+- or `score_task`: the id of a task in the reward service's task set, scored by its ScoreTask
+  checks in the sandbox,
 - `tools`: tool declarations for the generic loop ({"name", "description", "parameters",
   "command": argv, "timeout_s"?}),
 - `memory`: the sandbox's memory limit ("512M"); doubled once when setup runs out of memory.
@@ -17,6 +23,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from google.protobuf import json_format
+
+from orchard.reward.v1 import reward_service_pb2
 from orchard.rollout.harnesses.tools import CommandTool
 from orchard.rollout.provenance import RewardEvidence, RewardRecord
 from orchard.rollout.v1 import rollout_service_pb2
@@ -50,10 +59,33 @@ class CommandCheck:
 
 
 @dataclass(frozen=True, slots=True)
+class TestsCheck:
+    """Scored by the reward service's ScoreTests: what the rollout changed in `repo_path` (its
+    diff against the base commit) is the candidate patch."""
+
+    __test__ = False  # not a pytest test class
+
+    task: reward_service_pb2.TestTask
+    repo_path: str = "/testbed"
+    timeout_s: float = 0.0
+    """0: the reward service's default."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceTaskCheck:
+    """Scored by the reward service's ScoreTask: the checks of `task_id` in its task set."""
+
+    task_id: str
+
+
+Check = CommandCheck | TestsCheck | ServiceTaskCheck
+
+
+@dataclass(frozen=True, slots=True)
 class TaskSpec:
     id: str
     instruction: str
-    check: CommandCheck
+    check: Check
     image: str = "host"
     setup: tuple[str, ...] = ()
     tools: tuple[CommandTool, ...] = ()
@@ -78,9 +110,14 @@ class TaskSpec:
     def from_settings(
         cls, task_id: str, instruction: str, settings: Mapping[str, Any], *, image: str = "host"
     ) -> TaskSpec:
-        check = settings.get("check")
-        if not isinstance(check, dict) or not isinstance(check.get("command"), str):
-            raise ValueError(f'task {task_id!r}: scorer_json needs "check": {{"command": "..."}}')
+        scorers = [k for k in ("check", "tests", "score_task") if k in settings]
+        if len(scorers) != 1:
+            raise ValueError(
+                f'task {task_id!r}: scorer_json needs exactly one of "check": {{"command": '
+                f'"..."}}, "tests": {{SWE test task}} or "score_task": "<reward task id>"'
+                + (f", got {' and '.join(scorers)}" if scorers else "")
+            )
+        checker = _check(task_id, settings)
         setup = settings.get("setup", [])
         if not isinstance(setup, list) or not all(isinstance(s, str) for s in setup):
             raise ValueError(f'task {task_id!r}: "setup" must be a list of shell commands')
@@ -91,9 +128,39 @@ class TaskSpec:
         return cls(
             id=task_id,
             instruction=instruction,
-            check=CommandCheck(check["command"], float(check.get("timeout_s", 120.0))),
+            check=checker,
             image=image,
             setup=tuple(setup),
             tools=tools,
             memory=str(settings.get("memory", "")),
         )
+
+
+def _check(task_id: str, settings: Mapping[str, Any]) -> Check:
+    if "score_task" in settings:
+        name = settings["score_task"]
+        if not isinstance(name, str) or not name:
+            raise ValueError(f'task {task_id!r}: "score_task" must name a reward service task')
+        return ServiceTaskCheck(name)
+    if "tests" in settings:
+        tests = settings["tests"]
+        if not isinstance(tests, dict):
+            raise ValueError(f'task {task_id!r}: "tests" must be a JSON object (a TestTask)')
+        fields = dict(tests)
+        repo_path = str(fields.pop("repo_path", "/testbed"))
+        timeout_s = fields.pop("timeout_s", 0.0)
+        try:
+            task = json_format.ParseDict(fields, reward_service_pb2.TestTask())
+        except json_format.ParseError as exc:
+            raise ValueError(f'task {task_id!r}: "tests" is not a TestTask: {exc}') from None
+        if not task.fail_to_pass:
+            raise ValueError(f'task {task_id!r}: "tests" needs a non-empty fail_to_pass list')
+        if not repo_path.startswith("/"):
+            raise ValueError(f'task {task_id!r}: "tests.repo_path" must be absolute')
+        if not isinstance(timeout_s, int | float) or timeout_s < 0:
+            raise ValueError(f'task {task_id!r}: "tests.timeout_s" must be a number >= 0')
+        return TestsCheck(task, repo_path, float(timeout_s))
+    check = settings["check"]
+    if not isinstance(check, dict) or not isinstance(check.get("command"), str):
+        raise ValueError(f'task {task_id!r}: scorer_json needs "check": {{"command": "..."}}')
+    return CommandCheck(check["command"], float(check.get("timeout_s", 120.0)))
