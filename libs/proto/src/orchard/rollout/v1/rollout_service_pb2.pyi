@@ -94,6 +94,8 @@ class SamplerConfig(_message.Message):
     MAX_ROLLOUTS_FIELD_NUMBER: _builtins.int
     RHO_MIN_FIELD_NUMBER: _builtins.int
     RHO_MAX_FIELD_NUMBER: _builtins.int
+    POSITIVE_THRESHOLD_FIELD_NUMBER: _builtins.int
+    KEEP_UNINFORMATIVE_GROUPS_FIELD_NUMBER: _builtins.int
     kind: Global___SamplerKind.ValueType
     """Which sampler."""
     group_size: _builtins.int
@@ -106,6 +108,12 @@ class SamplerConfig(_message.Message):
     """BAR: least positive fraction of an accepted group."""
     rho_max: _builtins.float
     """BAR: most positive fraction of an accepted group."""
+    positive_threshold: _builtins.float
+    """A reward at or above it counts as a positive (0: 0.5)."""
+    keep_uninformative_groups: _builtins.bool
+    """Stream every group, also those the group filter drops for carrying no signal (all rewards
+    equal, fewer than two scored): for evaluation runs.
+    """
     def __init__(
         self,
         *,
@@ -115,10 +123,12 @@ class SamplerConfig(_message.Message):
         max_rollouts: _builtins.int = ...,
         rho_min: _builtins.float = ...,
         rho_max: _builtins.float = ...,
+        positive_threshold: _builtins.float = ...,
+        keep_uninformative_groups: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_size", b"group_size", "kind", b"kind", "max_rollouts", b"max_rollouts", "rho_max", b"rho_max", "rho_min", b"rho_min", "stride", b"stride"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_size", b"group_size", "keep_uninformative_groups", b"keep_uninformative_groups", "kind", b"kind", "max_rollouts", b"max_rollouts", "positive_threshold", b"positive_threshold", "rho_max", b"rho_max", "rho_min", b"rho_min", "stride", b"stride"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -254,6 +264,12 @@ class RolloutJob(_message.Message):
     GROUPS_EMITTED_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     CREATE_TIME_FIELD_NUMBER: _builtins.int
+    ROLLOUTS_STARTED_FIELD_NUMBER: _builtins.int
+    GROUPS_DROPPED_FIELD_NUMBER: _builtins.int
+    PAIRS_TOTAL_FIELD_NUMBER: _builtins.int
+    PAIRS_DONE_FIELD_NUMBER: _builtins.int
+    RESUMES_FIELD_NUMBER: _builtins.int
+    UPDATE_TIME_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Unique id (output only)."""
     state: Global___RolloutJobState.ValueType
@@ -266,6 +282,16 @@ class RolloutJob(_message.Message):
     """Groups emitted (output only)."""
     error: _builtins.str
     """Why it failed, when FAILED (output only)."""
+    rollouts_started: _builtins.int
+    """Rollouts started (output only)."""
+    groups_dropped: _builtins.int
+    """Groups the group filter dropped (output only)."""
+    pairs_total: _builtins.int
+    """(task, harness) pairs in the job (output only)."""
+    pairs_done: _builtins.int
+    """Pairs sampled to their end, their group emitted or dropped (output only)."""
+    resumes: _builtins.int
+    """Times a restarted service resumed the job (output only)."""
     @_builtins.property
     def spec(self) -> Global___RolloutJobSpec:
         """What it runs."""
@@ -273,6 +299,10 @@ class RolloutJob(_message.Message):
     @_builtins.property
     def create_time(self) -> _timestamp_pb2.Timestamp:
         """When it was created (output only)."""
+
+    @_builtins.property
+    def update_time(self) -> _timestamp_pb2.Timestamp:
+        """When it last changed (output only)."""
 
     def __init__(
         self,
@@ -285,10 +315,16 @@ class RolloutJob(_message.Message):
         groups_emitted: _builtins.int = ...,
         error: _builtins.str = ...,
         create_time: _timestamp_pb2.Timestamp | None = ...,
+        rollouts_started: _builtins.int = ...,
+        groups_dropped: _builtins.int = ...,
+        pairs_total: _builtins.int = ...,
+        pairs_done: _builtins.int = ...,
+        resumes: _builtins.int = ...,
+        update_time: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "spec", b"spec"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "spec", b"spec", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "error", b"error", "groups_emitted", b"groups_emitted", "id", b"id", "rollouts_done", b"rollouts_done", "rollouts_excluded", b"rollouts_excluded", "spec", b"spec", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "error", b"error", "groups_dropped", b"groups_dropped", "groups_emitted", b"groups_emitted", "id", b"id", "pairs_done", b"pairs_done", "pairs_total", b"pairs_total", "resumes", b"resumes", "rollouts_done", b"rollouts_done", "rollouts_excluded", b"rollouts_excluded", "rollouts_started", b"rollouts_started", "spec", b"spec", "state", b"state", "update_time", b"update_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -491,3 +527,57 @@ class StreamGroupsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StreamGroupsResponse: _TypeAlias = StreamGroupsResponse  # noqa: Y015
+
+@_typing.final
+class ListRolloutJobsRequest(_message.Message):
+    """Request of RolloutService.ListRolloutJobs."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    """Most jobs to return (0: 100; at most 1000)."""
+    page_token: _builtins.str
+    """From a previous response's `next_page_token`."""
+    def __init__(
+        self,
+        *,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListRolloutJobsRequest: _TypeAlias = ListRolloutJobsRequest  # noqa: Y015
+
+@_typing.final
+class ListRolloutJobsResponse(_message.Message):
+    """Response of RolloutService.ListRolloutJobs."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOBS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Token of the next page; empty after the last."""
+    @_builtins.property
+    def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___RolloutJob]:
+        """The jobs, newest first."""
+
+    def __init__(
+        self,
+        *,
+        jobs: _abc.Iterable[Global___RolloutJob] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs", "next_page_token", b"next_page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListRolloutJobsResponse: _TypeAlias = ListRolloutJobsResponse  # noqa: Y015

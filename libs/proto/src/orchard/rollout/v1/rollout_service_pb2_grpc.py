@@ -57,6 +57,11 @@ class RolloutServiceStub:
                 request_serializer=orchard_dot_rollout_dot_v1_dot_rollout__service__pb2.StreamGroupsRequest.SerializeToString,
                 response_deserializer=orchard_dot_rollout_dot_v1_dot_rollout__service__pb2.StreamGroupsResponse.FromString,
                 _registered_method=True)
+        self.ListRolloutJobs = channel.unary_unary(
+                '/orchard.rollout.v1.RolloutService/ListRolloutJobs',
+                request_serializer=orchard_dot_rollout_dot_v1_dot_rollout__service__pb2.ListRolloutJobsRequest.SerializeToString,
+                response_deserializer=orchard_dot_rollout_dot_v1_dot_rollout__service__pb2.ListRolloutJobsResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -99,6 +104,14 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRolloutJobs(self, request, context):
+        """Lists the jobs in the state store, newest first, with their progress. Changes nothing.
+        Errors: INVALID_ARGUMENT (bad page token or size).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +134,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.StreamGroups,
                     request_deserializer=orchard_dot_rollout_dot_v1_dot_rollout__service__pb2.StreamGroupsRequest.FromString,
                     response_serializer=orchard_dot_rollout_dot_v1_dot_rollout__service__pb2.StreamGroupsResponse.SerializeToString,
+            ),
+            'ListRolloutJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRolloutJobs,
+                    request_deserializer=orchard_dot_rollout_dot_v1_dot_rollout__service__pb2.ListRolloutJobsRequest.FromString,
+                    response_serializer=orchard_dot_rollout_dot_v1_dot_rollout__service__pb2.ListRolloutJobsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -234,6 +252,33 @@ class RolloutService:
             '/orchard.rollout.v1.RolloutService/StreamGroups',
             orchard_dot_rollout_dot_v1_dot_rollout__service__pb2.StreamGroupsRequest.SerializeToString,
             orchard_dot_rollout_dot_v1_dot_rollout__service__pb2.StreamGroupsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRolloutJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.rollout.v1.RolloutService/ListRolloutJobs',
+            orchard_dot_rollout_dot_v1_dot_rollout__service__pb2.ListRolloutJobsRequest.SerializeToString,
+            orchard_dot_rollout_dot_v1_dot_rollout__service__pb2.ListRolloutJobsResponse.FromString,
             options,
             channel_credentials,
             insecure,

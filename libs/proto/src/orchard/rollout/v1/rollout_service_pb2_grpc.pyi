@@ -53,6 +53,10 @@ class RolloutServiceStub:
     consumer that reconnects resumes where it stopped. Ends when the job ends.
     Errors: NOT_FOUND, OUT_OF_RANGE (start_index past the end of a finished job).
     """
+    ListRolloutJobs: _grpc.UnaryUnaryMultiCallable[_rollout_service_pb2.ListRolloutJobsRequest, _rollout_service_pb2.ListRolloutJobsResponse]
+    """Lists the jobs in the state store, newest first, with their progress. Changes nothing.
+    Errors: INVALID_ARGUMENT (bad page token or size).
+    """
 
 @_typing.type_check_only
 class RolloutServiceAsyncStub(RolloutServiceStub):
@@ -78,6 +82,10 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     """Streams the job's scored groups as the sampler assembles them, from `start_index` on, so a
     consumer that reconnects resumes where it stopped. Ends when the job ends.
     Errors: NOT_FOUND, OUT_OF_RANGE (start_index past the end of a finished job).
+    """
+    ListRolloutJobs: _aio.UnaryUnaryMultiCallable[_rollout_service_pb2.ListRolloutJobsRequest, _rollout_service_pb2.ListRolloutJobsResponse]  # type: ignore[assignment]
+    """Lists the jobs in the state store, newest first, with their progress. Changes nothing.
+    Errors: INVALID_ARGUMENT (bad page token or size).
     """
 
 class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -125,6 +133,16 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         """Streams the job's scored groups as the sampler assembles them, from `start_index` on, so a
         consumer that reconnects resumes where it stopped. Ends when the job ends.
         Errors: NOT_FOUND, OUT_OF_RANGE (start_index past the end of a finished job).
+        """
+
+    @_abc_1.abstractmethod
+    def ListRolloutJobs(
+        self,
+        request: _rollout_service_pb2.ListRolloutJobsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollout_service_pb2.ListRolloutJobsResponse, _abc.Awaitable[_rollout_service_pb2.ListRolloutJobsResponse]]:
+        """Lists the jobs in the state store, newest first, with their progress. Changes nothing.
+        Errors: INVALID_ARGUMENT (bad page token or size).
         """
 
 def add_RolloutServiceServicer_to_server(servicer: RolloutServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,190 @@
+"""Configuration of ``orchard-rollout``: one frozen pydantic model, validated at start.
+
+Layers (lowest first): defaults, a YAML file (``--config`` or ``$ORCHARD_ROLLOUT_CONFIG``),
+``ORCHARD_ROLLOUT_*`` variables, ``--set key=value``, flags. Secrets never sit in the file: the
+environment service's token and a policy endpoint's API key are read from environment
+variables whose names the configuration gives.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from orchard.core.config import ConfigModel, ServerConfig, ServiceConfig
+from orchard.rollout.engines.local import LocalEngineConfig
+from orchard.rollout.proxy.server import CaptureProxyConfig
+
+__all__ = [
+    "EnvServiceConfig",
+    "EtcdConfig",
+    "PolicyConfig",
+    "RewardServiceConfig",
+    "RolloutConfig",
+    "RunDefaults",
+]
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _env_name(value: str) -> str:
+    if value and not _ENV_NAME.match(value):
+        raise ValueError(f"expected an environment variable name, got {value!r}")
+    return value
+
+
+class EtcdConfig(ConfigModel):
+    """Where job state lives; a restarted service reads it back."""
+
+    endpoints: list[str] = Field(
+        default_factory=lambda: ["http://127.0.0.1:2379"],
+        min_length=1,
+        description="etcd client URLs.",
+    )
+    namespace: str = Field(
+        default="orchard/rollout/", min_length=1, description="Key prefix of this service."
+    )
+    weights_namespace: str = Field(
+        default="orchard/",
+        min_length=1,
+        description="Key prefix of the weight registry the local engines follow (the trainer's).",
+    )
+    timeout_s: float = Field(default=5.0, gt=0, description="Deadline of one etcd call.")
+
+
+class EnvServiceConfig(ConfigModel):
+    """The environment service the rollouts' sandboxes run in."""
+
+    endpoint: str = Field(
+        default="127.0.0.1:7100",
+        min_length=1,
+        description="gRPC address of orchard-env (HOST:PORT or unix:PATH).",
+    )
+    token_env: str = Field(
+        default="ORCHARD_TOKEN",
+        description="Environment variable holding the bearer token for orchard-env; unset: none.",
+    )
+    call_timeout_s: float = Field(default=30.0, gt=0, description="Deadline of one quick call.")
+
+    @field_validator("token_env")
+    @classmethod
+    def _check_token_env(cls, value: str) -> str:
+        return _env_name(value)
+
+    def token(self, environ: Mapping[str, str] | None = None) -> str | None:
+        environ = os.environ if environ is None else environ
+        return environ.get(self.token_env) or None if self.token_env else None
+
+
+class RewardServiceConfig(ConfigModel):
+    """The reward service that scores `tests` and `score_task` tasks."""
+
+    endpoint: str | None = Field(
+        default=None,
+        description="gRPC address of orchard-reward. Unset: only command-check tasks can run "
+        "(scored here through the environment service); others are refused at CreateRolloutJob.",
+    )
+    call_timeout_s: float = Field(
+        default=3600.0, gt=0, description="Deadline of one scoring call (tests may take long)."
+    )
+
+
+class PolicyConfig(ConfigModel):
+    """A model the harnesses talk to, named by `RolloutJobSpec.policy`.
+
+    ``local``: the local engine on this machine behind the capture proxy; every call is
+    captured with its exact tokens and weight version, and groups carry trainable turns.
+    ``openai``: any OpenAI-compatible endpoint (a hosted model, the scripted policy); calls
+    are not captured, so groups carry rewards and outcomes but no turns.
+    """
+
+    kind: Literal["local", "openai"] = Field(default="local", description="local or openai.")
+    engine: LocalEngineConfig = Field(
+        default_factory=LocalEngineConfig, description="The local engine (kind local)."
+    )
+    base_url: str = Field(default="", description="API root of the endpoint (kind openai).")
+    model: str = Field(default="policy", min_length=1, description="Model name sent in calls.")
+    api_key_env: str = Field(
+        default="", description="Environment variable holding the API key (kind openai)."
+    )
+    temperature: float = Field(default=1.0, ge=0, le=2, description="Sampling temperature.")
+    max_tokens_per_call: int = Field(default=1024, ge=1, description="Output budget of a call.")
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _check_key_env(cls, value: str) -> str:
+        return _env_name(value)
+
+    @model_validator(mode="after")
+    def _endpoint_given(self) -> PolicyConfig:
+        if self.kind == "openai" and not self.base_url:
+            raise ValueError("a policy of kind openai needs base_url")
+        return self
+
+    def api_key(self, environ: Mapping[str, str] | None = None) -> str:
+        environ = os.environ if environ is None else environ
+        if not self.api_key_env:
+            return "orchard"
+        key = environ.get(self.api_key_env, "")
+        if not key:
+            raise ValueError(
+                f"policy {self.model}: the API key variable {self.api_key_env} is unset"
+            )
+        return key
+
+
+class RunDefaults(ConfigModel):
+    """What a job gets for the fields its spec leaves at 0."""
+
+    concurrency: int = Field(default=8, ge=1, description="Rollouts running at once per job.")
+    max_concurrency: int = Field(
+        default=256, ge=1, description="Most rollouts at once a job may ask for."
+    )
+    max_steps: int = Field(default=30, ge=1, description="Model calls per rollout.")
+    max_tokens: int = Field(default=32_768, ge=1, description="Sampled tokens per rollout.")
+    max_duration_s: float = Field(default=600.0, gt=0, description="Wall clock per rollout.")
+    create_spread_s: float = Field(
+        default=1.0, ge=0, description="Sandbox creations are spread over up to this many seconds."
+    )
+    command_timeout_s: float = Field(
+        default=60.0, gt=0, description="Time limit of one bash tool call."
+    )
+
+
+class RolloutConfig(ServiceConfig):
+    """Everything ``orchard-rollout`` runs with."""
+
+    server: ServerConfig = ServerConfig(listen=["127.0.0.1:7300"])
+    etcd: EtcdConfig = EtcdConfig()
+    env: EnvServiceConfig = EnvServiceConfig()
+    reward: RewardServiceConfig = RewardServiceConfig()
+    policies: dict[str, PolicyConfig] = Field(
+        default_factory=lambda: {"local": PolicyConfig()},
+        min_length=1,
+        description="Policies by name; a job names one in `policy` (empty: default_policy).",
+    )
+    default_policy: str = Field(default="local", description="The policy a job names none.")
+    proxy: CaptureProxyConfig = Field(
+        default_factory=CaptureProxyConfig,
+        description="The capture proxy in front of each local engine.",
+    )
+    settle_timeout_s: float = Field(
+        default=30.0, gt=0, description="How long a rollout's captured calls may take to settle."
+    )
+    defaults: RunDefaults = RunDefaults()
+    resume_running_jobs: bool = Field(
+        default=True,
+        description="At start, resume the jobs a previous process left RUNNING (pairs already "
+        "sampled are kept; pairs in flight are sampled again). False: mark them FAILED.",
+    )
+
+    @model_validator(mode="after")
+    def _default_policy_known(self) -> RolloutConfig:
+        if self.default_policy not in self.policies:
+            known = ", ".join(sorted(self.policies))
+            raise ValueError(f"default_policy {self.default_policy!r} is not in policies ({known})")
+        return self

@@ -1,0 +1,145 @@
+"""``orchard-rollout``: the rollout service process.
+
+::
+
+    orchard-rollout --listen 127.0.0.1:7300 --env 127.0.0.1:7100 --reward 127.0.0.1:7200 \\
+        --etcd http://127.0.0.1:2379 --metrics-address 127.0.0.1:9300
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+
+from orchard.core.config import ConfigFlag
+from orchard.core.config_sources import SERVER_FLAGS
+from orchard.core.etcd import EtcdStore
+from orchard.core.server import GrpcServer, ServiceBinding, application_server, run_application
+from orchard.rollout.config import RolloutConfig
+from orchard.rollout.metrics import RolloutMetrics
+from orchard.rollout.runs import JobStore
+from orchard.rollout.scoring import LocalScorer, RewardServiceScorer, TaskScorer
+from orchard.rollout.service import RolloutManager, RolloutServicer
+from orchard.rollout.v1 import rollout_service_pb2_grpc
+from orchard.sdk import AsyncSandboxClient
+
+__all__ = ["SERVICE_NAME", "RolloutApplication", "main"]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "orchard.rollout.v1.RolloutService"
+
+FLAGS = [
+    *SERVER_FLAGS,
+    ConfigFlag("--env", "env.endpoint", "gRPC address of orchard-env", metavar="ADDRESS"),
+    ConfigFlag("--reward", "reward.endpoint", "gRPC address of orchard-reward", metavar="ADDRESS"),
+    ConfigFlag("--etcd", "etcd.endpoints", "etcd client URL", metavar="URL"),
+]
+
+
+class RolloutApplication:
+    """The servicer, and on start the job store, the clients and the jobs to resume.
+
+    ``run_application`` drives it in the ``orchard-rollout`` process; tests and embedders
+    drive it around a :class:`GrpcServer` of their own (:meth:`server`).
+    """
+
+    def __init__(self, config: RolloutConfig) -> None:
+        self.config = config
+        self.servicer = RolloutServicer()
+        self.manager: RolloutManager | None = None
+        self._closers: list[contextlib.AsyncExitStack] = []
+
+    def bindings(self) -> list[ServiceBinding]:
+        return [
+            ServiceBinding.servicer(
+                SERVICE_NAME,
+                rollout_service_pb2_grpc.add_RolloutServiceServicer_to_server,
+                self.servicer,
+            )
+        ]
+
+    async def start(self, server: GrpcServer) -> None:
+        config = self.config
+        stack = contextlib.AsyncExitStack()
+        self._closers.append(stack)
+        store = await stack.enter_async_context(
+            EtcdStore(
+                config.etcd.endpoints,
+                namespace=config.etcd.namespace,
+                timeout=config.etcd.timeout_s,
+            )
+        )
+        sandboxes = await stack.enter_async_context(
+            AsyncSandboxClient(
+                config.env.endpoint, token=config.env.token(), timeout=config.env.call_timeout_s
+            )
+        )
+        scorer: TaskScorer = LocalScorer()
+        if config.reward.endpoint:
+            scorer = await stack.enter_async_context(
+                RewardServiceScorer(
+                    config.reward.endpoint, call_timeout_s=config.reward.call_timeout_s
+                )
+            )
+        registry = None
+        if any(p.kind == "local" and not p.engine.model_folder for p in config.policies.values()):
+            from orchard.lm.weights import WeightRegistry  # noqa: PLC0415
+
+            weights = await stack.enter_async_context(
+                EtcdStore(
+                    config.etcd.endpoints,
+                    namespace=config.etcd.weights_namespace,
+                    timeout=config.etcd.timeout_s,
+                )
+            )
+            models = {p.engine.registry_model for p in config.policies.values()}
+            registry = WeightRegistry(weights, sorted(models)[0])
+        self.manager = RolloutManager(
+            config=config,
+            jobs=JobStore(store),
+            sandboxes=sandboxes,
+            scorer=scorer,
+            metrics=RolloutMetrics(server.metrics),
+            registry=registry,
+        )
+        await self.manager.resume_all()
+        self.servicer.attach(self.manager)
+        log.info(
+            "rollout service ready",
+            extra={
+                "env_endpoint": config.env.endpoint,
+                "reward_endpoint": config.reward.endpoint,
+                "policies": sorted(config.policies),
+            },
+        )
+
+    async def stop(self) -> None:
+        self.servicer.attach(None)
+        manager, self.manager = self.manager, None
+        if manager is not None:
+            await manager.close()
+        while self._closers:
+            with contextlib.suppress(Exception):
+                await self._closers.pop().aclose()
+
+    def server(self) -> GrpcServer:
+        """A server for this application (tests and embedding)."""
+        return application_server("rollout", self, self.config.server)
+
+
+def main() -> None:
+    sys.exit(
+        run_application(
+            "rollout",
+            RolloutConfig,
+            RolloutApplication,
+            description="The Orchard rollout service: rollout jobs, scored groups for training.",
+            flags=FLAGS,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

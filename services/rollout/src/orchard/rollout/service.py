@@ -1,0 +1,502 @@
+"""``orchard.rollout.v1.RolloutService``: rollout jobs started, watched, streamed and cancelled.
+
+`RolloutManager` owns what jobs use: the job store in etcd, the environment service client,
+the scorer, and the policies (a local engine behind a capture proxy, started on first use, or an
+OpenAI-compatible endpoint). Each job runs as one asyncio task in this process
+(:class:`orchard.rollout.runs.JobRun`).
+
+Bad input is INVALID_ARGUMENT with what to fix; a job that needs something this service was not
+configured with (a reward service) is FAILED_PRECONDITION. Both are raised as `OrchardError` and
+turned into a status by the server's error interceptor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import re
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+
+from orchard.core.errors import ErrorReason, OrchardError, Reason
+from orchard.rollout.batches import GroupFilter
+from orchard.rollout.budgets import LayeredRetries, RolloutBudget
+from orchard.rollout.config import PolicyConfig, RolloutConfig
+from orchard.rollout.harnesses.bash_react import bash_react_harness, generic_tool_harness
+from orchard.rollout.harnesses.tool_loop import ModelEndpoint, ToolCallingHarness
+from orchard.rollout.metrics import RolloutMetrics
+from orchard.rollout.results import GroupKey
+from orchard.rollout.runner import CaptureSource, ProxyCapture, RolloutRunner
+from orchard.rollout.runs import JobRun, JobState, JobStore, new_job_id
+from orchard.rollout.samplers import BalancedAdaptiveSampler, FixedNSampler, Sampler
+from orchard.rollout.scoring import LocalScorer, TaskScorer
+from orchard.rollout.tasks import CommandCheck, TaskSpec
+from orchard.rollout.v1 import rollout_service_pb2 as api
+from orchard.rollout.v1 import rollout_service_pb2_grpc
+from orchard.sdk import AsyncSandboxClient
+from orchard.sdk import errors as sdk_errors
+
+if TYPE_CHECKING:
+    from orchard.lm.weights import WeightRegistry
+    from orchard.rollout.engines.local import LocalEngine
+    from orchard.rollout.proxy.server import CaptureProxy
+
+__all__ = ["JOB_LABEL", "RolloutManager", "RolloutServicer", "validate_spec"]
+
+log = logging.getLogger(__name__)
+
+JOB_LABEL = "orchard-rollout-job"
+"""Label on every sandbox of a job (its id): a resumed job deletes what its last run left."""
+TASK_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_:-]{0,99}$")
+MAX_PAGE = 1000
+
+
+@enum.unique
+class RolloutReason(ErrorReason):
+    """Reasons of the rollout service."""
+
+    GROUPS_PAST_END = (
+        grpc.StatusCode.OUT_OF_RANGE,
+        "start_index is past the last group of a job that has ended.",
+    )
+
+
+def _invalid(message: str) -> OrchardError:
+    return OrchardError(Reason.INVALID_ARGUMENT, message)
+
+
+def builtin_harnesses(command_timeout_s: float) -> dict[str, ToolCallingHarness]:
+    return {
+        "builtin:bash": bash_react_harness(command_timeout_s=command_timeout_s),
+        "builtin:swe": bash_react_harness(command_timeout_s=command_timeout_s, name="builtin:swe"),
+        "builtin:tools": generic_tool_harness(),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class ValidSpec:
+    """A spec checked and turned into what the runner and the sampler take."""
+
+    tasks: dict[str, TaskSpec]
+    harnesses: list[str]
+    policy: str
+    sampler: Sampler
+    group_filter: GroupFilter | None
+    budget: RolloutBudget
+    concurrency: int
+
+    @property
+    def pairs(self) -> list[GroupKey]:
+        return [GroupKey(t, h) for t in self.tasks for h in self.harnesses]
+
+
+def _sampler(config: api.SamplerConfig) -> Sampler:
+    threshold = config.positive_threshold or 0.5
+    try:
+        if config.kind == api.SAMPLER_KIND_FIXED_N:
+            return FixedNSampler(group_size=config.group_size or 8, positive_threshold=threshold)
+        if config.kind in (api.SAMPLER_KIND_BAR, api.SAMPLER_KIND_UNSPECIFIED):
+            group_size = config.group_size or 8
+            return BalancedAdaptiveSampler(
+                group_size=group_size,
+                max_rollouts=config.max_rollouts or max(16, group_size),
+                stride=config.stride or 16,
+                rho_min=config.rho_min if config.rho_min or config.rho_max else 0.375,
+                rho_max=config.rho_max or 0.625,
+                positive_threshold=threshold,
+            )
+    except ValueError as exc:
+        raise _invalid(f"spec.sampler: {exc}") from None
+    raise _invalid(f"spec.sampler.kind {config.kind} is not a known sampler (FIXED_N or BAR)")
+
+
+def validate_spec(
+    spec: api.RolloutJobSpec,
+    config: RolloutConfig,
+    harnesses: Mapping[str, ToolCallingHarness],
+) -> ValidSpec:
+    """Raises OrchardError (INVALID_ARGUMENT, FAILED_PRECONDITION) saying what to fix."""
+    if not spec.tasks:
+        raise _invalid("spec.tasks is empty: give at least one task to roll out")
+    tasks: dict[str, TaskSpec] = {}
+    for i, task in enumerate(spec.tasks):
+        if not TASK_ID.match(task.id):
+            raise _invalid(
+                f"spec.tasks[{i}].id {task.id!r} must be 1-100 letters, digits, '_', ':' or '-'"
+            )
+        if task.id in tasks:
+            raise _invalid(f"spec.tasks[{i}].id {task.id!r} appears twice; task ids are unique")
+        try:
+            tasks[task.id] = TaskSpec.from_proto(task)
+        except ValueError as exc:
+            raise _invalid(f"spec.tasks[{i}]: {exc}") from None
+        if not isinstance(tasks[task.id].check, CommandCheck) and not config.reward.endpoint:
+            raise OrchardError(
+                Reason.FAILED_PRECONDITION,
+                f"task {task.id!r} is scored by the reward service and this rollout service "
+                "has none configured (set reward.endpoint)",
+            )
+    if not spec.harnesses:
+        raise _invalid(f"spec.harnesses is empty; known harnesses: {', '.join(sorted(harnesses))}")
+    if len(set(spec.harnesses)) != len(spec.harnesses):
+        raise _invalid("spec.harnesses names a harness twice")
+    for name in spec.harnesses:
+        if name not in harnesses:
+            raise _invalid(
+                f"unknown harness {name!r}; known harnesses: {', '.join(sorted(harnesses))}"
+            )
+    policy = spec.policy or config.default_policy
+    if policy not in config.policies:
+        raise _invalid(
+            f"unknown policy {policy!r}; configured policies: {', '.join(sorted(config.policies))}"
+        )
+    b, d = spec.budget, config.defaults
+    if b.max_steps < 0 or b.max_tokens < 0 or b.max_duration.ToNanoseconds() < 0:
+        raise _invalid("spec.budget: max_steps, max_tokens and max_duration must not be negative")
+    duration = b.max_duration.ToNanoseconds() / 1e9
+    budget = RolloutBudget(
+        max_steps=b.max_steps or d.max_steps,
+        max_tokens=b.max_tokens or d.max_tokens,
+        max_duration_s=duration or d.max_duration_s,
+    )
+    if not 0 <= spec.concurrency <= d.max_concurrency:
+        raise _invalid(
+            f"spec.concurrency {spec.concurrency} must lie in [0, {d.max_concurrency}] "
+            f"(0: {d.concurrency})"
+        )
+    sampler = _sampler(spec.sampler)
+    keep_all = spec.sampler.keep_uninformative_groups
+    return ValidSpec(
+        tasks=tasks,
+        harnesses=list(spec.harnesses),
+        policy=policy,
+        sampler=sampler,
+        group_filter=None if keep_all else GroupFilter(),
+        budget=budget,
+        concurrency=spec.concurrency or d.concurrency,
+    )
+
+
+@dataclass
+class _Policy:
+    """A started policy: where harnesses send calls, and the capture source when captured."""
+
+    endpoint: ModelEndpoint
+    capture: CaptureSource | None = None
+    engine: LocalEngine | None = None
+    proxy: CaptureProxy | None = None
+
+
+@dataclass
+class RolloutManager:
+    """Jobs of this process, and what they run with."""
+
+    config: RolloutConfig
+    jobs: JobStore
+    sandboxes: AsyncSandboxClient
+    scorer: TaskScorer = field(default_factory=LocalScorer)
+    metrics: RolloutMetrics = field(default_factory=lambda: RolloutMetrics(None))
+    registry: WeightRegistry | None = None
+    harnesses: dict[str, ToolCallingHarness] = field(default_factory=dict)
+    _tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    _changed: dict[str, asyncio.Event] = field(default_factory=dict)
+    _policies: dict[str, _Policy] = field(default_factory=dict)
+    _policy_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _create_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def __post_init__(self) -> None:
+        if not self.harnesses:
+            self.harnesses = builtin_harnesses(self.config.defaults.command_timeout_s)
+
+    # -- policies ------------------------------------------------------------------------
+
+    async def _policy(self, name: str) -> _Policy:
+        async with self._policy_lock:
+            started = self._policies.get(name)
+            if started is not None:
+                return started
+            policy = self.config.policies[name]
+            started = await self._start_policy(name, policy)
+            self._policies[name] = started
+            return started
+
+    async def _start_policy(self, name: str, policy: PolicyConfig) -> _Policy:
+        if policy.kind == "openai":
+            return _Policy(
+                ModelEndpoint(
+                    base_url=policy.base_url,
+                    model=policy.model,
+                    api_key=policy.api_key(),
+                    temperature=policy.temperature,
+                    max_tokens_per_call=policy.max_tokens_per_call,
+                )
+            )
+        from orchard.rollout.engines.local import LocalEngine  # noqa: PLC0415 - loads torch
+        from orchard.rollout.proxy.server import CaptureProxy  # noqa: PLC0415
+
+        engine = LocalEngine(policy.engine, registry=self.registry)
+        await engine.start()
+        proxy = CaptureProxy(engine, self.config.proxy)
+        try:
+            await proxy.start()
+        except BaseException:
+            await engine.close()
+            raise
+        log.info("policy %s: local engine %s behind %s", name, engine.weight_version, proxy.url)
+        return _Policy(
+            ModelEndpoint(
+                base_url=proxy.url + "/v1",
+                model=policy.model,
+                temperature=policy.temperature,
+                max_tokens_per_call=policy.max_tokens_per_call,
+            ),
+            capture=ProxyCapture(proxy, self.config.settle_timeout_s),
+            engine=engine,
+            proxy=proxy,
+        )
+
+    # -- jobs ----------------------------------------------------------------------------
+
+    def changed(self, job_id: str) -> asyncio.Event:
+        return self._changed.setdefault(job_id, asyncio.Event())
+
+    def _notify(self, job_id: str) -> None:
+        event = self._changed.pop(job_id, None)
+        if event is not None:
+            event.set()
+
+    async def create(self, spec: api.RolloutJobSpec, request_id: str) -> JobState:
+        valid = validate_spec(spec, self.config, self.harnesses)
+        async with self._create_lock:
+            job = JobState(
+                id=new_job_id(),
+                spec=spec,
+                request_id=request_id,
+                pairs_total=len(valid.pairs),
+            )
+            stored = await self.jobs.create(job)
+            if stored.id == job.id:
+                self._start(job, valid)
+            return stored
+
+    def _start(self, job: JobState, valid: ValidSpec) -> None:
+        task = asyncio.create_task(self._run(job, valid), name=f"rollout-job-{job.id}")
+        self._tasks[job.id] = task
+        task.add_done_callback(lambda _: self._tasks.pop(job.id, None))
+
+    async def _run(self, job: JobState, valid: ValidSpec) -> None:
+        self.metrics.jobs_running.inc()
+        try:
+            try:
+                policy = await self._policy(valid.policy)
+            except Exception as exc:
+                job.state = api.ROLLOUT_JOB_STATE_FAILED
+                job.error = f"policy {valid.policy!r} did not start: {type(exc).__name__}: {exc}"
+                await self.jobs.put(job)
+                self._notify(job.id)
+                return
+            runner = RolloutRunner(
+                sandboxes=self.sandboxes,
+                endpoint=policy.endpoint,
+                harnesses=self.harnesses,
+                tasks=valid.tasks,
+                budget=valid.budget,
+                retries=LayeredRetries(create_spread_s=self.config.defaults.create_spread_s),
+                capture=policy.capture,
+                scorer=self.scorer,
+                labels={JOB_LABEL: job.id},
+            )
+            run = JobRun(
+                job=job,
+                jobs=self.jobs,
+                sampler=valid.sampler,
+                pairs=valid.pairs,
+                run_rollout=runner,
+                concurrency=valid.concurrency,
+                metrics=self.metrics,
+                group_filter=valid.group_filter,
+                on_change=lambda: self._notify(job.id),
+            )
+            # The runner keeps every record; the groups carry them, so drop them as pairs end.
+            runner.records = _Discard()
+            await run.run()
+        finally:
+            self.metrics.jobs_running.dec()
+
+    async def resume_all(self) -> None:
+        """At start: jobs a previous process left RUNNING are resumed (or marked FAILED)."""
+        for job in await self.jobs.all():
+            if job.ended:
+                continue
+            await self._delete_leftovers(job.id)
+            if not self.config.resume_running_jobs:
+                job.state = api.ROLLOUT_JOB_STATE_FAILED
+                job.error = "the rollout service restarted while the job ran (resume is off)"
+                await self.jobs.put(job)
+                continue
+            try:
+                valid = validate_spec(job.spec, self.config, self.harnesses)
+            except OrchardError as exc:
+                job.state = api.ROLLOUT_JOB_STATE_FAILED
+                job.error = f"cannot resume under this configuration: {exc.message}"
+                await self.jobs.put(job)
+                continue
+            job.resumes += 1
+            await self.jobs.put(job)
+            log.info(
+                "resuming job %s: %d of %d pairs done, %d groups emitted",
+                job.id,
+                len(job.pairs_done),
+                job.pairs_total,
+                job.groups_emitted,
+            )
+            self._start(job, valid)
+
+    async def _delete_leftovers(self, job_id: str) -> None:
+        try:
+            async for info in self.sandboxes.list({JOB_LABEL: job_id}):
+                with contextlib.suppress(sdk_errors.OrchardSDKError):
+                    await self.sandboxes.delete(info.id)
+        except sdk_errors.OrchardSDKError as exc:
+            log.warning("job %s: sandboxes of its last run not listed: %s", job_id, exc)
+
+    async def get(self, job_id: str) -> JobState:
+        if not job_id:
+            raise _invalid("job_id is empty")
+        job = await self.jobs.get(job_id)
+        if job is None:
+            raise OrchardError(Reason.NOT_FOUND, f"no rollout job {job_id!r}")
+        return job
+
+    async def cancel(self, job_id: str) -> JobState:
+        job = await self.get(job_id)
+        if job.ended:
+            return job
+        task = self._tasks.get(job_id)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        job = await self.get(job_id)
+        if not job.ended:
+            job.state = api.ROLLOUT_JOB_STATE_CANCELLED
+            job.error = ""
+            await self.jobs.put(job)
+        await self._delete_leftovers(job_id)
+        self._notify(job_id)
+        return job
+
+    async def stream(
+        self, job_id: str, start_index: int
+    ) -> AsyncIterator[api.StreamGroupsResponse]:
+        if start_index < 0:
+            raise _invalid(f"start_index must not be negative, got {start_index}")
+        job = await self.get(job_id)
+        if job.ended and start_index > job.groups_emitted:
+            raise OrchardError(
+                RolloutReason.GROUPS_PAST_END,
+                f"start_index {start_index} is past the end of job {job_id}: it emitted "
+                f"{job.groups_emitted} groups",
+            )
+        next_index = start_index
+        while True:
+            changed = self.changed(job_id)
+            job = await self.get(job_id)
+            for index, group in await self.jobs.groups(job_id, next_index):
+                yield api.StreamGroupsResponse(index=index, group=group)
+                next_index = index + 1
+            if job.ended and next_index >= job.groups_emitted:
+                return
+            # A job of another process (or one resumed later) is polled; ours notify.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(2.0):
+                    await changed.wait()
+
+    async def close(self) -> None:
+        """Stops the jobs of this process without ending them (a restart resumes them) and the
+        policies."""
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for policy in self._policies.values():
+            if policy.proxy is not None:
+                with contextlib.suppress(Exception):
+                    await policy.proxy.close()
+            if policy.engine is not None:
+                with contextlib.suppress(Exception):
+                    await policy.engine.close()
+        self._policies.clear()
+
+
+class _Discard(list):  # type: ignore[type-arg]
+    """A records list that keeps nothing."""
+
+    def append(self, item: object) -> None:
+        return None
+
+
+class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
+    """The RPC handlers; `attach` gives them the manager once the server started."""
+
+    def __init__(self) -> None:
+        self._manager: RolloutManager | None = None
+
+    def attach(self, manager: RolloutManager | None) -> None:
+        self._manager = manager
+
+    @property
+    def manager(self) -> RolloutManager:
+        if self._manager is None:
+            raise OrchardError(Reason.UNAVAILABLE, "the rollout service is starting or stopping")
+        return self._manager
+
+    async def CreateRolloutJob(
+        self, request: api.CreateRolloutJobRequest, context: grpc.aio.ServicerContext
+    ) -> api.CreateRolloutJobResponse:
+        job = await self.manager.create(request.spec, request.request_id)
+        return api.CreateRolloutJobResponse(job=job.to_proto())
+
+    async def GetRolloutJob(
+        self, request: api.GetRolloutJobRequest, context: grpc.aio.ServicerContext
+    ) -> api.GetRolloutJobResponse:
+        job = await self.manager.get(request.job_id)
+        return api.GetRolloutJobResponse(job=job.to_proto())
+
+    async def CancelRolloutJob(
+        self, request: api.CancelRolloutJobRequest, context: grpc.aio.ServicerContext
+    ) -> api.CancelRolloutJobResponse:
+        job = await self.manager.cancel(request.job_id)
+        return api.CancelRolloutJobResponse(job=job.to_proto())
+
+    async def StreamGroups(
+        self, request: api.StreamGroupsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[api.StreamGroupsResponse]:
+        async for message in self.manager.stream(request.job_id, request.start_index):
+            yield message
+
+    async def ListRolloutJobs(
+        self, request: api.ListRolloutJobsRequest, context: grpc.aio.ServicerContext
+    ) -> api.ListRolloutJobsResponse:
+        if not 0 <= request.page_size <= MAX_PAGE:
+            raise _invalid(f"page_size must lie in [0, {MAX_PAGE}], got {request.page_size}")
+        size = request.page_size or 100
+        try:
+            offset = int(request.page_token or "0")
+        except ValueError:
+            raise _invalid(
+                f"page_token {request.page_token!r} is not one this service gave"
+            ) from None
+        jobs = await self.manager.jobs.all()
+        page = jobs[offset : offset + size]
+        more = offset + size < len(jobs)
+        return api.ListRolloutJobsResponse(
+            jobs=[j.to_proto() for j in page], next_page_token=str(offset + size) if more else ""
+        )
