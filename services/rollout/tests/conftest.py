@@ -36,8 +36,9 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture(scope="session")
 def env_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """``orchard up --detach`` in a private state dir, cgroup parent and run dir; yields the
-    JSON it printed (``profile``, ``components``) and stops and removes everything at the end."""
+    """``orchard up --detach --without reward`` in a private state dir, cgroup parent and run
+    dir; yields the JSON it printed (``profile``, ``components``) and stops and removes
+    everything at the end."""
     if os.geteuid() != 0:
         pytest.skip("the local runtime needs root")
     from orchard.core.etcd import find_etcd_binary
@@ -59,6 +60,8 @@ def env_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
     up = subprocess.run(
         [
             *CLI, "up", "--detach", "--json", "--listen", f"127.0.0.1:{_free_port()}",
+            # The reward service's fixed default port may be taken; these tests start their own.
+            "--without", "reward",
             "--set", f"runtime.cgroup_parent={cgroup_parent}",
             "--set", f"runtime.run_dir={run_dir}",
         ],
