@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,10 @@ from orchard.trainer.datasets import write_trajectories
 from orchard.trainer.telemetry import read_run_log
 
 CLI = [sys.executable, "-m", "orchard.trainer.cli"]
+# An engine built earlier in this test process left its launcher variables (and a TCP store on
+# MASTER_PORT) behind; the command must start a world of its own.
+LAUNCHER = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+ENV = {k: v for k, v in os.environ.items() if k not in LAUNCHER}
 
 
 @pytest.mark.slow
@@ -31,6 +36,7 @@ def test_sft_command_trains_and_writes_log_plot_and_summary(tmp_path, synthetic)
         text=True,
         timeout=120,
         check=False,
+        env=ENV,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout[proc.stdout.index("{") :])
@@ -53,6 +59,7 @@ def test_sft_command_names_the_bad_line_of_a_dataset(tmp_path):
         text=True,
         timeout=120,
         check=False,
+        env=ENV,
     )
     assert proc.returncode == 2
     assert f"{data}:2: not a trajectory" in proc.stderr

@@ -2,6 +2,8 @@
 
 ::
 
+    orchard-trainer serve --listen 127.0.0.1:7300 --etcd http://127.0.0.1:2379
+
     orchard-trainer sft --data trajectories.jsonl --model builtin:tiny --output runs/sft1 \\
         --steps 200 --lr 3e-3 --warmup 20 --micro-batch 16 --accumulate 2 --zero-stage 2
     orchard-trainer curate --data trajectories.jsonl --output curated.jsonl \\
@@ -229,8 +231,14 @@ def _run_plot(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        # The service parses its own configuration flags (--config, --set, --listen, ...).
+        from orchard.trainer.main import serve  # noqa: PLC0415
+
+        return serve(argv[1:])
     parser = argparse.ArgumentParser(prog="orchard-trainer", description="Orchard trainer")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help="run the TrainerService (see `orchard-trainer serve --help`)")
     _sft_parser(sub)
     _curate_parser(sub)
     plot = sub.add_parser("plot", help="draw a run log (run.jsonl) as a PNG")

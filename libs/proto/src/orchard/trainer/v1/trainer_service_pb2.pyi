@@ -700,3 +700,103 @@ class ListCheckpointsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListCheckpointsResponse: _TypeAlias = ListCheckpointsResponse  # noqa: Y015
+
+@_typing.final
+class SaveCheckpointRequest(_message.Message):
+    """Request of TrainerService.SaveCheckpoint."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    PUBLISH_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """Job id."""
+    publish: _builtins.bool
+    """Publish the checkpoint as a weight version too."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        publish: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "publish", b"publish"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SaveCheckpointRequest: _TypeAlias = SaveCheckpointRequest  # noqa: Y015
+
+@_typing.final
+class SaveCheckpointResponse(_message.Message):
+    """Response of TrainerService.SaveCheckpoint."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def checkpoint(self) -> Global___Checkpoint:
+        """The checkpoint saved (with its weight version when published)."""
+
+    def __init__(
+        self,
+        *,
+        checkpoint: Global___Checkpoint | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SaveCheckpointResponse: _TypeAlias = SaveCheckpointResponse  # noqa: Y015
+
+@_typing.final
+class PublishCheckpointRequest(_message.Message):
+    """Request of TrainerService.PublishCheckpoint."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """Job id."""
+    step: _builtins.int
+    """Step of the checkpoint to publish (see ListCheckpoints)."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PublishCheckpointRequest: _TypeAlias = PublishCheckpointRequest  # noqa: Y015
+
+@_typing.final
+class PublishCheckpointResponse(_message.Message):
+    """Response of TrainerService.PublishCheckpoint."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def checkpoint(self) -> Global___Checkpoint:
+        """The checkpoint, with the weight version it is published as."""
+
+    def __init__(
+        self,
+        *,
+        checkpoint: Global___Checkpoint | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PublishCheckpointResponse: _TypeAlias = PublishCheckpointResponse  # noqa: Y015

@@ -72,6 +72,16 @@ class TrainerServiceStub:
                 request_serializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.ListCheckpointsRequest.SerializeToString,
                 response_deserializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.ListCheckpointsResponse.FromString,
                 _registered_method=True)
+        self.SaveCheckpoint = channel.unary_unary(
+                '/orchard.trainer.v1.TrainerService/SaveCheckpoint',
+                request_serializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.SaveCheckpointRequest.SerializeToString,
+                response_deserializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.SaveCheckpointResponse.FromString,
+                _registered_method=True)
+        self.PublishCheckpoint = channel.unary_unary(
+                '/orchard.trainer.v1.TrainerService/PublishCheckpoint',
+                request_serializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.PublishCheckpointRequest.SerializeToString,
+                response_deserializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.PublishCheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer:
@@ -136,6 +146,24 @@ class TrainerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SaveCheckpoint(self, request, context):
+        """Saves a checkpoint of a running job at its current step (DeepSpeed state to resume from and
+        a Hugging Face model folder), and publishes it as a weight version when asked. Saving twice
+        at one step returns the first checkpoint. Errors: NOT_FOUND, FAILED_PRECONDITION (job not
+        running).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PublishCheckpoint(self, request, context):
+        """Publishes a saved checkpoint of a job as a weight version; publishing it again returns the
+        same version. Errors: NOT_FOUND (job or checkpoint).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -173,6 +201,16 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.ListCheckpoints,
                     request_deserializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.ListCheckpointsRequest.FromString,
                     response_serializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.ListCheckpointsResponse.SerializeToString,
+            ),
+            'SaveCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveCheckpoint,
+                    request_deserializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.SaveCheckpointRequest.FromString,
+                    response_serializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.SaveCheckpointResponse.SerializeToString,
+            ),
+            'PublishCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishCheckpoint,
+                    request_deserializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.PublishCheckpointRequest.FromString,
+                    response_serializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.PublishCheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -367,6 +405,60 @@ class TrainerService:
             '/orchard.trainer.v1.TrainerService/ListCheckpoints',
             orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.ListCheckpointsRequest.SerializeToString,
             orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.ListCheckpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.trainer.v1.TrainerService/SaveCheckpoint',
+            orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.SaveCheckpointRequest.SerializeToString,
+            orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.SaveCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.trainer.v1.TrainerService/PublishCheckpoint',
+            orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.PublishCheckpointRequest.SerializeToString,
+            orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.PublishCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -62,6 +62,16 @@ class TrainerServiceStub:
     """Lists a job's checkpoints and published weight versions. Changes nothing.
     Errors: NOT_FOUND.
     """
+    SaveCheckpoint: _grpc.UnaryUnaryMultiCallable[_trainer_service_pb2.SaveCheckpointRequest, _trainer_service_pb2.SaveCheckpointResponse]
+    """Saves a checkpoint of a running job at its current step (DeepSpeed state to resume from and
+    a Hugging Face model folder), and publishes it as a weight version when asked. Saving twice
+    at one step returns the first checkpoint. Errors: NOT_FOUND, FAILED_PRECONDITION (job not
+    running).
+    """
+    PublishCheckpoint: _grpc.UnaryUnaryMultiCallable[_trainer_service_pb2.PublishCheckpointRequest, _trainer_service_pb2.PublishCheckpointResponse]
+    """Publishes a saved checkpoint of a job as a weight version; publishing it again returns the
+    same version. Errors: NOT_FOUND (job or checkpoint).
+    """
 
 @_typing.type_check_only
 class TrainerServiceAsyncStub(TrainerServiceStub):
@@ -96,6 +106,16 @@ class TrainerServiceAsyncStub(TrainerServiceStub):
     ListCheckpoints: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.ListCheckpointsRequest, _trainer_service_pb2.ListCheckpointsResponse]  # type: ignore[assignment]
     """Lists a job's checkpoints and published weight versions. Changes nothing.
     Errors: NOT_FOUND.
+    """
+    SaveCheckpoint: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.SaveCheckpointRequest, _trainer_service_pb2.SaveCheckpointResponse]  # type: ignore[assignment]
+    """Saves a checkpoint of a running job at its current step (DeepSpeed state to resume from and
+    a Hugging Face model folder), and publishes it as a weight version when asked. Saving twice
+    at one step returns the first checkpoint. Errors: NOT_FOUND, FAILED_PRECONDITION (job not
+    running).
+    """
+    PublishCheckpoint: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.PublishCheckpointRequest, _trainer_service_pb2.PublishCheckpointResponse]  # type: ignore[assignment]
+    """Publishes a saved checkpoint of a job as a weight version; publishing it again returns the
+    same version. Errors: NOT_FOUND (job or checkpoint).
     """
 
 class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -170,6 +190,28 @@ class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_trainer_service_pb2.ListCheckpointsResponse, _abc.Awaitable[_trainer_service_pb2.ListCheckpointsResponse]]:
         """Lists a job's checkpoints and published weight versions. Changes nothing.
         Errors: NOT_FOUND.
+        """
+
+    @_abc_1.abstractmethod
+    def SaveCheckpoint(
+        self,
+        request: _trainer_service_pb2.SaveCheckpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_trainer_service_pb2.SaveCheckpointResponse, _abc.Awaitable[_trainer_service_pb2.SaveCheckpointResponse]]:
+        """Saves a checkpoint of a running job at its current step (DeepSpeed state to resume from and
+        a Hugging Face model folder), and publishes it as a weight version when asked. Saving twice
+        at one step returns the first checkpoint. Errors: NOT_FOUND, FAILED_PRECONDITION (job not
+        running).
+        """
+
+    @_abc_1.abstractmethod
+    def PublishCheckpoint(
+        self,
+        request: _trainer_service_pb2.PublishCheckpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_trainer_service_pb2.PublishCheckpointResponse, _abc.Awaitable[_trainer_service_pb2.PublishCheckpointResponse]]:
+        """Publishes a saved checkpoint of a job as a weight version; publishing it again returns the
+        same version. Errors: NOT_FOUND (job or checkpoint).
         """
 
 def add_TrainerServiceServicer_to_server(servicer: TrainerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,520 @@
+"""``orchard.trainer.v1.TrainerService``: training jobs as long-running operations in etcd.
+
+A job's record (spec, state, last step's metrics, checkpoints, latest weight version) lives in
+etcd (`records`); its engine and data buffer live in this process (`jobs.JobRunner`). Every
+state change is written to the record before the RPC answers, so a restarted service lists
+every job and its checkpoints. A job that was PENDING or RUNNING when the process stopped is
+resumed on start from its last checkpoint (from the start of its schedule when it had none;
+data submitted since that checkpoint is gone and must be submitted again), or marked FAILED
+when ``jobs.resume_on_start`` is off.
+
+Training runs off the event loop, one operation at a time per job (a per-job lock): Step,
+SubmitGroups and SaveCheckpoint of one job queue behind each other; jobs run side by side.
+Cancel stops a running Step between two optimizer steps.
+
+Bad input is INVALID_ARGUMENT, an unknown job or checkpoint NOT_FOUND, an operation the job's
+state does not allow FAILED_PRECONDITION (each message says what to do), raised as
+``OrchardError`` and turned into a status by the server's error interceptor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from google.protobuf import timestamp_pb2
+
+from orchard.core.errors import OrchardError, Reason
+from orchard.lm.weights import WeightRegistry
+from orchard.trainer.checkpoints import (
+    CheckpointError,
+    CheckpointInfo,
+    publish_checkpoint,
+    read_checkpoint,
+)
+from orchard.trainer.config import TrainerConfig
+from orchard.trainer.engine import StepResult
+from orchard.trainer.jobs import MODE_NAMES, JobRunner, NotEnoughData, SpecError, resolve_spec
+from orchard.trainer.masks import TrajectoryError
+from orchard.trainer.metrics import TrainerMetrics
+from orchard.trainer.records import JobRecord, JobStore
+from orchard.trainer.v1 import trainer_service_pb2 as api
+from orchard.trainer.v1 import trainer_service_pb2_grpc
+
+__all__ = ["JobManager", "TrainerServicer"]
+
+log = logging.getLogger(__name__)
+
+State = api.TrainingJobState
+ENDED = (
+    State.TRAINING_JOB_STATE_SUCCEEDED,
+    State.TRAINING_JOB_STATE_FAILED,
+    State.TRAINING_JOB_STATE_CANCELLED,
+)
+MAX_PAGE_SIZE = 1000
+
+
+def _invalid(message: str) -> OrchardError:
+    return OrchardError(Reason.INVALID_ARGUMENT, message)
+
+
+def _state_name(state: int) -> str:
+    return State.Name(state).removeprefix("TRAINING_JOB_STATE_")  # type: ignore[arg-type]
+
+
+def _now() -> timestamp_pb2.Timestamp:
+    stamp = timestamp_pb2.Timestamp()
+    stamp.GetCurrentTime()
+    return stamp
+
+
+def _step_metrics(result: StepResult) -> api.StepMetrics:
+    return api.StepMetrics(
+        step=result.step,
+        loss=result.loss,
+        learning_rate=result.learning_rate,
+        grad_norm=result.grad_norm,
+        loss_tokens=result.loss_tokens,
+        extra={**result.extra, "tokens_per_second": result.tokens_per_second},
+    )
+
+
+@dataclass
+class _Running:
+    runner: JobRunner
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class JobManager:
+    """The jobs of this replica: records in etcd, runners in memory."""
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        store: JobStore,
+        registry: WeightRegistry,
+        metrics: TrainerMetrics,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.registry = registry
+        self.metrics = metrics
+        self.checkpoint_dir = Path(config.weights.checkpoint_dir)
+        self._running: dict[str, _Running] = {}
+        self._starting = 0
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    async def _record(self, job_id: str) -> JobRecord:
+        if not job_id:
+            raise _invalid("job_id is required")
+        record = await self.store.get(job_id)
+        if record is None:
+            raise OrchardError(
+                Reason.NOT_FOUND, f"no training job {job_id!r}; ListTrainingJobs shows the jobs"
+            )
+        return record
+
+    def _running_job(self, record: JobRecord, doing: str) -> _Running:
+        state = record.job.state
+        if state != State.TRAINING_JOB_STATE_RUNNING:
+            hint = {
+                State.TRAINING_JOB_STATE_PENDING: "it is starting; retry in a moment",
+                State.TRAINING_JOB_STATE_SUCCEEDED: "it finished its total_steps; start a new "
+                "job (its last checkpoint can be the new job's model)",
+                State.TRAINING_JOB_STATE_FAILED: f"it failed: {record.job.error}",
+                State.TRAINING_JOB_STATE_CANCELLED: "it was cancelled; its checkpoints stay",
+            }.get(state, "")
+            raise OrchardError(
+                Reason.FAILED_PRECONDITION,
+                f"cannot {doing}: job {record.id} is {_state_name(state)}; {hint}",
+            )
+        running = self._running.get(record.id)
+        if running is None:
+            raise OrchardError(
+                Reason.FAILED_PRECONDITION,
+                f"cannot {doing}: job {record.id} is RUNNING but not in this replica",
+            )
+        return running
+
+    def _mode(self, record: JobRecord) -> str:
+        return MODE_NAMES.get(record.job.spec.mode, "unknown")
+
+    async def _set_state(self, record: JobRecord, state: int, error: str = "") -> None:
+        record.job.state = state  # type: ignore[assignment]
+        record.job.error = error
+        await self.store.put(record)
+        self.metrics.jobs.labels(self._mode(record), _state_name(state).lower()).inc()
+
+    def _runner_root(self, job_id: str) -> Path:
+        return self.checkpoint_dir / job_id
+
+    async def _start_runner(self, record: JobRecord, resume_from: str | None) -> None:
+        """Build the job's engine off the loop; RUNNING on success, FAILED with the reason."""
+        self._starting += 1
+        try:
+            runner = await asyncio.to_thread(
+                JobRunner,
+                record.id,
+                record.job.spec,
+                self._runner_root(record.id),
+                resume_from=resume_from,
+                recorder=self.metrics.steps,
+            )
+        except Exception as exc:
+            log.exception("training job %s failed to start", record.id)
+            await self._set_state(
+                record, State.TRAINING_JOB_STATE_FAILED, f"the job could not start: {exc}"
+            )
+            return
+        finally:
+            self._starting -= 1
+        self._running[record.id] = _Running(runner)
+        self.metrics.running_jobs.set(len(self._running))
+        await self._set_state(record, State.TRAINING_JOB_STATE_RUNNING)
+
+    async def _stop_runner(self, job_id: str) -> None:
+        running = self._running.pop(job_id, None)
+        self.metrics.running_jobs.set(len(self._running))
+        if running is not None:
+            await asyncio.to_thread(running.runner.close)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def recover(self) -> None:
+        """Resume (or fail) the jobs a previous process left PENDING or RUNNING."""
+        for record in await self.store.list_jobs():
+            if record.job.state in ENDED:
+                continue
+            last = record.checkpoints[-1] if record.checkpoints else None
+            where = f"step {last.step} ({last.uri})" if last else "no checkpoint"
+            if not self.config.jobs.resume_on_start:
+                await self._set_state(
+                    record,
+                    State.TRAINING_JOB_STATE_FAILED,
+                    f"interrupted by a restart of the trainer service; last checkpoint: {where}",
+                )
+                continue
+            log.info("resuming training job %s from %s", record.id, where)
+            await self._start_runner(record, last.uri if last else None)
+
+    async def close(self) -> None:
+        for job_id in list(self._running):
+            running = self._running[job_id]
+            running.runner.cancelled = True
+            async with running.lock:
+                await self._stop_runner(job_id)
+
+    # -- RPCs ------------------------------------------------------------------------------
+
+    async def create(self, spec: api.TrainingJobSpec, request_id: str) -> api.TrainingJob:
+        try:
+            resolved = resolve_spec(spec)
+        except SpecError as exc:
+            raise _invalid(str(exc)) from None
+        if request_id:
+            earlier = await self.store.by_request(request_id)
+            if earlier is not None:
+                return earlier.job
+        if len(self._running) + self._starting >= self.config.jobs.max_running:
+            raise OrchardError(
+                Reason.RESOURCE_EXHAUSTED,
+                f"this trainer runs at most {self.config.jobs.max_running} job(s) at once "
+                "(jobs.max_running); cancel one or wait for one to finish",
+            )
+        record = JobRecord(
+            job=api.TrainingJob(
+                id=f"job-{uuid.uuid4().hex[:12]}",
+                spec=resolved,
+                state=State.TRAINING_JOB_STATE_PENDING,
+                create_time=_now(),
+            )
+        )
+        record, created = await self.store.create(record, request_id)
+        if not created:
+            return record.job
+        self.metrics.jobs.labels(self._mode(record), "pending").inc()
+        log.info("training job created", extra={"job": record.id, "model": resolved.model})
+        await self._start_runner(record, None)
+        return record.job
+
+    async def get(self, job_id: str) -> api.TrainingJob:
+        return (await self._record(job_id)).job
+
+    async def list_jobs(self, page_size: int, page_token: str) -> tuple[list[api.TrainingJob], str]:
+        if not 0 <= page_size <= MAX_PAGE_SIZE:
+            raise _invalid(f"page_size must be in [0, {MAX_PAGE_SIZE}], got {page_size}")
+        size = page_size or 100
+        start = 0
+        if page_token:
+            if not page_token.isdigit():
+                raise _invalid("page_token is not one this service gave; pass next_page_token")
+            start = int(page_token)
+        records = await self.store.list_jobs()
+        page = records[start : start + size]
+        more = start + size < len(records)
+        return [r.job for r in page], str(start + size) if more else ""
+
+    async def cancel(self, job_id: str) -> api.TrainingJob:
+        record = await self._record(job_id)
+        if record.job.state in ENDED:
+            return record.job
+        running = self._running.get(job_id)
+        if running is not None:
+            running.runner.cancelled = True
+            async with running.lock:
+                await self._stop_runner(job_id)
+        record = await self._record(job_id)
+        if record.job.state in ENDED:  # a Step finished it (or it failed) meanwhile
+            return record.job
+        await self._set_state(record, State.TRAINING_JOB_STATE_CANCELLED)
+        log.info("training job cancelled", extra={"job": job_id})
+        return record.job
+
+    async def submit(
+        self, requests: AsyncIterator[api.SubmitGroupsRequest]
+    ) -> api.SubmitGroupsResponse:
+        response = api.SubmitGroupsResponse()
+        job_id = ""
+        running: _Running | None = None
+        mode = ""
+        index = -1
+        async for request in requests:
+            index += 1
+            if running is None:
+                record = await self._record(request.job_id)
+                running = self._running_job(record, "submit groups")
+                job_id, mode = record.id, self._mode(record)
+            elif request.job_id and request.job_id != job_id:
+                raise _invalid(
+                    f"message {index} names job {request.job_id!r}; every message of one "
+                    f"stream must name the same job ({job_id!r})"
+                )
+            runner = running.runner
+            if runner.buffered >= self.config.jobs.max_buffered_samples:
+                raise OrchardError(
+                    Reason.RESOURCE_EXHAUSTED,
+                    f"job {job_id} buffers {runner.buffered} samples "
+                    f"(jobs.max_buffered_samples); run Step before submitting more",
+                )
+            async with running.lock:
+                if runner.cancelled:
+                    raise OrchardError(
+                        Reason.FAILED_PRECONDITION, f"job {job_id} was cancelled meanwhile"
+                    )
+                try:
+                    counts = await asyncio.to_thread(runner.submit, request.group)
+                except (TrajectoryError, ValueError) as exc:
+                    raise _invalid(
+                        f"group {index} ({request.group.id or 'no id'}): {exc}; the groups "
+                        f"before it ({response.groups_accepted}) were accepted"
+                    ) from None
+            response.groups_accepted += 1
+            response.trajectories_trainable += counts.trainable
+            response.trajectories_skipped += counts.skipped
+            self.metrics.groups.labels(mode).inc()
+            self.metrics.trajectories.labels(mode, "trainable").inc(counts.trainable)
+            self.metrics.trajectories.labels(mode, "skipped").inc(counts.skipped)
+        if running is None:
+            raise _invalid("the stream held no message; send job_id and a group per message")
+        return response
+
+    async def step(self, job_id: str, steps: int, publish: bool) -> api.StepResponse:
+        if steps < 1:
+            raise _invalid(f"steps must be at least 1, got {steps}")
+        record = await self._record(job_id)
+        running = self._running_job(record, "step")
+        runner = running.runner
+        response = api.StepResponse()
+        async with running.lock:
+            if runner.cancelled:
+                raise OrchardError(Reason.FAILED_PRECONDITION, f"job {job_id} was cancelled")
+            if steps > runner.steps_left:
+                raise OrchardError(
+                    Reason.FAILED_PRECONDITION,
+                    f"job {job_id} is at step {runner.step} of total_steps "
+                    f"{record.job.spec.total_steps}: at most {runner.steps_left} step(s) left",
+                )
+            record = await self._record(job_id)  # as of now: a save may have changed it
+            try:
+                results = await asyncio.to_thread(runner.run_steps, steps)
+            except NotEnoughData as exc:
+                raise OrchardError(Reason.FAILED_PRECONDITION, str(exc)) from None
+            except Exception as exc:
+                log.exception("training job %s failed in a step", job_id)
+                await self._stop_runner(job_id)
+                await self._set_state(
+                    record, State.TRAINING_JOB_STATE_FAILED, f"a step failed: {exc}"
+                )
+                raise OrchardError(
+                    Reason.INTERNAL, f"job {job_id} failed in a step and is FAILED: {exc}"
+                ) from None
+            response.steps.extend(_step_metrics(r) for r in results)
+            if results:
+                record.job.last_step.CopyFrom(_step_metrics(results[-1]))
+            finished = runner.steps_left == 0 and not runner.cancelled
+            if (publish or finished) and not runner.cancelled:
+                checkpoint = await self._save(record, runner, publish=publish)
+                response.weight_version = checkpoint.weight_version
+            if finished:
+                await self._stop_runner(job_id)
+                await self._set_state(record, State.TRAINING_JOB_STATE_SUCCEEDED)
+            elif not runner.cancelled:
+                await self.store.put(record)
+        return response
+
+    async def _save(self, record: JobRecord, runner: JobRunner, *, publish: bool) -> api.Checkpoint:
+        """Save (or find) the checkpoint at the runner's step, publish it when asked, and write
+        both into the record. Called with the job's lock held."""
+        started = time.monotonic()
+        try:
+            info = await asyncio.to_thread(runner.save)
+        except (CheckpointError, OSError) as exc:
+            raise OrchardError(
+                Reason.INTERNAL, f"job {record.id}: the checkpoint could not be saved: {exc}"
+            ) from None
+        mode = self._mode(record)
+        checkpoint = record.checkpoint_at(info.step)
+        if checkpoint is None:
+            self.metrics.checkpoints.labels(mode).inc()
+            self.metrics.checkpoint_seconds.observe(time.monotonic() - started)
+            checkpoint = api.Checkpoint(step=info.step, uri=str(info.path))
+            checkpoint.create_time.FromNanoseconds(int(info.created_at * 1e9))
+            record.checkpoints.append(checkpoint)
+            record.checkpoints.sort(key=lambda c: c.step)
+        if publish and not checkpoint.weight_version:
+            await self._publish(record, checkpoint, info)
+        await self.store.put(record)
+        return checkpoint
+
+    async def _publish(
+        self, record: JobRecord, checkpoint: api.Checkpoint, info: CheckpointInfo
+    ) -> None:
+        version = await publish_checkpoint(
+            self.registry, info, metadata={"job": record.id, "mode": self._mode(record)}
+        )
+        checkpoint.weight_version = version.version
+        record.job.weight_version = version.version
+        self.metrics.publications.labels(self._mode(record)).inc()
+        log.info(
+            "weight version published",
+            extra={"job": record.id, "version": version.version, "number": version.number},
+        )
+
+    async def save(self, job_id: str, publish: bool) -> api.Checkpoint:
+        record = await self._record(job_id)
+        running = self._running_job(record, "save a checkpoint")
+        async with running.lock:
+            if running.runner.cancelled:
+                raise OrchardError(Reason.FAILED_PRECONDITION, f"job {job_id} was cancelled")
+            record = await self._record(job_id)
+            return await self._save(record, running.runner, publish=publish)
+
+    async def publish(self, job_id: str, step: int) -> api.Checkpoint:
+        record = await self._record(job_id)
+        checkpoint = record.checkpoint_at(step)
+        if checkpoint is None:
+            saved = ", ".join(str(c.step) for c in record.checkpoints) or "none"
+            raise OrchardError(
+                Reason.NOT_FOUND,
+                f"job {job_id} has no checkpoint at step {step} (saved steps: {saved}); "
+                "SaveCheckpoint makes one",
+            )
+        if checkpoint.weight_version:
+            return checkpoint
+        try:
+            info = read_checkpoint(checkpoint.uri)
+        except CheckpointError as exc:
+            raise OrchardError(Reason.FAILED_PRECONDITION, str(exc)) from None
+        running = self._running.get(job_id)
+        if running is None:
+            await self._publish(record, checkpoint, info)
+            await self.store.put(record)
+            return checkpoint
+        async with running.lock:
+            # Re-read: a Step may have written the record meanwhile.
+            record = await self._record(job_id)
+            checkpoint = record.checkpoint_at(step)
+            assert checkpoint is not None
+            if not checkpoint.weight_version:
+                await self._publish(record, checkpoint, info)
+                await self.store.put(record)
+            return checkpoint
+
+    async def checkpoints(self, job_id: str) -> list[api.Checkpoint]:
+        return list((await self._record(job_id)).checkpoints)
+
+
+class TrainerServicer(trainer_service_pb2_grpc.TrainerServiceServicer):
+    """The RPC handlers; :meth:`attach` gives them the job manager once the server started."""
+
+    def __init__(self) -> None:
+        self._jobs: JobManager | None = None
+
+    def attach(self, jobs: JobManager | None) -> None:
+        self._jobs = jobs
+
+    @property
+    def jobs(self) -> JobManager:
+        if self._jobs is None:
+            raise OrchardError(Reason.UNAVAILABLE, "the trainer service is starting or stopping")
+        return self._jobs
+
+    async def CreateTrainingJob(
+        self, request: api.CreateTrainingJobRequest, context: grpc.aio.ServicerContext
+    ) -> api.CreateTrainingJobResponse:
+        if not request.HasField("spec"):
+            raise _invalid("spec is required: mode, model and hyperparameters of the job")
+        job = await self.jobs.create(request.spec, request.request_id)
+        return api.CreateTrainingJobResponse(job=job)
+
+    async def GetTrainingJob(
+        self, request: api.GetTrainingJobRequest, context: grpc.aio.ServicerContext
+    ) -> api.GetTrainingJobResponse:
+        return api.GetTrainingJobResponse(job=await self.jobs.get(request.job_id))
+
+    async def ListTrainingJobs(
+        self, request: api.ListTrainingJobsRequest, context: grpc.aio.ServicerContext
+    ) -> api.ListTrainingJobsResponse:
+        jobs, token = await self.jobs.list_jobs(request.page_size, request.page_token)
+        return api.ListTrainingJobsResponse(jobs=jobs, next_page_token=token)
+
+    async def CancelTrainingJob(
+        self, request: api.CancelTrainingJobRequest, context: grpc.aio.ServicerContext
+    ) -> api.CancelTrainingJobResponse:
+        return api.CancelTrainingJobResponse(job=await self.jobs.cancel(request.job_id))
+
+    async def SubmitGroups(
+        self,
+        request_iterator: AsyncIterator[api.SubmitGroupsRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> api.SubmitGroupsResponse:
+        return await self.jobs.submit(request_iterator)
+
+    async def Step(
+        self, request: api.StepRequest, context: grpc.aio.ServicerContext
+    ) -> api.StepResponse:
+        return await self.jobs.step(request.job_id, request.steps, request.publish)
+
+    async def ListCheckpoints(
+        self, request: api.ListCheckpointsRequest, context: grpc.aio.ServicerContext
+    ) -> api.ListCheckpointsResponse:
+        return api.ListCheckpointsResponse(checkpoints=await self.jobs.checkpoints(request.job_id))
+
+    async def SaveCheckpoint(
+        self, request: api.SaveCheckpointRequest, context: grpc.aio.ServicerContext
+    ) -> api.SaveCheckpointResponse:
+        checkpoint = await self.jobs.save(request.job_id, request.publish)
+        return api.SaveCheckpointResponse(checkpoint=checkpoint)
+
+    async def PublishCheckpoint(
+        self, request: api.PublishCheckpointRequest, context: grpc.aio.ServicerContext
+    ) -> api.PublishCheckpointResponse:
+        checkpoint = await self.jobs.publish(request.job_id, request.step)
+        return api.PublishCheckpointResponse(checkpoint=checkpoint)
