@@ -106,6 +106,7 @@ def test_curate_command_writes_the_surviving_rows_and_a_report(tmp_path, build):
         text=True,
         timeout=120,
         check=False,
+        env=ENV,
     )
     assert proc.returncode == 0, proc.stderr
     assert [t.id for t in read_trajectories(out)] == ["a2", "e1"]
@@ -138,6 +139,7 @@ def test_curate_command_refuses_bad_settings_with_a_reason(tmp_path, build):
             text=True,
             timeout=120,
             check=False,
+            env=ENV,
         )
         assert proc.returncode == 2, flags
         assert message in proc.stderr, proc.stderr
@@ -161,6 +163,7 @@ def test_sft_command_trains_on_the_curated_rows(tmp_path, synthetic):
         text=True,
         timeout=120,
         check=False,
+        env=ENV,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout[proc.stdout.index("{") :])
