@@ -46,7 +46,9 @@ async def test_calls_through_the_proxy_are_captured_with_exact_tokens(
 ) -> None:
     runner = RolloutRunner(
         sandboxes=sandboxes,
-        endpoint=ModelEndpoint(base_url="unused", model="policy", max_tokens_per_call=64),
+        endpoint=ModelEndpoint(
+            base_url="unused", model="policy", temperature=0.0, max_tokens_per_call=64
+        ),
         harnesses={"builtin:bash": HARNESS},
         tasks={TASK.id: TASK},
         budget=RolloutBudget(max_steps=3, max_duration_s=120),
@@ -62,7 +64,7 @@ async def test_calls_through_the_proxy_are_captured_with_exact_tokens(
     result = await runner(GroupKey("listing", "builtin:bash"), 0)
     record = result.payload
     assert record.failure is None, record.failure
-    # The model calls `ls` first; it may stop or hit the step budget after: scored 0 either way.
+    # Greedy: the model calls `ls` first (as trained); it may stop or hit the step budget after.
     assert result.status in (RolloutStatus.COMPLETED, RolloutStatus.TRUNCATED)
     assert result.reward == 0.0
     assert record.tool_events[0].tool == "bash" and "a.txt" in record.tool_events[0].output
