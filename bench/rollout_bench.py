@@ -13,7 +13,17 @@ positive fraction of kept groups, and the advantage mass per 1,000 trajectories 
 kept groups of |reward - group mean|, the signal a group-relative gradient gets (it is largest
 for balanced groups) — balanced groups (positive fraction in [0.375, 0.625]) per 1,000
 trajectories, and usable groups per 100 tasks drawn (what a finite task set yields).
-Writes bench/results/rollout.json and prints a table.
+
+Part 2, the rollout manager's own overhead per agent step (needs root: it starts etcd and
+orchard-env with the local runtime, as `orchard up` does): the bash harness runs rollouts of a
+scripted policy whose every step is one shell command, through the rollout runner and the real
+environment service. Beside it, the same work without the manager: each command run directly
+with `sandbox.exec` in one sandbox (raw exec time), and each model call sent directly to the
+scripted policy with the conversation the harness had at that step (raw model time). The
+manager's overhead per step is the harness's time per step minus both; the target is at most 5%
+of the raw exec time. `--skip-overhead` leaves part 2 out.
+
+Writes bench/results/rollout.json (both parts) and prints tables.
 """
 
 from __future__ import annotations
@@ -21,16 +31,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import random
+import secrets
+import shutil
+import socket
 import statistics
 import sys
+import tempfile
+import time
+import uuid
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from orchard.rollout.batches import GroupFilter
+from orchard.rollout.harnesses.tool_loop import HarnessContext, HarnessOutcome, ToolCallingHarness
 from orchard.rollout.results import GroupKey, RolloutResult, RolloutStatus
 from orchard.rollout.samplers import BalancedAdaptiveSampler, FixedNSampler, Sampler
 
@@ -176,10 +194,213 @@ async def sampler_comparison(budget: int, seeds: int) -> list[dict[str, Any]]:
     return rows
 
 
+# -- part 2: the manager's overhead per agent step ----------------------------------------
+
+STEP_COMMANDS = (
+    "ls -la /usr/bin | wc -l",
+    "grep -c root /etc/passwd",
+    "python3 -c 'import json; print(json.dumps({\"ok\": 1}))'",
+    "cat /etc/os-release | head -n 3",
+)
+
+
+class TimedHarness:
+    """Wraps a harness and adds up the time its runs take (the manager's part of a rollout:
+    the loop, the tool dispatch, the provenance, the clients)."""
+
+    def __init__(self, inner: ToolCallingHarness) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.seconds = 0.0
+        self.steps = 0
+
+    async def run(self, ctx: HarnessContext) -> HarnessOutcome:
+        started = time.perf_counter()
+        try:
+            return await self.inner.run(ctx)
+        finally:
+            self.seconds += time.perf_counter() - started
+            self.steps += ctx.record.steps
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def _overhead_run(endpoint: str, token: str, steps: int, rollouts: int) -> dict[str, Any]:
+    import openai  # noqa: PLC0415
+
+    from orchard.rollout.budgets import LayeredRetries, RolloutBudget  # noqa: PLC0415
+    from orchard.rollout.harnesses.bash_react import bash_react_harness  # noqa: PLC0415
+    from orchard.rollout.harnesses.tool_loop import ModelEndpoint  # noqa: PLC0415
+    from orchard.rollout.runner import RolloutRunner  # noqa: PLC0415
+    from orchard.rollout.scripted_policy import PolicyScript, ScriptedPolicyServer  # noqa: PLC0415
+    from orchard.rollout.tasks import TaskSpec  # noqa: PLC0415
+    from orchard.sdk import AsyncSandboxClient  # noqa: PLC0415
+
+    commands = [STEP_COMMANDS[i % len(STEP_COMMANDS)] for i in range(steps)]
+    solution = [
+        {"thought": f"Step {i}.", "tool": "bash", "arguments": {"command": c}}
+        for i, c in enumerate(commands)
+    ]
+    script = PolicyScript.from_json(
+        {
+            "plans": [
+                {
+                    "match": "bench task",
+                    "solve_rate": 1.0,
+                    "solution": [*solution, {"thought": "Done.", "tool": "submit"}],
+                    "failure": [{"thought": "No."}],
+                }
+            ]
+        }
+    )
+    harness = bash_react_harness()
+    timed = TimedHarness(harness)
+    task = TaskSpec.from_settings("bench", "Run the bench task.", {"check": {"command": "true"}})
+    async with (
+        ScriptedPolicyServer(script, seed=0) as policy,
+        AsyncSandboxClient(endpoint, token=token) as sandboxes,
+    ):
+        runner = RolloutRunner(
+            sandboxes=sandboxes,
+            endpoint=ModelEndpoint(base_url=policy.base_url, model="teacher"),
+            harnesses={"builtin:bash": timed},  # type: ignore[dict-item]
+            tasks={"bench": task},
+            budget=RolloutBudget(max_steps=steps + 2, max_duration_s=600),
+            retries=LayeredRetries(create_spread_s=0.0),
+            seed=0,
+        )
+        schemas = [tool.schema() for tool in harness.tools]
+        client = openai.AsyncOpenAI(base_url=policy.base_url, api_key="bench", max_retries=0)
+        try:
+            # Warm-up of both paths: imports, connections, the runtime's first sandboxes.
+            await runner(GroupKey("bench", "builtin:bash"), 0)
+            await _raw_loop(sandboxes, client, schemas, harness.system_prompt, step_s=[], exec_s=[])
+            timed.seconds, timed.steps = 0.0, 0
+            records: list[Any] = []
+            raw_step_s: list[float] = []
+            raw_exec_s: list[float] = []
+            for i in range(rollouts):  # interleaved, so both see the same machine load
+                records.append((await runner(GroupKey("bench", "builtin:bash"), i + 1)).payload)
+                await _raw_loop(
+                    sandboxes,
+                    client,
+                    schemas,
+                    harness.system_prompt,
+                    step_s=raw_step_s,
+                    exec_s=raw_exec_s,
+                )
+        finally:
+            await client.close()
+    for record in records:
+        if record.failure is not None or record.steps != steps + 1:
+            raise RuntimeError(f"bench rollout did not run as scripted: {record.failure}")
+    harness_step_ms = timed.seconds / timed.steps * 1000
+    tool_exec_ms = (
+        statistics.fmean(e.latency_s for r in records for e in r.tool_events if e.tool == "bash")
+        * 1000
+    )
+    raw_step_ms = statistics.fmean(raw_step_s) * 1000
+    raw_exec_ms = statistics.fmean(raw_exec_s) * 1000
+    overhead_ms = harness_step_ms - raw_step_ms
+    return {
+        "steps_per_rollout": steps + 1,
+        "rollouts": rollouts,
+        "commands": list(STEP_COMMANDS),
+        "harness_step_ms": harness_step_ms,
+        "harness_tool_exec_ms": tool_exec_ms,
+        "raw_step_ms": raw_step_ms,
+        "raw_exec_ms": raw_exec_ms,
+        "overhead_per_step_ms": overhead_ms,
+        "overhead_vs_raw_exec": overhead_ms / raw_exec_ms,
+        "overhead_vs_raw_step": overhead_ms / raw_step_ms,
+        "target_overhead_vs_raw_exec": 0.05,
+    }
+
+
+async def _raw_loop(
+    sandboxes: Any,
+    client: Any,
+    schemas: list[dict[str, Any]],
+    system_prompt: str,
+    *,
+    step_s: list[float],
+    exec_s: list[float],
+) -> None:
+    """The same conversation without the manager: model call, `sandbox.exec`, append, repeat."""
+    sandbox = await sandboxes.create(image="host")
+    try:
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": system_prompt},
+            {"role": "user", "content": "Run the bench task."},
+        ]
+        while True:
+            started = time.perf_counter()
+            reply = await client.chat.completions.create(
+                model="teacher", messages=messages, tools=schemas
+            )
+            message = reply.choices[0].message
+            calls = list(message.tool_calls or [])
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": message.content or "",
+                    "tool_calls": [c.model_dump() for c in calls],
+                }
+            )
+            call = calls[0]
+            arguments = json.loads(call.function.arguments or "{}")
+            if call.function.name == "submit":
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": "submitted"})
+                step_s.append(time.perf_counter() - started)
+                return
+            exec_started = time.perf_counter()
+            result = await sandbox.exec(["/bin/sh", "-c", arguments["command"]], timeout=60)
+            exec_s.append(time.perf_counter() - exec_started)
+            output = f"exit code {result.exit_code}\n{result.stdout_text}{result.stderr_text}"
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
+            step_s.append(time.perf_counter() - started)
+    finally:
+        await sandbox.delete()
+
+
+def agent_step_overhead(steps: int, rollouts: int) -> dict[str, Any]:
+    """Part 2 around a private etcd and orchard-env (the local runtime needs root)."""
+    if os.geteuid() != 0:
+        return {"skipped": "needs root (the local runtime of orchard-env)"}
+    from orchard.sdk.cli.host_probe import remove_cgroup_parent  # noqa: PLC0415
+    from orchard.sdk.cli.stack import LocalStack  # noqa: PLC0415
+
+    state = Path(tempfile.mkdtemp(prefix="orchard-rollout-bench-"))
+    run_dir = Path(tempfile.mkdtemp(prefix="orb-"))
+    cgroup_parent = f"orchard-bench-{uuid.uuid4().hex[:8]}"
+    token = secrets.token_urlsafe(16)
+    stack = LocalStack(
+        state,
+        listen=f"127.0.0.1:{_free_port()}",
+        token=token,
+        runtime={"cgroup_parent": cgroup_parent, "run_dir": str(run_dir)},
+    )
+    try:
+        stack.start()
+        return asyncio.run(_overhead_run(stack.endpoint, token, steps, rollouts))
+    finally:
+        stack.stop()
+        remove_cgroup_parent(cgroup_parent)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(state, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=int, default=16_000, help="trajectories per sampler")
     parser.add_argument("--seeds", type=int, default=3, help="task streams averaged")
+    parser.add_argument("--steps", type=int, default=20, help="part 2: commands per rollout")
+    parser.add_argument("--rollouts", type=int, default=5, help="part 2: rollouts measured")
+    parser.add_argument("--skip-overhead", action="store_true", help="leave part 2 out")
     args = parser.parse_args(argv)
 
     rows = asyncio.run(sampler_comparison(args.budget, args.seeds))
@@ -191,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         row["usable_groups_vs_baseline"] = (
             row["usable_groups_per_1000"] / baseline["usable_groups_per_1000"]
         )
-    result = {
+    result: dict[str, Any] = {
         "benchmark": "rollout",
         "time": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {"python": platform.python_version(), "platform": platform.platform()},
@@ -208,6 +429,12 @@ def main(argv: list[str] | None = None) -> int:
             "rows": rows,
         },
     }
+    if not args.skip_overhead:
+        result["agent_step_overhead"] = agent_step_overhead(args.steps, args.rollouts)
+    elif RESULTS.exists():
+        previous = json.loads(RESULTS.read_text()).get("agent_step_overhead")
+        if previous is not None:
+            result["agent_step_overhead"] = previous
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
 
@@ -224,6 +451,20 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['advantage_mass_per_1000']:>11.1f} {row['advantage_mass_vs_baseline']:>7.2f} "
             f"{row['balanced_groups_per_1000']:>7.1f} {row['usable_groups_per_100_tasks']:>16.1f}"
         )
+    overhead = result.get("agent_step_overhead")
+    if overhead and "skipped" not in overhead:
+        print(
+            f"Agent step through the rollout manager ({overhead['rollouts']} rollouts x "
+            f"{overhead['steps_per_rollout']} steps, scripted policy, real orchard-env)"
+        )
+        print(
+            f"  step through the manager {overhead['harness_step_ms']:.2f} ms, raw loop "
+            f"{overhead['raw_step_ms']:.2f} ms (raw exec {overhead['raw_exec_ms']:.2f} ms): "
+            f"overhead {overhead['overhead_per_step_ms']:.2f} ms per step, "
+            f"{overhead['overhead_vs_raw_exec']:.1%} of raw exec (target 5%)"
+        )
+    elif overhead:
+        print(f"Agent step overhead: skipped ({overhead['skipped']})")
     print(f"wrote {RESULTS.relative_to(ROOT)}")
     return 0
 
