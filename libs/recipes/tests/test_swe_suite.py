@@ -37,6 +37,18 @@ def _apply(repo: Path, task: SuiteTask, which: str) -> None:
         path.write_text(text.replace(edit.old_text, edit.new_text))
 
 
+def _shell(repo: Path, command: str) -> None:
+    done = subprocess.run(
+        ["/bin/sh", "-c", command],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, f"{command!r}: {done.stderr}"
+
+
 def test_same_seed_same_suite_and_difficulties_are_balanced() -> None:
     a, b = generate_suite(15, seed=3), generate_suite(15, seed=3)
     assert [t.blueprint for t in a] == [t.blueprint for t in b]
@@ -67,6 +79,26 @@ def test_every_bug_is_real_and_the_teachers_paths_do_what_they_say(tmp_path: Pat
         _apply(repo, task, "wrong")
         assert _pytest(repo, (*f2p, *p2p)) != 0, f"{task.instance_id}: the wrong fix passes"
 
+        # The teacher's shell commands: the fix gives exactly the gold files, the wrong one
+        # leaves a failing test.
+        subprocess.run(["git", "checkout", "-q", "--", "src"], cwd=repo, check=True)
+        _shell(repo, task.shell.look)
+        _shell(repo, task.shell.fix)
+        fixed = {path: (repo / path).read_text() for path in task.blueprint.fix}
+        assert fixed == dict(task.blueprint.fix), f"{task.instance_id}: shell fix != gold patch"
+        subprocess.run(["git", "checkout", "-q", "--", "src"], cwd=repo, check=True)
+        _shell(repo, task.shell.wrong)
+        assert _pytest(repo, (*f2p, *p2p)) != 0, f"{task.instance_id}: the wrong command passes"
+        assert subprocess.run(["git", "diff", "--quiet"], cwd=repo, check=False).returncode == 1
+
+
+def test_family_commands_name_nothing_task_specific() -> None:
+    tasks = generate_suite(3 * len(FAMILIES), seed=2)
+    for family in FAMILIES:
+        members = [t for t in tasks if t.family == family]
+        assert len({t.shell for t in members}) == 1  # one command set per family
+        assert all(t.blueprint.repo.split("/")[1] not in t.shell.fix for t in members)
+
 
 def test_split_is_stratified_and_disjoint() -> None:
     tasks = generate_suite(20, seed=0)
@@ -91,8 +123,9 @@ def test_the_teacher_script_selects_each_tasks_own_plan() -> None:
     for task in tasks:
         plan = script.plan_for(task.blueprint.problem_statement)
         assert plan is not None and plan.match == task.marker
-        edits = [s for s in plan.solution if s.tool == "edit"]
-        assert [e.arguments["old_text"] for e in edits] == [e.old_text for e in task.fix]
+        commands = [s.arguments.get("command") for s in plan.solution if s.tool == "bash"]
+        assert commands[:2] == [task.shell.look, task.shell.fix]
+        assert task.shell.wrong in [s.arguments.get("command") for s in plan.failure]
         assert plan.solution[-1].tool == "submit" and plan.failure[-1].tool == "submit"
     rates = {t.difficulty: script.plan_for(t.blueprint.problem_statement).solve_rate for t in tasks}  # type: ignore[union-attr]
     assert rates[1] > rates[2] > rates[3]

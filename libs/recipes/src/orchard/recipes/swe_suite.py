@@ -28,6 +28,8 @@ from orchard.reward.swe_tasks import RepoBlueprint
 
 __all__ = [
     "FAMILIES",
+    "FAMILY_COMMANDS",
+    "FamilyCommands",
     "SuiteTask",
     "generate_suite",
     "split_suite",
@@ -57,6 +59,20 @@ class Edit:
 
 
 @dataclass(frozen=True, slots=True)
+class FamilyCommands:
+    """Shell commands that read, fix and wrongly fix any task of one family.
+
+    They name no task-specific identifier (the module is found by its file name under
+    ``src/*/``), so the same command solves every task of the family: what a student model
+    must learn is which family a problem statement describes and the shape of its fix.
+    """
+
+    look: str
+    fix: str
+    wrong: str
+
+
+@dataclass(frozen=True, slots=True)
 class SuiteTask:
     """One generated task."""
 
@@ -70,7 +86,9 @@ class SuiteTask:
     plan is selected by it)."""
     fix: tuple[Edit, ...]
     wrong_fix: tuple[Edit, ...]
-    """A plausible wrong attempt: the teacher's failure path applies it."""
+    """A plausible wrong attempt, as edits."""
+    shell: FamilyCommands
+    """The same fix and wrong attempt as shell commands: what the teacher types."""
 
     @property
     def instance_id(self) -> str:
@@ -230,7 +248,7 @@ def _off_by_one(names: _Names) -> _Parts:
 
 
 def _empty_input(names: _Names) -> _Parts:
-    fn, default = names.function, names.number % 5
+    fn, default = names.function, 0
     path = _module(names, "peaks")
     body = (
         "    best = values[0]\n"
@@ -339,6 +357,38 @@ FAMILIES = {
 }
 """Family name -> (difficulty, generator)."""
 
+FAMILY_COMMANDS = {
+    "boundary": FamilyCommands(
+        look="cat src/*/rules.py",
+        fix="sed -i 's/value > /value >= /' src/*/rules.py",
+        wrong="sed -i 's/value > /value > 1 + /' src/*/rules.py",
+    ),
+    "operator": FamilyCommands(
+        look="cat src/*/billing.py",
+        fix="sed -i 's/price + quantity/price * quantity/' src/*/billing.py",
+        wrong="sed -i 's/price + quantity/price + quantity * 2/' src/*/billing.py",
+    ),
+    "off_by_one": FamilyCommands(
+        look="cat src/*/series.py",
+        fix="sed -i 's/range(1, n))/range(1, n + 1))/' src/*/series.py",
+        wrong="sed -i 's/range(1, n))/range(0, n))/' src/*/series.py",
+    ),
+    "empty_input": FamilyCommands(
+        look="cat src/*/peaks.py",
+        fix="sed -i 's/^    best = values\\[0\\]$/    if not values:\\n        return 0\\n"
+        "    best = values[0]/' src/*/peaks.py",
+        wrong="sed -i 's/^    best = values\\[0\\]$/    best = values[0] if values else None/' "
+        "src/*/peaks.py",
+    ),
+    "round_trip": FamilyCommands(
+        look="cat src/*/codec.py",
+        fix="sed -i 's/{name}={quantity}/{name}:{quantity}/; "
+        "s/int(quantity)$/int(quantity) if quantity.strip() else 1/' src/*/codec.py",
+        wrong="sed -i 's/{name}={quantity}/{name}:{quantity}/' src/*/codec.py",
+    ),
+}
+"""Family name -> the shell commands the scripted teacher types (GNU sed)."""
+
 
 def _unique_names(rng: random.Random, count: int) -> list[str]:
     pairs = [f"{v}_{n}" for v in _VERBS for n in _NOUNS]
@@ -394,6 +444,7 @@ def generate_suite(count: int, seed: int = 0) -> list[SuiteTask]:
                 else f"`{names.function}(",
                 fix=parts.fix,
                 wrong_fix=parts.wrong,
+                shell=FAMILY_COMMANDS[family],
             )
         )
     _check_markers(tasks)
@@ -442,42 +493,26 @@ def split_suite(
 
 def teacher_script(tasks: Sequence[SuiteTask], model: str = "scripted-teacher") -> dict[str, Any]:
     """The scripted teacher's plans for ``tasks``, in the scripted policy's JSON form
-    (:meth:`orchard.rollout.scripted_policy.PolicyScript.from_json`): look at the file, edit,
-    run the tests, submit; the failure path makes the wrong edit and submits untested."""
+    (:meth:`orchard.rollout.scripted_policy.PolicyScript.from_json`), all through the shell:
+    read the module, fix it, run the tests, submit; the failure path reads the module and the
+    failing tests, then makes the family's wrong fix and submits without testing it."""
+
+    def bash(thought: str, command: str) -> dict[str, Any]:
+        return {"thought": thought, "tool": "bash", "arguments": {"command": command}}
+
     plans = []
     for task in tasks:
-        look = {
-            "thought": f"Let me read {task.module_path} first.",
-            "tool": "bash",
-            "arguments": {"command": f"cat {task.module_path}"},
-        }
+        commands = task.shell
         solution = [
-            {**look, "thought": f"I will fix this. Let me read {task.module_path} first."},
-            *(
-                {
-                    "thought": "This line is the bug; I change it.",
-                    "tool": "edit",
-                    "arguments": {"path": e.path, "old_text": e.old_text, "new_text": e.new_text},
-                }
-                for e in task.fix
-            ),
-            {
-                "thought": "Now I run the tests.",
-                "tool": "bash",
-                "arguments": {"command": "python -m pytest -q"},
-            },
+            bash("I read the code first.", commands.look),
+            bash("I fix the bug.", commands.fix),
+            bash("I run the tests.", "python -m pytest -q"),
             {"thought": "The tests pass; I submit.", "tool": "submit", "arguments": {}},
         ]
         failure = [
-            {**look, "thought": f"Quick fix. Let me read {task.module_path} first."},
-            *(
-                {
-                    "thought": "I think this is it.",
-                    "tool": "edit",
-                    "arguments": {"path": e.path, "old_text": e.old_text, "new_text": e.new_text},
-                }
-                for e in task.wrong_fix
-            ),
+            bash("A quick look at the code.", commands.look),
+            bash("I see what fails.", "python -m pytest -q"),
+            bash("I think this is it.", commands.wrong),
             {"thought": "Done, I submit.", "tool": "submit", "arguments": {}},
         ]
         plans.append(

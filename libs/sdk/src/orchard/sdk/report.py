@@ -324,8 +324,10 @@ def _plots(report: RunReport, folder: Path) -> dict[str, str]:
         intervals = [
             wilson_interval(e.resolved, e.attempts, report.confidence) for e in report.evaluations
         ]
-        errors = [[r - lo for r, (lo, _) in zip(rates, intervals, strict=True)],
-                  [hi - r for r, (_, hi) in zip(rates, intervals, strict=True)]]  # fmt: skip
+        # Clamped at 0: at a rate of 0 or 1 the bound equals the rate up to rounding.
+        below = [max(0.0, r - lo) for r, (lo, _) in zip(rates, intervals, strict=True)]
+        above = [max(0.0, hi - r) for r, (_, hi) in zip(rates, intervals, strict=True)]
+        errors = [below, above]
         axes.bar(names, rates, yerr=errors, capsize=6, color="#4c8c4a")
         axes.set_ylim(0, 1)
         axes.set_ylabel("resolve rate")

@@ -4,7 +4,7 @@ all run in the task's sandbox through the environment service."""
 from __future__ import annotations
 
 from orchard.rollout.harnesses.tool_loop import ToolCallingHarness
-from orchard.rollout.harnesses.tools import software_tools
+from orchard.rollout.harnesses.tools import BashTool, SubmitTool, software_tools
 
 SYSTEM_PROMPT = """\
 You are a software engineer working in a Linux machine through tools.
@@ -20,6 +20,23 @@ def bash_react_harness(
         name=name,
         system_prompt=SYSTEM_PROMPT,
         tools=tuple(software_tools(command_timeout_s=command_timeout_s, cwd=cwd)),
+    )
+
+
+SHELL_SYSTEM_PROMPT = """\
+You fix a bug in the repository you are in. Call one tool per step: `bash` runs a shell
+command; call `submit` when the tests pass."""
+
+
+def shell_harness(
+    *, command_timeout_s: float = 60.0, cwd: str = "", name: str = "builtin:swe"
+) -> ToolCallingHarness:
+    """The lean software loop: a shell and submit, with a short system prompt. Its prompt is
+    a quarter of the full loop's in tokens, which is what a small model's context can hold."""
+    return ToolCallingHarness(
+        name=name,
+        system_prompt=SHELL_SYSTEM_PROMPT,
+        tools=(BashTool(timeout_s=command_timeout_s, cwd=cwd), SubmitTool()),
     )
 
 

@@ -1,0 +1,223 @@
+"""Running a recipe: its stages in order against running services, resumable, ending in a report.
+
+`run_recipe` prepares the tasks, then runs each enabled stage that has not finished yet (a
+stage is finished when its ``done.json`` exists, see `orchard.recipes.workspace`), and writes
+the report (``report/report.md`` with PNG plots, ``report/report.json``) from what the stages
+left in the run folder. ``only`` runs the named stages alone (their inputs must exist).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from orchard.recipes.recipe_tasks import prepare_tasks
+from orchard.recipes.stages import (
+    StageContext,
+    run_collect,
+    run_credit,
+    run_curate,
+    run_evaluate,
+    run_rl,
+    run_sft,
+)
+from orchard.recipes.workspace import RunDir, StackEndpoints, write_json
+from orchard.sdk.recipe import STAGES, Recipe
+from orchard.sdk.report import (
+    Curve,
+    GroupStats,
+    ModelEvaluation,
+    RunReport,
+    ServiceStats,
+    TrajectoryCounts,
+    service_stats_from_metrics,
+    write_report,
+)
+
+__all__ = ["StageError", "build_report", "run_recipe"]
+
+log = logging.getLogger(__name__)
+
+RUNNERS: dict[str, Callable[[StageContext], dict[str, Any]]] = {
+    "collect": run_collect,
+    "credit": run_credit,
+    "curate": run_curate,
+    "sft": run_sft,
+    "rl": run_rl,
+    "evaluate": run_evaluate,
+}
+
+
+class StageError(RuntimeError):
+    """A stage failed; the message names it and what to look at."""
+
+
+def _needs(stage: str) -> list[str]:
+    return {
+        "credit": ["collect"],
+        "curate": ["collect"],
+        "sft": ["curate"],
+        "evaluate": [],
+        "rl": [],
+        "collect": [],
+    }[stage]
+
+
+def run_recipe(
+    recipe: Recipe,
+    stack: StackEndpoints,
+    *,
+    only: Sequence[str] = (),
+    progress: bool = True,
+    workers: int = 4,
+    seed: int = 0,
+    say: Callable[[str], None] = print,
+) -> Path:
+    """Run the recipe's stages (or ``only`` those) and write the report; returns its path."""
+    unknown = [s for s in only if s not in STAGES]
+    if unknown:
+        raise ValueError(f"unknown stage(s) {unknown}: the stages are {', '.join(STAGES)}")
+    run = RunDir.open(recipe)
+    ctx = StageContext(
+        recipe=recipe,
+        run=run,
+        stack=stack,
+        tasks=prepare_tasks(recipe, run),
+        progress=progress,
+        workers=workers,
+        seed=seed,
+    )
+    sizes = ", ".join(f"{k} {len(v)}" for k, v in ctx.tasks.items())
+    say(f"recipe {recipe.name}: tasks {sizes}; outputs in {run.root}")
+    chosen = list(only) or recipe.stages.enabled()
+    for stage in [s for s in STAGES if s in chosen]:
+        if run.done(stage) is not None and stage not in only:
+            say(f"stage {stage}: done already (remove {run.root / stage} to run it again)")
+            continue
+        missing = [n for n in _needs(stage) if run.done(n) is None]
+        if missing:
+            raise StageError(
+                f"stage {stage} needs the output of {', '.join(missing)}; run that stage first"
+            )
+        if stage in only:
+            run.reset(stage)
+        started = time.monotonic()
+        try:
+            summary = RUNNERS[stage](ctx)
+        except Exception as exc:
+            raise StageError(
+                f"stage {stage} failed: {type(exc).__name__}: {exc}; its outputs so far are in "
+                f"{run.root / stage}, and running the recipe again resumes here"
+            ) from exc
+        summary["seconds"] = round(time.monotonic() - started, 1)
+        run.finish(stage, summary)
+        say(f"stage {stage}: done in {summary['seconds']:.0f} s")
+    report = build_report(ctx)
+    return write_report(report, run.root / "report")
+
+
+def _curve(name: str, points: Sequence[tuple[float, float]]) -> Curve | None:
+    points = [(s, v) for s, v in points if not math.isnan(v)]  # NaN: no value that step
+    if not points:
+        return None
+    return Curve(name, tuple(p[0] for p in points), tuple(p[1] for p in points))
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+
+
+def _service_stats(stack: StackEndpoints) -> ServiceStats | None:
+    if not stack.env_metrics:
+        return None
+    try:
+        with urllib.request.urlopen(f"http://{stack.env_metrics}/metrics", timeout=5) as reply:
+            return service_stats_from_metrics(reply.read().decode())
+    except OSError as exc:
+        log.warning("the environment service's metrics are unreachable: %s", exc)
+        return None
+
+
+def build_report(ctx: StageContext) -> RunReport:
+    run = ctx.run
+    evaluations = []
+    evaluate = run.done("evaluate")
+    for name, result in (evaluate or {}).get("models", {}).items():
+        evaluations.append(
+            ModelEvaluation(
+                name, result["resolved"], result["attempts"], result.get("weight_version", "")
+            )
+        )
+    curves = []
+    sft_log = _jsonl(run.root / "sft" / "run.jsonl")
+    curve = _curve("sft loss", [(float(r["step"]), float(r["loss"])) for r in sft_log])
+    if curve:
+        curves.append(curve)
+    rl = run.done("rl") or {}
+    steps = rl.get("steps", [])
+    for key, label in (("reward_mean", "rl reward mean"), ("loss", "rl loss")):
+        points = [(float(s["step"]), float(s[key])) for s in steps if s.get(key) is not None]
+        curve = _curve(label, points)
+        if curve:
+            curves.append(curve)
+    groups = []
+    if rl.get("groups"):
+        every = rl["groups"]
+        kept = [g for g in every if g["kept"]]
+        groups.append(
+            GroupStats(
+                sampler=ctx.recipe.stages.rl.sampler.kind,
+                groups=len(every),
+                rollouts=sum(g["rollouts"] for g in every),
+                kept_groups=len(kept),
+                mean_positive_fraction=(
+                    sum(g["positive_fraction"] for g in kept) / len(kept) if kept else 0.0
+                ),
+                choices=dict(Counter(g["choice"] for g in every)),
+            )
+        )
+    collect = run.done("collect") or {}
+    credit = run.done("credit") or {}
+    excluded = Counter(collect.get("excluded", {}))
+    excluded.update({f"credit: {k}": v for k, v in credit.get("excluded", {}).items()})
+    counts = TrajectoryCounts(
+        resolved=collect.get("resolved", 0),
+        unresolved=collect.get("unresolved", 0),
+        credit_assigned=credit.get("credited", 0),
+        excluded=dict(excluded),
+    )
+    seconds = {s: float(d["seconds"]) for s in STAGES if (d := run.done(s)) and "seconds" in d}
+    notes = list(ctx.notes)
+    if rl.get("note"):
+        notes.append(rl["note"])
+    if credit.get("note"):
+        notes.append(credit["note"])
+    curate = run.done("curate")
+    if curate:
+        notes.append(f"curation kept {curate['kept']} of {curate['input']} teacher trajectories")
+    report = RunReport(
+        title=f"Recipe {ctx.recipe.name}",
+        evaluations=tuple(evaluations),
+        curves=tuple(curves),
+        groups=tuple(groups),
+        trajectories=counts,
+        services=_service_stats(ctx.stack),
+        stage_seconds=seconds,
+        confidence=ctx.recipe.stages.evaluate.confidence,
+        notes=tuple(notes),
+    )
+    models = (evaluate or {}).get("models", {})
+    write_json(
+        run.root / "report" / "families.json",
+        {name: result.get("by_family", {}) for name, result in models.items()},
+    )
+    return report

@@ -1,0 +1,142 @@
+"""A recipe's tasks: the built-in suite materialized as git repositories, or SWE-bench JSONL.
+
+`prepare_tasks` writes ``tasks/tasks.jsonl`` (one SWE-bench line per task with its split, and
+its family and difficulty for the built-in suite) and, for the built-in suite, the repositories
+under ``tasks/repos``; a second call reads the manifest back, so a resumed run works on the
+same tasks. `task_spec` turns a task into what the rollout runner drives: the problem statement
+as the instruction, the repository at ``/testbed`` in the sandbox, and ScoreTests through the
+reward service as the check.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchard.recipes.swe_suite import Split, SuiteTask, generate_suite, split_suite
+from orchard.recipes.workspace import RunDir
+from orchard.reward.swe_instances import (
+    DEFAULT_REPO_PATH,
+    SweInstance,
+    load_instances,
+    parse_instance,
+)
+from orchard.reward.swe_tasks import materialize
+from orchard.rollout.tasks import TaskSpec, TestsCheck
+from orchard.sdk.recipe import Recipe
+
+__all__ = ["SPLITS", "RecipeTask", "prepare_tasks", "task_spec"]
+
+SPLITS: tuple[Split, ...] = ("sft", "rl", "evaluate")
+WORKDIR = DEFAULT_REPO_PATH
+"""Where the repository is in every rollout sandbox (as SWE-bench images hold it)."""
+
+
+@dataclass(frozen=True)
+class RecipeTask:
+    split: str
+    instance: SweInstance
+    family: str = ""
+    """The built-in suite's bug family; empty for JSONL tasks."""
+    difficulty: int = 0
+    """1-3 for the built-in suite; 0 unknown."""
+
+    @property
+    def id(self) -> str:
+        return self.instance.instance_id
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            **self.instance.to_json(),
+            "orchard_split": self.split,
+            "orchard_family": self.family,
+            "orchard_difficulty": self.difficulty,
+        }
+
+
+def _builtin(recipe: Recipe, repos: Path) -> list[RecipeTask]:
+    assert recipe.tasks.builtin is not None
+    spec = recipe.tasks.builtin
+    split = recipe.tasks.split
+    suite = generate_suite(spec.count, seed=spec.seed)
+    splits = split_suite(
+        suite, {"sft": split.sft, "rl": split.rl, "evaluate": split.evaluate}, seed=spec.seed
+    )
+    out: list[RecipeTask] = []
+    for name in SPLITS:
+        for task in splits[name]:
+            out.append(_materialized(name, task, repos))
+    return out
+
+
+def _materialized(split: str, task: SuiteTask, repos: Path) -> RecipeTask:
+    # The sandboxes see the host root copy-on-write: the repository's host path is readable
+    # there, and the test command runs this interpreter (it has pytest).
+    instance = materialize(task.blueprint, repos, python=sys.executable, image="host")
+    return RecipeTask(split, instance, task.family, task.difficulty)
+
+
+def _jsonl(recipe: Recipe) -> list[RecipeTask]:
+    assert recipe.tasks.jsonl is not None
+    out: list[RecipeTask] = []
+    for name in SPLITS:
+        path = getattr(recipe.tasks.jsonl, name)
+        if path is None:
+            continue
+        out += [RecipeTask(name, instance) for instance in load_instances(path)]
+    return out
+
+
+def prepare_tasks(recipe: Recipe, run: RunDir) -> dict[str, list[RecipeTask]]:
+    """The recipe's tasks by split (made once, then read from the run folder)."""
+    folder = run.root / "tasks"
+    manifest = folder / "tasks.jsonl"
+    if manifest.exists():
+        tasks = []
+        with manifest.open(encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                data = json.loads(line)
+                tasks.append(
+                    RecipeTask(
+                        split=data.pop("orchard_split"),
+                        family=data.pop("orchard_family", ""),
+                        difficulty=int(data.pop("orchard_difficulty", 0)),
+                        instance=parse_instance(data, source=str(manifest), line=number),
+                    )
+                )
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        tasks = _builtin(recipe, folder / "repos") if recipe.tasks.builtin else _jsonl(recipe)
+        staging = manifest.with_suffix(".partial")
+        with staging.open("w", encoding="utf-8") as handle:
+            for task in tasks:
+                handle.write(json.dumps(task.to_json(), sort_keys=True) + "\n")
+        staging.rename(manifest)
+    by_split: dict[str, list[RecipeTask]] = {name: [] for name in SPLITS}
+    for task in tasks:
+        by_split[task.split].append(task)
+    return by_split
+
+
+def task_spec(task: RecipeTask, *, memory: str = "") -> TaskSpec:
+    """What the rollout runner drives for ``task``: its repository at ``/testbed`` (copied
+    there from the host path for the built-in suite), scored by ScoreTests."""
+    instance = task.instance
+    setup: list[str] = []
+    if instance.repo_path != WORKDIR:
+        setup.append(f"cp -a {shlex.quote(instance.repo_path)} {WORKDIR}")
+    if (instance.image or "host") == "host":
+        # The host image has no `python` of its own on the sandbox's PATH: give it this
+        # interpreter (it has pytest), inside the sandbox's copy-on-write layer only.
+        setup.append(f"ln -sf {shlex.quote(sys.executable)} /usr/local/bin/python")
+    return TaskSpec(
+        id=instance.instance_id,
+        instruction=instance.problem_statement or f"Resolve {instance.instance_id}.",
+        check=TestsCheck(task=instance.to_task(), repo_path=WORKDIR),
+        image=instance.image or "host",
+        setup=tuple(setup),
+        memory=memory,
+    )

@@ -1,0 +1,813 @@
+"""The stages of a recipe run, each reading the outputs of the ones before it from the run folder.
+
+- **collect**: the teacher attempts every SFT task ``attempts_per_task`` times through the
+  harness, in sandboxes of the environment service, scored by the reward service's ScoreTests;
+  its conversations become trajectories in the student's tokens.
+- **curate**: successful trajectories (and failed ones with credit, when the credit stage gave
+  some) filtered for SFT.
+- **sft**: offline SFT of the student on the curated trajectories (DeepSpeed engine), the
+  trained model saved as a model folder and published to the weight registry.
+- **rl**: policy-gradient steps from the SFT model on groups the sampler draws from the RL
+  tasks; the student samples through the local engine behind the capture proxy, so training
+  gets the exact tokens and logprobs; each step publishes a new weight version the engine loads.
+- **evaluate**: every model (base, sft, rl) attempts every held-out task; resolved counts.
+
+Each stage function takes a `StageContext` and returns the summary `done.json` keeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from orchard.lm.chat import ChatRenderer
+from orchard.recipes.recipe_tasks import WORKDIR, RecipeTask, task_spec
+from orchard.recipes.swe_suite import teacher_script
+from orchard.recipes.trajectories import student_trajectories, teacher_trajectory
+from orchard.recipes.workspace import RunDir, StackEndpoints, write_json
+from orchard.rollout.budgets import RolloutBudget
+from orchard.rollout.harnesses.bash_react import bash_react_harness, shell_harness
+from orchard.rollout.harnesses.tool_loop import ModelEndpoint, ToolCallingHarness
+from orchard.rollout.provenance import RolloutRecord, write_records
+from orchard.rollout.results import GroupKey, RolloutResult, RolloutStatus
+from orchard.rollout.runner import RolloutRunner
+from orchard.rollout.scoring import RewardServiceScorer
+from orchard.sdk import AsyncSandboxClient
+from orchard.sdk.recipe import Budget, Recipe
+from orchard.types.v1 import trajectory_pb2
+
+__all__ = [
+    "StageContext",
+    "harnesses_for",
+    "run_collect",
+    "run_credit",
+    "run_curate",
+    "run_evaluate",
+    "run_rl",
+    "run_sft",
+]
+
+log = logging.getLogger(__name__)
+
+STUDENT_MODEL = "student"
+"""The model name harnesses send to the capture proxy (it serves one model)."""
+REGISTRY_NAMESPACE = "orchard/"
+"""Where in etcd the weight registry lives (the rollout and trainer services use the same)."""
+MAX_TOKENS_PER_CALL = 192
+"""Output budget of one student call: the built-in tasks' longest turn is about 120 tokens."""
+
+
+@dataclass
+class StageContext:
+    recipe: Recipe
+    run: RunDir
+    stack: StackEndpoints
+    tasks: dict[str, list[RecipeTask]]
+    progress: bool = True
+    workers: int = 4
+    """Rollouts that run at once."""
+    seed: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def registry_model(self) -> str:
+        """The student's name in the weight registry: one per run."""
+        return f"{self.recipe.name}-student"
+
+
+def harnesses_for(recipe: Recipe) -> dict[str, ToolCallingHarness]:
+    """The recipe's harnesses by name; raises ValueError for one that is not built in."""
+    out: dict[str, ToolCallingHarness] = {}
+    for name in recipe.harnesses:
+        if name == "builtin:swe":
+            out[name] = shell_harness(name=name, cwd=WORKDIR)
+        elif name == "builtin:bash":
+            out[name] = bash_react_harness(name=name, cwd=WORKDIR)
+        else:
+            raise ValueError(
+                f"harness {name!r} is not one this recipe runner drives; use builtin:swe or "
+                "builtin:bash"
+            )
+    return out
+
+
+def _budget(budget: Budget) -> RolloutBudget:
+    return RolloutBudget(
+        max_steps=budget.max_steps,
+        max_tokens=budget.max_tokens,
+        max_duration_s=budget.wall_clock_s,
+    )
+
+
+def _bar(ctx: StageContext, total: int, desc: str) -> tqdm[Any]:
+    return tqdm(total=total, desc=desc, unit="rollout", disable=not ctx.progress, leave=True)
+
+
+async def _run_all(
+    runner: RolloutRunner,
+    keys: Sequence[tuple[GroupKey, int]],
+    *,
+    workers: int,
+    bar: tqdm[Any],
+) -> list[RolloutResult]:
+    """Every (pair, index) rollout, ``workers`` at a time, in input order."""
+    gate = asyncio.Semaphore(workers)
+    resolved = 0
+
+    async def one(key: GroupKey, index: int) -> RolloutResult:
+        nonlocal resolved
+        async with gate:
+            result = await runner(key, index)
+        resolved += result.reward is not None and result.reward >= 0.5
+        bar.update(1)
+        bar.set_postfix(resolved=resolved)
+        return result
+
+    return list(await asyncio.gather(*(one(k, i) for k, i in keys)))
+
+
+def _status_counts(records: Sequence[RolloutRecord]) -> dict[str, Any]:
+    resolved = sum(
+        1
+        for r in records
+        if r.status is not RolloutStatus.ABORTED and r.reward and r.reward.value >= 0.5
+    )
+    excluded: Counter[str] = Counter()
+    for r in records:
+        if r.status is RolloutStatus.ABORTED:
+            layer = r.failure.layer.value if r.failure is not None else "unknown"
+            excluded[layer] += 1
+    return {
+        "rollouts": len(records),
+        "resolved": resolved,
+        "unresolved": len(records) - resolved - sum(excluded.values()),
+        "excluded": dict(excluded),
+    }
+
+
+def _tools_of(harness: ToolCallingHarness) -> list[dict[str, Any]]:
+    return [tool.schema() for tool in harness.tools]
+
+
+# -- collect -------------------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def _teacher(ctx: StageContext, tasks: Sequence[RecipeTask]) -> AsyncIterator[ModelEndpoint]:
+    teacher = ctx.recipe.teacher
+    if teacher.endpoint == "builtin:scripted":
+        from orchard.recipes.swe_suite import generate_suite  # noqa: PLC0415
+        from orchard.rollout.scripted_policy import PolicyScript, ScriptedPolicyServer  # noqa: PLC0415
+
+        spec = ctx.recipe.tasks.builtin
+        if spec is None:
+            raise ValueError(
+                "the scripted teacher knows only the built-in suite; give teacher.endpoint an "
+                "OpenAI-compatible URL for JSONL tasks"
+            )
+        wanted = {t.id for t in tasks}
+        suite = [t for t in generate_suite(spec.count, seed=spec.seed) if t.instance_id in wanted]
+        script = PolicyScript.from_json(teacher_script(suite, model=teacher.model))
+        async with ScriptedPolicyServer(script, seed=ctx.seed) as server:
+            yield ModelEndpoint(server.base_url, teacher.model, temperature=1.0)
+        return
+    import os  # noqa: PLC0415
+
+    key = os.environ.get(teacher.api_key_env, "") if teacher.api_key_env else "orchard"
+    if teacher.api_key_env and not key:
+        raise ValueError(f"teacher.api_key_env names {teacher.api_key_env}, which is not set")
+    yield ModelEndpoint(teacher.endpoint, teacher.model, api_key=key, temperature=1.0)
+
+
+async def _collect(ctx: StageContext, out: Path) -> dict[str, Any]:
+    stage = ctx.recipe.stages.collect
+    tasks = ctx.tasks["sft"]
+    harnesses = harnesses_for(ctx.recipe)
+    keys = [
+        (GroupKey(t.id, h), i)
+        for t in tasks
+        for h in harnesses
+        for i in range(stage.attempts_per_task)
+    ]
+    async with (
+        _teacher(ctx, tasks) as endpoint,
+        AsyncSandboxClient(ctx.stack.env, token=ctx.stack.env_token) as sandboxes,
+        RewardServiceScorer(ctx.stack.reward) as scorer,
+    ):
+        runner = RolloutRunner(
+            sandboxes=sandboxes,
+            endpoint=endpoint,
+            harnesses=harnesses,
+            tasks={t.id: task_spec(t) for t in tasks},
+            budget=_budget(stage.budget),
+            scorer=scorer,
+            seed=ctx.seed,
+            labels={"orchard-run": ctx.recipe.name, "orchard-stage": "collect"},
+        )
+        with _bar(ctx, len(keys), "collect") as bar:
+            await _run_all(runner, keys, workers=ctx.workers, bar=bar)
+    records = sorted(runner.records, key=lambda r: (r.task_id, r.started_at))
+    write_records(records, str(out / "rollouts.jsonl"))
+    renderer = _student_renderer(ctx)
+    repository = {t.id: t.instance.repo for t in tasks}
+    rows = []
+    for record in records:
+        harness = harnesses[record.harness]
+        if record.status is RolloutStatus.ABORTED or not record.messages:
+            continue
+        row = teacher_trajectory(
+            record, renderer, _tools_of(harness), teacher_model=ctx.recipe.teacher.model
+        )
+        row.metadata["repository"] = repository.get(record.task_id, "")
+        rows.append(row)
+    _write_trajectories(out / "trajectories.jsonl", rows)
+    return {**_status_counts(records), "trajectories": len(rows)}
+
+
+def _student_renderer(ctx: StageContext) -> ChatRenderer:
+    model = ctx.recipe.student.model
+    if model.startswith("builtin:"):
+        from orchard.lm.tokenizer import build_tokenizer  # noqa: PLC0415
+
+        return ChatRenderer(build_tokenizer())
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    return ChatRenderer(AutoTokenizer.from_pretrained(model, local_files_only=True))
+
+
+def _write_trajectories(path: Path, rows: Sequence[trajectory_pb2.Trajectory]) -> None:
+    from orchard.trainer.datasets import write_trajectories  # noqa: PLC0415
+
+    staging = path.with_suffix(".partial")
+    write_trajectories(staging, rows)
+    staging.rename(path)
+
+
+def _read_trajectories(path: Path) -> list[trajectory_pb2.Trajectory]:
+    from orchard.trainer.datasets import read_trajectories  # noqa: PLC0415
+
+    return list(read_trajectories(path))
+
+
+def run_collect(ctx: StageContext) -> dict[str, Any]:
+    out = ctx.run.stage("collect")
+    return asyncio.run(_collect(ctx, out))
+
+
+# -- credit --------------------------------------------------------------------------------------
+
+
+async def _credit(ctx: StageContext, out: Path) -> dict[str, Any]:
+    import grpc  # noqa: PLC0415
+
+    from orchard.reward.v1 import reward_service_pb2, reward_service_pb2_grpc  # noqa: PLC0415
+    from orchard.types.v1 import reward_pb2  # noqa: PLC0415
+
+    stage = ctx.recipe.stages.credit
+    rows = _read_trajectories(ctx.run.root / "collect" / "trajectories.jsonl")
+    failed = [
+        r
+        for r in rows
+        if r.reward.status == reward_pb2.REWARD_STATUS_SCORED and r.reward.value < 0.5
+    ]
+    statement = {t.id: t.instance.problem_statement for t in ctx.tasks["sft"]}
+    credited: list[trajectory_pb2.Trajectory] = []
+    excluded: Counter[str] = Counter()
+    gate = asyncio.Semaphore(ctx.workers)
+    async with grpc.aio.insecure_channel(ctx.stack.reward) as channel:
+        stub = reward_service_pb2_grpc.RewardServiceStub(channel)
+
+        async def one(row: trajectory_pb2.Trajectory) -> None:
+            async with gate:
+                reply = await stub.AssignCredit(
+                    reward_service_pb2.AssignCreditRequest(
+                        trajectory=row,
+                        epsilon=stage.epsilon,
+                        task=statement.get(row.task_id, ""),
+                        failure=row.reward.detail,
+                    ),
+                    timeout=600,
+                )
+            if reply.reward.status == reward_pb2.REWARD_STATUS_EXCLUDED:
+                reason = reward_pb2.ExclusionReason.Name(reply.reward.exclusion)
+                excluded[reason.removeprefix("EXCLUSION_REASON_").lower()] += 1
+                return
+            row.credit.CopyFrom(reply.credit)
+            credited.append(row)
+            bar.update(1)
+
+        with _bar(ctx, len(failed), "credit") as bar:
+            await asyncio.gather(*(one(r) for r in failed))
+    with_segments = [r for r in credited if r.credit.rise_segments]
+    _write_trajectories(out / "trajectories.jsonl", sorted(credited, key=lambda t: t.id))
+    summary: dict[str, Any] = {
+        "failed": len(failed),
+        "credited": len(with_segments),
+        "no_rise": len(credited) - len(with_segments),
+        "excluded": dict(excluded),
+    }
+    if excluded and not credited:
+        summary["note"] = (
+            f"credit assignment gave nothing: the reward service's judge answered none of "
+            f"{len(failed)} failed trajectories ({', '.join(excluded)}); failed trajectories "
+            "then carry no loss in SFT"
+        )
+    return summary
+
+
+def run_credit(ctx: StageContext) -> dict[str, Any]:
+    """Rise segments for the failed teacher trajectories from the reward service's judge."""
+    out = ctx.run.stage("credit")
+    return asyncio.run(_credit(ctx, out))
+
+
+# -- curate --------------------------------------------------------------------------------------
+
+
+def run_curate(ctx: StageContext) -> dict[str, Any]:
+    """The trainer's curation steps over the collected trajectories (credit-assigned ones in
+    place of their originals when the credit stage ran); failed trajectories without rise
+    segments pass here and carry no loss in SFT."""
+    from orchard.trainer.curation import (  # noqa: PLC0415
+        CapPerSource,
+        CurationStep,
+        KnownTools,
+        ParsableActions,
+        ShortestSuccessful,
+        TokenLimit,
+        ToolSchema,
+        curate,
+        default_order,
+    )
+
+    stage = ctx.recipe.stages.curate
+    rows = _read_trajectories(ctx.run.root / "collect" / "trajectories.jsonl")
+    credited = ctx.run.root / "credit" / "trajectories.jsonl"
+    if credited.exists():
+        by_id = {t.id: t for t in _read_trajectories(credited)}
+        rows = [by_id.get(t.id, t) for t in rows]
+    steps: list[CurationStep] = [TokenLimit(stage.max_tokens)]
+    if stage.drop_unparsable:
+        steps.append(ParsableActions())
+    if stage.drop_unknown_tools:
+        schemas: dict[str | None, ToolSchema] = {
+            name: ToolSchema.of(_tools_of(h)) for name, h in harnesses_for(ctx.recipe).items()
+        }
+        steps.append(KnownTools(schemas))
+    if stage.shortest_success_per_task:
+        steps.append(ShortestSuccessful())
+    if stage.cap_per_source is not None:
+        steps.append(CapPerSource(stage.cap_per_source, "repository"))
+    result = curate(rows, default_order(steps))
+    out = ctx.run.stage("curate")
+    _write_trajectories(out / "sft.jsonl", result.rows)
+    (out / "report.txt").write_text(result.summary() + "\n", encoding="utf-8")
+    return {
+        "input": len(rows),
+        "kept": len(result.rows),
+        "steps": [r.as_dict(examples=2) for r in result.reports],
+    }
+
+
+# -- sft -----------------------------------------------------------------------------------------
+
+
+def publish(ctx: StageContext, checkpoint: Any) -> dict[str, Any]:
+    """Publish a trainer checkpoint to the run's model in the weight registry."""
+    from orchard.core.etcd import EtcdStore  # noqa: PLC0415
+    from orchard.lm.weights import WeightRegistry  # noqa: PLC0415
+    from orchard.trainer.checkpoints import publish_checkpoint  # noqa: PLC0415
+
+    async def go() -> dict[str, Any]:
+        async with EtcdStore(ctx.stack.etcd, namespace=REGISTRY_NAMESPACE) as store:
+            published = await publish_checkpoint(
+                WeightRegistry(store, ctx.registry_model), checkpoint
+            )
+            return {
+                "version": published.version,
+                "number": published.number,
+                "location": published.location,
+            }
+
+    return asyncio.run(go())
+
+
+def base_model_folder(ctx: StageContext) -> Path:
+    """The untrained student as a model folder (written once): what SFT starts from and the
+    base line of the evaluation."""
+    folder = ctx.run.root / "base" / "model"
+    if folder.exists():
+        return folder
+    model = ctx.recipe.student.model
+    if not model.startswith("builtin:"):
+        return Path(model)
+    from orchard.lm.model_folder import save_model_folder  # noqa: PLC0415
+    from orchard.trainer.policy import load_policy  # noqa: PLC0415
+
+    policy = load_policy(model, seed=ctx.seed)
+    assert policy.tokenizer is not None
+    save_model_folder(folder, policy.model, policy.tokenizer, metadata={"version": "base"})
+    return folder
+
+
+def run_sft(ctx: StageContext) -> dict[str, Any]:
+    from orchard.lm.model_folder import load_model_folder  # noqa: PLC0415
+    from orchard.trainer.checkpoints import save_checkpoint  # noqa: PLC0415
+    from orchard.trainer.engine import EngineConfig, Precision  # noqa: PLC0415
+    from orchard.trainer.masks import SampleConfig  # noqa: PLC0415
+    from orchard.trainer.sft import SftRunConfig, run_offline_sft  # noqa: PLC0415
+
+    stage = ctx.recipe.stages.sft
+    data = ctx.run.root / "curate" / "sft.jsonl"
+    rows = _read_trajectories(data)
+    if not rows:
+        raise RuntimeError(
+            "curation kept no trajectory for SFT: the teacher resolved nothing; look at "
+            f"{ctx.run.root / 'collect' / 'rollouts.jsonl'}"
+        )
+    steps = max(1, stage.epochs * len(rows) // (stage.batch_size * stage.gradient_accumulation))
+    out = ctx.run.stage("sft")
+    base = base_model_folder(ctx)
+    config = SftRunConfig(
+        data=data,
+        model=str(base),
+        output_dir=out,
+        engine=EngineConfig(
+            zero_stage=stage.zero_stage,
+            micro_batch_size=stage.batch_size,
+            gradient_accumulation=stage.gradient_accumulation,
+            learning_rate=stage.learning_rate,
+            warmup_steps=min(stage.warmup_steps, steps),
+            total_steps=steps,
+            precision=Precision.FP32,
+            seed=ctx.seed,
+        ),
+        samples=SampleConfig(),
+        job=f"{ctx.recipe.name}-sft",
+        progress=ctx.progress,
+    )
+    result = run_offline_sft(config, keep_engine=True)
+    assert result.engine is not None
+    try:
+        checkpoint = save_checkpoint(
+            result.engine,
+            load_model_folder(base).tokenizer,
+            out / "checkpoints",
+            version="sft",
+            metadata={"run": ctx.recipe.name, "stage": "sft"},
+        )
+    finally:
+        result.engine.close()
+    published = publish(ctx, checkpoint)
+    losses = [r.loss for r in result.steps]
+    return {
+        "samples": result.samples,
+        "steps": len(result.steps),
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "skipped": dict(result.skipped),
+        "weights": published,
+    }
+
+
+# -- evaluate ------------------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def student_endpoint(
+    folder: Path, version: str, temperature: float
+) -> AsyncIterator[tuple[ModelEndpoint, Any]]:
+    """The model in ``folder`` on the local engine behind a capture proxy: the endpoint the
+    harness talks to, and the capture source the runner collects calls from."""
+    from orchard.rollout.engines.local import LocalEngine, LocalEngineConfig  # noqa: PLC0415
+    from orchard.rollout.proxy.server import CaptureProxy, CaptureProxyConfig  # noqa: PLC0415
+    from orchard.rollout.runner import ProxyCapture  # noqa: PLC0415
+
+    config = LocalEngineConfig(
+        model_folder=str(folder), weight_version=version, follow_registry=False
+    )
+    async with (
+        LocalEngine(config) as engine,
+        CaptureProxy(engine, CaptureProxyConfig(default_max_tokens=MAX_TOKENS_PER_CALL)) as proxy,
+    ):
+        endpoint = ModelEndpoint(
+            proxy.url + "/v1",
+            STUDENT_MODEL,
+            temperature=temperature,
+            max_tokens_per_call=MAX_TOKENS_PER_CALL,
+        )
+        yield endpoint, ProxyCapture(proxy)
+
+
+def models_to_evaluate(ctx: StageContext) -> list[tuple[str, Path, str]]:
+    """(name, folder, weight version) of each model the run has produced, base first."""
+    out = [("base", base_model_folder(ctx), "base")]
+    for name in ("sft", "rl"):
+        done = ctx.run.done(name)
+        if done and done.get("weights"):
+            weights = done["weights"]
+            if any(version == weights["version"] for _, _, version in out):
+                continue  # the same weights (an RL stage that made no update): no new numbers
+            out.append((name, Path(weights["location"]), str(weights["version"])))
+    return out
+
+
+async def _evaluate_model(
+    ctx: StageContext, name: str, folder: Path, version: str, out: Path
+) -> dict[str, Any]:
+    stage = ctx.recipe.stages.evaluate
+    tasks = ctx.tasks["evaluate"]
+    harnesses = harnesses_for(ctx.recipe)
+    keys = [
+        (GroupKey(t.id, h), i)
+        for t in tasks
+        for h in harnesses
+        for i in range(stage.attempts_per_task)
+    ]
+    async with (
+        student_endpoint(folder, version, stage.temperature) as (endpoint, capture),
+        AsyncSandboxClient(ctx.stack.env, token=ctx.stack.env_token) as sandboxes,
+        RewardServiceScorer(ctx.stack.reward) as scorer,
+    ):
+        runner = RolloutRunner(
+            sandboxes=sandboxes,
+            endpoint=endpoint,
+            harnesses=harnesses,
+            tasks={t.id: task_spec(t) for t in tasks},
+            budget=_budget(ctx.recipe.stages.rl.budget),
+            capture=capture,
+            scorer=scorer,
+            seed=ctx.seed,
+            labels={"orchard-run": ctx.recipe.name, "orchard-stage": f"evaluate-{name}"},
+        )
+        with _bar(ctx, len(keys), f"evaluate {name}") as bar:
+            await _run_all(runner, keys, workers=ctx.workers, bar=bar)
+    records = sorted(runner.records, key=lambda r: (r.task_id, r.started_at))
+    write_records(records, str(out / f"{name}.rollouts.jsonl"))
+    counts = _status_counts(records)
+    by_family: dict[str, list[int]] = {}
+    family = {t.id: t.family or "all" for t in tasks}
+    for r in records:
+        if r.status is RolloutStatus.ABORTED:
+            continue
+        entry = by_family.setdefault(family.get(r.task_id, "all"), [0, 0])
+        entry[0] += int(bool(r.reward and r.reward.value >= 0.5))
+        entry[1] += 1
+    return {
+        "model": name,
+        "weight_version": version,
+        "resolved": counts["resolved"],
+        "attempts": counts["resolved"] + counts["unresolved"],
+        "excluded": counts["excluded"],
+        "by_family": {
+            k: {"resolved": v[0], "attempts": v[1]} for k, v in sorted(by_family.items())
+        },
+    }
+
+
+def run_evaluate(ctx: StageContext) -> dict[str, Any]:
+    out = ctx.run.stage("evaluate")
+    results = {}
+    for name, folder, version in models_to_evaluate(ctx):
+        cached = out / f"{name}.json"
+        if cached.exists():
+            results[name] = json.loads(cached.read_text(encoding="utf-8"))
+            continue
+        results[name] = asyncio.run(_evaluate_model(ctx, name, folder, version, out))
+        write_json(cached, results[name])
+    return {"models": results}
+
+
+# -- rl ------------------------------------------------------------------------------------------
+
+
+def _sampler(ctx: StageContext) -> Any:
+    from orchard.rollout.samplers import BalancedAdaptiveSampler, FixedNSampler  # noqa: PLC0415
+
+    spec = ctx.recipe.stages.rl.sampler
+    if spec.kind == "fixed":
+        return FixedNSampler(group_size=spec.n)
+    return BalancedAdaptiveSampler(
+        group_size=spec.n,
+        max_rollouts=spec.n_max,
+        stride=spec.stride,
+        rho_min=spec.rho_min,
+        rho_max=spec.rho_max,
+    )
+
+
+async def _rl(ctx: StageContext, trainer: Any, tokenizer: Any, out: Path) -> dict[str, Any]:
+    from orchard.core.etcd import EtcdStore  # noqa: PLC0415
+    from orchard.lm.weights import WeightRegistry  # noqa: PLC0415
+    from orchard.rollout.batches import GroupFilter, fill_batch  # noqa: PLC0415
+    from orchard.rollout.engines.local import LocalEngine, LocalEngineConfig  # noqa: PLC0415
+    from orchard.rollout.proxy.server import CaptureProxy, CaptureProxyConfig  # noqa: PLC0415
+    from orchard.rollout.runner import ProxyCapture  # noqa: PLC0415
+    from orchard.trainer.checkpoints import publish_checkpoint, save_checkpoint  # noqa: PLC0415
+    from orchard.trainer.losses import PolicyLossConfig  # noqa: PLC0415
+    from orchard.trainer.rl import RlConfig, StalePolicy, build_rl_batch, rl_update  # noqa: PLC0415
+
+    stage = ctx.recipe.stages.rl
+    tasks = ctx.tasks["rl"]
+    harnesses = harnesses_for(ctx.recipe)
+    pairs = [GroupKey(t.id, h) for t in tasks for h in harnesses]
+    sampler = _sampler(ctx)
+    config = RlConfig(
+        loss=PolicyLossConfig(
+            clip_low=stage.clip_low, clip_high=stage.clip_high, kl_coef=stage.kl_coef
+        ),
+        max_staleness=stage.max_staleness,
+        stale=StalePolicy.SKIP,
+    )
+    renderer = ChatRenderer(tokenizer)
+    steps_log = out / "steps.jsonl"
+    steps_log.unlink(missing_ok=True)
+    summary: dict[str, Any] = {"steps": [], "groups": [], "weights": None}
+    async with EtcdStore(ctx.stack.etcd, namespace=REGISTRY_NAMESPACE) as store:
+        registry = WeightRegistry(store, ctx.registry_model)
+        numbers: dict[str, int] = {v.version: v.number for v in await registry.versions()}
+        engine_config = LocalEngineConfig(registry_model=ctx.registry_model, follow_registry=True)
+        async with (
+            LocalEngine(engine_config, registry=registry) as engine,
+            CaptureProxy(
+                engine, CaptureProxyConfig(default_max_tokens=MAX_TOKENS_PER_CALL)
+            ) as proxy,
+            AsyncSandboxClient(ctx.stack.env, token=ctx.stack.env_token) as sandboxes,
+            RewardServiceScorer(ctx.stack.reward) as scorer,
+        ):
+            runner = RolloutRunner(
+                sandboxes=sandboxes,
+                endpoint=ModelEndpoint(
+                    proxy.url + "/v1",
+                    STUDENT_MODEL,
+                    temperature=1.0,
+                    max_tokens_per_call=MAX_TOKENS_PER_CALL,
+                ),
+                harnesses=harnesses,
+                tasks={t.id: task_spec(t) for t in tasks},
+                budget=_budget(stage.budget),
+                capture=ProxyCapture(proxy),
+                scorer=scorer,
+                seed=ctx.seed,
+                labels={"orchard-run": ctx.recipe.name, "orchard-stage": "rl"},
+            )
+            rotation = random.Random(ctx.seed)
+            bar = tqdm(total=stage.steps, desc="rl", unit="step", disable=not ctx.progress)
+            with bar:
+                for step in range(stage.steps):
+                    order = list(pairs)
+                    rotation.shuffle(order)
+                    started = time.monotonic()
+                    batch = await fill_batch(
+                        order,
+                        sampler,
+                        runner,
+                        batch_size=stage.groups_per_step,
+                        group_filter=GroupFilter(),
+                        parallel_pairs=max(1, min(len(order), ctx.workers // 2 or 1)),
+                    )
+                    trajectories: list[trajectory_pb2.Trajectory] = []
+                    for group in batch.kept:
+                        group_id = f"rl-{step}-{group.key.task_id}"
+                        for member in group.members:
+                            record = member.payload
+                            for trajectory in student_trajectories(record, renderer):
+                                trajectory.group_id = group_id
+                                trajectories.append(trajectory)
+                    rl_batch = build_rl_batch(
+                        trajectories, config, version_lag=_lag_of(dict(numbers))
+                    )
+                    every = [*batch.kept, *batch.surplus, *(d.group for d in batch.dropped)]
+                    entry: dict[str, Any] = {
+                        "step": step + 1,
+                        "groups_kept": len(batch.kept),
+                        "groups_dropped": len(batch.dropped),
+                        "rollouts": batch.rollouts_run,
+                        "samples": len(rl_batch.samples),
+                        "reward_mean": _mean(
+                            [r.reward for g in every for r in g.rollouts if r.reward is not None]
+                        ),
+                        "skipped": dict(rl_batch.skipped),
+                        "seconds_sampling": round(time.monotonic() - started, 2),
+                    }
+                    summary["groups"] += [
+                        {
+                            "task": g.key.task_id,
+                            "choice": g.choice.value,
+                            "members": len(g.members),
+                            "rollouts": len(g.rollouts),
+                            "positive_fraction": g.positive_fraction,
+                            "kept": g in batch.kept,
+                        }
+                        for g in every
+                    ]
+                    if len(rl_batch.samples) >= trainer.config.gradient_accumulation:
+                        results = await asyncio.to_thread(
+                            rl_update, trainer, rl_batch, config, pad_id=tokenizer.pad_token_id
+                        )
+                        entry.update(
+                            loss=results[-1].loss,
+                            grad_norm=results[-1].grad_norm,
+                            metrics={k: float(v) for k, v in results[-1].extra.items()},
+                        )
+                        version = f"rl-{step + 1:03d}"
+                        checkpoint = await asyncio.to_thread(
+                            save_checkpoint,
+                            trainer,
+                            tokenizer,
+                            out / "checkpoints",
+                            version=version,
+                            metadata={"run": ctx.recipe.name, "stage": "rl"},
+                        )
+                        published = await publish_checkpoint(registry, checkpoint)
+                        numbers[published.version] = published.number
+                        await engine.wait_for_weights(published.version)
+                        summary["weights"] = {
+                            "version": published.version,
+                            "number": published.number,
+                            "location": published.location,
+                        }
+                        entry["published"] = published.version
+                    else:
+                        entry["published"] = None
+                        entry["note"] = "no group carried signal: no update this step"
+                    summary["steps"].append(entry)
+                    with steps_log.open("a", encoding="utf-8") as handle:
+                        handle.write(json.dumps(entry, sort_keys=True) + "\n")
+                    bar.update(1)
+                    reward = entry["reward_mean"]
+                    bar.set_postfix(
+                        reward="-" if reward is None else f"{reward:.2f}",
+                        groups=entry["groups_kept"],
+                    )
+    records = list(runner.records)
+    write_records(records, str(out / "rollouts.jsonl"))
+    summary.update(_status_counts(records))
+    if summary["weights"] is None:
+        # No update happened: the RL model is the SFT model, said so in the report.
+        summary["weights"] = (ctx.run.done("sft") or {}).get("weights")
+        summary["note"] = "no RL step had a group with signal; the RL model is the SFT model"
+    return summary
+
+
+def _lag_of(numbers: dict[str, int]) -> Callable[[str], int | None]:
+    latest = max(numbers.values(), default=0)
+    return lambda version: latest - numbers[version] if version in numbers else None
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def run_rl(ctx: StageContext) -> dict[str, Any]:
+    from orchard.trainer.engine import EngineConfig, Precision, TrainingEngine  # noqa: PLC0415
+    from orchard.trainer.policy import load_policy  # noqa: PLC0415
+
+    stage = ctx.recipe.stages.rl
+    sft = ctx.run.done("sft")
+    start = Path(sft["weights"]["location"]) if sft else base_model_folder(ctx)
+    if sft is None:
+        _publish_base(ctx, start)
+    policy = load_policy(str(start), seed=ctx.seed)
+    assert policy.tokenizer is not None
+    out = ctx.run.stage("rl")
+    trainer = TrainingEngine(
+        policy.model,
+        EngineConfig(
+            micro_batch_size=8,
+            learning_rate=stage.learning_rate,
+            total_steps=stage.steps,
+            precision=Precision.FP32,
+            seed=ctx.seed,
+        ),
+    )
+    try:
+        return asyncio.run(_rl(ctx, trainer, policy.tokenizer, out))
+    finally:
+        trainer.close()
+
+
+def _publish_base(ctx: StageContext, folder: Path) -> None:
+    from orchard.core.etcd import EtcdStore  # noqa: PLC0415
+    from orchard.lm.weights import WeightRegistry  # noqa: PLC0415
+
+    location = str(folder.resolve())
+
+    async def go() -> None:
+        async with EtcdStore(ctx.stack.etcd, namespace=REGISTRY_NAMESPACE) as store:
+            registry = WeightRegistry(store, ctx.registry_model)
+            if await registry.get("base") is None:
+                await registry.publish("base", location, {"stage": "base"})
+
+    asyncio.run(go())

@@ -1,0 +1,165 @@
+"""Rollout records as training trajectories (`orchard.types.v1.Trajectory`).
+
+Two sources, one shape:
+
+- the student's own rollouts carry the calls the capture proxy recorded, with the exact token
+  ids it sampled and their logprobs; they become trajectories through the rollout's prefix
+  tree (`orchard.rollout.trajectory_tree`), never by re-tokenizing text;
+- a teacher behind an OpenAI-compatible API gives text only. Its conversation is rendered with
+  the *student's* tokenizer and chat template, turn by turn, exactly as the capture proxy would
+  have rendered it had the student written the same words: each turn's input is what the
+  prompt added since the previous turn, its output the assistant message up to and including
+  the end-of-turn token. Teacher turns have no logprobs (`output_logprobs` stays empty) and
+  the weight version ``teacher:<model>``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from orchard.lm.chat import IM_END, ChatRenderer
+from orchard.rollout.provenance import RolloutRecord
+from orchard.rollout.results import RolloutStatus
+from orchard.rollout.trajectory_tree import TreeLimits, build_tree, tree_trajectories
+from orchard.types.v1 import reward_pb2, trajectory_pb2
+
+__all__ = [
+    "TrajectoryBuildError",
+    "record_reward",
+    "student_trajectories",
+    "teacher_trajectory",
+]
+
+_OUTCOMES = {
+    "submitted": trajectory_pb2.TRAJECTORY_OUTCOME_COMPLETED,
+    "stopped": trajectory_pb2.TRAJECTORY_OUTCOME_COMPLETED,
+    "step_limit": trajectory_pb2.TRAJECTORY_OUTCOME_STEP_LIMIT,
+    "token_limit": trajectory_pb2.TRAJECTORY_OUTCOME_TOKEN_LIMIT,
+    "time_limit": trajectory_pb2.TRAJECTORY_OUTCOME_TIME_LIMIT,
+}
+
+
+class TrajectoryBuildError(ValueError):
+    """A conversation the student's chat template cannot render turn by turn."""
+
+
+def _outcome(record: RolloutRecord) -> trajectory_pb2.TrajectoryOutcome.ValueType:
+    if record.status is RolloutStatus.ABORTED:
+        return trajectory_pb2.TRAJECTORY_OUTCOME_ABORTED
+    return _OUTCOMES.get(record.outcome, trajectory_pb2.TRAJECTORY_OUTCOME_COMPLETED)
+
+
+def record_reward(record: RolloutRecord) -> reward_pb2.Reward:
+    """The record's reward as the contracts carry it: SCORED with its value, or EXCLUDED with
+    the failure that kept it from being scored."""
+    if record.reward is None or record.status is RolloutStatus.ABORTED:
+        detail = record.failure.error if record.failure is not None else "no reward"
+        return reward_pb2.Reward(status=reward_pb2.REWARD_STATUS_EXCLUDED, detail=detail[:2000])
+    return reward_pb2.Reward(
+        status=reward_pb2.REWARD_STATUS_SCORED,
+        value=record.reward.value,
+        scorer=record.reward.scorer,
+        detail=record.reward.detail[:2000],
+    )
+
+
+def _tool_schemas(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    return [dict(t) for t in tools]
+
+
+def _assistant_end(renderer: ChatRenderer, ids: list[int]) -> int:
+    """Index just past the last end-of-turn token in ``ids``."""
+    end_ids = set(renderer.stop_token_ids)
+    for i in range(len(ids) - 1, -1, -1):
+        if ids[i] in end_ids:
+            return i + 1
+    raise TrajectoryBuildError(f"the rendered assistant turn has no {IM_END} token")
+
+
+def teacher_trajectory(
+    record: RolloutRecord,
+    renderer: ChatRenderer,
+    tools: Sequence[Mapping[str, Any]],
+    *,
+    teacher_model: str,
+) -> trajectory_pb2.Trajectory:
+    """The teacher's conversation in ``record.messages`` as a trajectory in the student's
+    tokens; raises `TrajectoryBuildError` when the template does not extend turn by turn."""
+    messages = list(record.messages)
+    schemas = _tool_schemas(tools)
+    turns: list[trajectory_pb2.Turn] = []
+    consumed: list[int] = []
+    for index, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        history = messages[:index]
+        prompt = list(renderer.render(history, schemas).token_ids)
+        with_answer = list(
+            renderer.render([*history, message], schemas, add_generation_prompt=False).token_ids
+        )
+        if prompt[: len(consumed)] != consumed or with_answer[: len(prompt)] != prompt:
+            raise TrajectoryBuildError(
+                f"rollout {record.rollout_id}: turn {len(turns)} does not extend the tokens "
+                "before it under the student's chat template"
+            )
+        output = with_answer[len(prompt) : _assistant_end(renderer, with_answer)]
+        calls = message.get("tool_calls") or []
+        turns.append(
+            trajectory_pb2.Turn(
+                index=len(turns),
+                kind=trajectory_pb2.TURN_KIND_POLICY,
+                input_token_ids=prompt[len(consumed) :],
+                output_token_ids=output,
+                output_loss_mask=[True] * len(output),
+                weight_version=f"teacher:{teacher_model}",
+                finish_reason="tool_calls" if calls else "stop",
+                output_text=renderer.decode(output),
+                tool_calls=[
+                    trajectory_pb2.ToolCall(
+                        id=str(c.get("id", "")),
+                        name=str(c.get("function", {}).get("name", "")),
+                        arguments_json=str(c.get("function", {}).get("arguments", "")),
+                    )
+                    for c in calls
+                ],
+                input_text=json.dumps(history[-1].get("content", ""))[:2000] if history else "",
+            )
+        )
+        consumed = prompt + output
+    trajectory = trajectory_pb2.Trajectory(
+        id=f"{record.rollout_id}/0",
+        rollout_id=record.rollout_id,
+        task_id=record.task_id,
+        harness=record.harness,
+        turns=turns,
+        outcome=_outcome(record),
+        reward=record_reward(record),
+    )
+    trajectory.metadata["source"] = "teacher"
+    return trajectory
+
+
+def student_trajectories(
+    record: RolloutRecord,
+    renderer: ChatRenderer | None = None,
+    limits: TreeLimits | None = None,
+) -> list[trajectory_pb2.Trajectory]:
+    """The student rollout's trajectories from its captured calls (exact tokens), each with
+    the rollout's reward; none when it made no call."""
+    if not record.calls:
+        return []
+    tree = build_tree(record.calls, limits)
+    decode = renderer.decode if renderer is not None else None
+    out = tree_trajectories(
+        tree,
+        task_id=record.task_id,
+        harness=record.harness,
+        outcome=_outcome(record),
+        decode=decode,
+    )
+    for trajectory in out:
+        trajectory.reward.CopyFrom(record_reward(record))
+        trajectory.metadata["source"] = "student"
+    return out

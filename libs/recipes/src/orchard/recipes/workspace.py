@@ -1,0 +1,141 @@
+"""Where a recipe run keeps its outputs, and how a stage knows it is already done.
+
+One folder per run (the recipe's ``output_dir``)::
+
+    recipe.json          the validated recipe the run started with
+    tasks/               the task manifest and, for the built-in suite, the repositories
+    <stage>/             each stage's outputs
+    <stage>/done.json    written last, when the stage finished: its summary
+
+A stage whose ``done.json`` exists is not run again: an interrupted run resumes at the first
+stage that did not finish. A stage writes into ``<stage>/`` and nothing else, so removing that
+folder runs the stage (and only it) again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from orchard.sdk.recipe import Recipe
+
+__all__ = ["RecipeMismatch", "RunDir", "StackEndpoints"]
+
+
+class RecipeMismatch(ValueError):
+    """The output folder holds a run of a different recipe."""
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write ``data`` as JSON next to ``path`` and rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(data, handle, indent=2, sort_keys=True)
+            handle.write("\n")
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    @classmethod
+    def open(cls, recipe: Recipe) -> RunDir:
+        """The run folder of ``recipe`` (created); raises `RecipeMismatch` when it holds a run
+        of another recipe, so two recipes never mix their outputs."""
+        if recipe.output_dir is None:
+            raise ValueError("the recipe has no output_dir; load it with load_recipe")
+        run = cls(Path(recipe.output_dir))
+        run.root.mkdir(parents=True, exist_ok=True)
+        saved = run.root / "recipe.json"
+        current = json.loads(recipe.model_dump_json())
+        if saved.exists():
+            previous = json.loads(saved.read_text(encoding="utf-8"))
+            if previous != current:
+                changed = sorted(
+                    k for k in {*previous, *current} if previous.get(k) != current.get(k)
+                )
+                raise RecipeMismatch(
+                    f"{run.root} holds a run of a different recipe (it differs in: "
+                    f"{', '.join(changed)}); give another output_dir, or remove the folder to "
+                    "start over"
+                )
+        else:
+            write_json(saved, current)
+        return run
+
+    def stage(self, name: str) -> Path:
+        path = self.root / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def done(self, name: str) -> dict[str, Any] | None:
+        """The summary of a finished stage, or None when it has not finished."""
+        marker = self.root / name / "done.json"
+        if not marker.exists():
+            return None
+        data: dict[str, Any] = json.loads(marker.read_text(encoding="utf-8"))
+        return data
+
+    def finish(self, name: str, summary: Mapping[str, Any]) -> None:
+        write_json(self.root / name / "done.json", dict(summary))
+
+    def reset(self, name: str) -> None:
+        """Forget a stage's outputs, so it runs again."""
+        shutil.rmtree(self.root / name, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class StackEndpoints:
+    """The running services a recipe talks to."""
+
+    env: str
+    """orchard-env's gRPC address."""
+    env_token: str
+    reward: str
+    """orchard-reward's gRPC address."""
+    etcd: str
+    """etcd's client URL (the weight registry lives there)."""
+    env_metrics: str = ""
+    """HOST:PORT of orchard-env's /metrics, when it exports them (the report reads them)."""
+
+    @classmethod
+    def from_state_dir(cls, state_dir: Path | None = None) -> StackEndpoints:
+        """The services ``orchard up`` runs for this state dir (its ``up.json`` and profile);
+        raises FileNotFoundError saying to run ``orchard up`` when none runs."""
+        from orchard.sdk.connection import read_profile  # noqa: PLC0415
+        from orchard.sdk.connection import state_dir as default_state_dir  # noqa: PLC0415
+
+        state = state_dir or default_state_dir()
+        up = state / "up.json"
+        if not up.exists():
+            raise FileNotFoundError(
+                f"no Orchard runs for state dir {state}: start it with `orchard up --detach`"
+            )
+        running = json.loads(up.read_text(encoding="utf-8"))
+        components = {c["name"]: c["address"] for c in running.get("components", [])}
+        profile = read_profile(state / "profile.json")
+        if profile is None:
+            raise FileNotFoundError(f"no Orchard profile in {state}: run `orchard up --detach`")
+        missing = [n for n in ("etcd", "orchard-reward") if n not in components]
+        if missing:
+            raise FileNotFoundError(
+                f"`orchard up` runs without {', '.join(missing)}; restart it with every service"
+            )
+        return cls(
+            env=profile.endpoint,
+            env_token=profile.token or "",
+            reward=components["orchard-reward"],
+            etcd=components["etcd"],
+        )
