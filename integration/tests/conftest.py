@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -40,10 +41,12 @@ class EnvStack:
         return self.stack.endpoint
 
 
-@pytest.fixture(scope="module")
-def env_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EnvStack]:
-    """One private stack per test module: its own etcd, cgroup parent and run dir, all removed
-    at the end."""
+@contextlib.contextmanager
+def private_stack(
+    tmp_path_factory: pytest.TempPathFactory, services: dict[str, str] | None = None
+) -> Iterator[EnvStack]:
+    """etcd, orchard-env and ``services`` (name -> listen address) with their own cgroup
+    parent and run dir, all removed at the end."""
     if os.geteuid() != 0:
         pytest.skip("the local runtime needs root")
     state = tmp_path_factory.mktemp("stack")
@@ -57,6 +60,7 @@ def env_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EnvStack]:
         token=token,
         runtime={"cgroup_parent": cgroup_parent, "run_dir": str(run_dir)},
         settings=[f"server.metrics_address={metrics}"],
+        services=services,
     )
     try:
         stack.start()
@@ -67,3 +71,10 @@ def env_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EnvStack]:
         stack.stop()
         remove_cgroup_parent(cgroup_parent)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def env_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EnvStack]:
+    """One private stack per test module: its own etcd, cgroup parent and run dir."""
+    with private_stack(tmp_path_factory) as stack:
+        yield stack

@@ -124,7 +124,7 @@ def test_the_teacher_script_selects_each_tasks_own_plan() -> None:
         plan = script.plan_for(task.blueprint.problem_statement)
         assert plan is not None and plan.match == task.marker
         commands = [s.arguments.get("command") for s in plan.solution if s.tool == "bash"]
-        assert commands[:2] == [task.shell.look, task.shell.fix]
+        assert commands[0] == task.shell.look and commands[2] == task.shell.fix
         assert task.shell.wrong in [s.arguments.get("command") for s in plan.failure]
         assert plan.solution[-1].tool == "submit" and plan.failure[-1].tool == "submit"
     rates = {t.difficulty: script.plan_for(t.blueprint.problem_statement).solve_rate for t in tasks}  # type: ignore[union-attr]

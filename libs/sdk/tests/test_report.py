@@ -114,3 +114,9 @@ def test_report_files_hold_the_numbers(tmp_path: Path) -> None:
     assert [e["model"] for e in data["evaluations"]] == ["base", "sft", "rl"]
     assert data["evaluations"][1]["interval"] == pytest.approx([0.2538, 0.7462], abs=5e-4)
     assert data["trajectories"]["excluded"] == {"sandbox failure": 2}
+
+
+def test_wilson_bounds_are_exact_at_none_and_all() -> None:
+    assert wilson_interval(0, 5)[0] == 0.0
+    assert wilson_interval(5, 5)[1] == 1.0
+    assert 0.0 < wilson_interval(1, 5)[0] < 0.2

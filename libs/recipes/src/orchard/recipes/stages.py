@@ -268,19 +268,15 @@ def run_collect(ctx: StageContext) -> dict[str, Any]:
 # -- credit --------------------------------------------------------------------------------------
 
 
-async def _credit(ctx: StageContext, out: Path) -> dict[str, Any]:
+async def _credit_by_service(
+    ctx: StageContext, failed: Sequence[trajectory_pb2.Trajectory], bar: tqdm[Any]
+) -> tuple[list[trajectory_pb2.Trajectory], Counter[str]]:
+    """AssignCredit through the reward service, with the judge it is configured with."""
     import grpc  # noqa: PLC0415
 
     from orchard.reward.v1 import reward_service_pb2, reward_service_pb2_grpc  # noqa: PLC0415
     from orchard.types.v1 import reward_pb2  # noqa: PLC0415
 
-    stage = ctx.recipe.stages.credit
-    rows = _read_trajectories(ctx.run.root / "collect" / "trajectories.jsonl")
-    failed = [
-        r
-        for r in rows
-        if r.reward.status == reward_pb2.REWARD_STATUS_SCORED and r.reward.value < 0.5
-    ]
     statement = {t.id: t.instance.problem_statement for t in ctx.tasks["sft"]}
     credited: list[trajectory_pb2.Trajectory] = []
     excluded: Counter[str] = Counter()
@@ -293,22 +289,72 @@ async def _credit(ctx: StageContext, out: Path) -> dict[str, Any]:
                 reply = await stub.AssignCredit(
                     reward_service_pb2.AssignCreditRequest(
                         trajectory=row,
-                        epsilon=stage.epsilon,
+                        epsilon=ctx.recipe.stages.credit.epsilon,
                         task=statement.get(row.task_id, ""),
                         failure=row.reward.detail,
                     ),
                     timeout=600,
                 )
+            bar.update(1)
             if reply.reward.status == reward_pb2.REWARD_STATUS_EXCLUDED:
                 reason = reward_pb2.ExclusionReason.Name(reply.reward.exclusion)
                 excluded[reason.removeprefix("EXCLUSION_REASON_").lower()] += 1
                 return
             row.credit.CopyFrom(reply.credit)
             credited.append(row)
-            bar.update(1)
 
-        with _bar(ctx, len(failed), "credit") as bar:
-            await asyncio.gather(*(one(r) for r in failed))
+        await asyncio.gather(*(one(r) for r in failed))
+    return credited, excluded
+
+
+async def _credit_by_scripted_judge(
+    ctx: StageContext, failed: Sequence[trajectory_pb2.Trajectory], bar: tqdm[Any]
+) -> tuple[list[trajectory_pb2.Trajectory], Counter[str]]:
+    """The reward library's credit assignment (the code AssignCredit runs) against the
+    scripted judge, served on loopback for this stage."""
+    from orchard.recipes.scripted_judge import MODEL, ScriptedJudgeServer  # noqa: PLC0415
+    from orchard.reward.convert import credit_message, transcript  # noqa: PLC0415
+    from orchard.reward.judge_client import JudgeEndpoint, OpenAIJudge  # noqa: PLC0415
+    from orchard.reward.judged import assign_credit  # noqa: PLC0415
+
+    statement = {t.id: t.instance.problem_statement for t in ctx.tasks["sft"]}
+    credited: list[trajectory_pb2.Trajectory] = []
+    excluded: Counter[str] = Counter()
+    async with ScriptedJudgeServer() as server:
+        endpoint = JudgeEndpoint(base_url=server.base_url, model=MODEL)
+        async with OpenAIJudge(endpoint) as judge:
+            for row in failed:
+                answer = await assign_credit(
+                    judge,
+                    transcript(row),
+                    task=statement.get(row.task_id, ""),
+                    failure=row.reward.detail or "the tests failed",
+                    epsilon=ctx.recipe.stages.credit.epsilon,
+                )
+                bar.update(1)
+                if answer.curve is None:
+                    excluded["judge_unavailable"] += 1
+                    continue
+                row.credit.CopyFrom(credit_message(answer.curve, f"judge:{MODEL}"))
+                credited.append(row)
+    return credited, excluded
+
+
+async def _credit(ctx: StageContext, out: Path) -> dict[str, Any]:
+    from orchard.types.v1 import reward_pb2  # noqa: PLC0415
+
+    stage = ctx.recipe.stages.credit
+    rows = _read_trajectories(ctx.run.root / "collect" / "trajectories.jsonl")
+    failed = [
+        r
+        for r in rows
+        if r.reward.status == reward_pb2.REWARD_STATUS_SCORED and r.reward.value < 0.5
+    ]
+    with _bar(ctx, len(failed), "credit") as bar:
+        if stage.judge_endpoint == "builtin:scripted":
+            credited, excluded = await _credit_by_scripted_judge(ctx, failed, bar)
+        else:
+            credited, excluded = await _credit_by_service(ctx, failed, bar)
     with_segments = [r for r in credited if r.credit.rise_segments]
     _write_trajectories(out / "trajectories.jsonl", sorted(credited, key=lambda t: t.id))
     summary: dict[str, Any] = {
@@ -316,18 +362,19 @@ async def _credit(ctx: StageContext, out: Path) -> dict[str, Any]:
         "credited": len(with_segments),
         "no_rise": len(credited) - len(with_segments),
         "excluded": dict(excluded),
+        "judge": stage.judge_endpoint,
     }
     if excluded and not credited:
         summary["note"] = (
-            f"credit assignment gave nothing: the reward service's judge answered none of "
-            f"{len(failed)} failed trajectories ({', '.join(excluded)}); failed trajectories "
-            "then carry no loss in SFT"
+            f"credit assignment gave nothing: the judge answered none of {len(failed)} failed "
+            f"trajectories ({', '.join(excluded)}); failed trajectories then carry no loss in SFT"
         )
     return summary
 
 
 def run_credit(ctx: StageContext) -> dict[str, Any]:
-    """Rise segments for the failed teacher trajectories from the reward service's judge."""
+    """Rise segments for the failed teacher trajectories: from the scripted judge
+    (``builtin:scripted``), else from the reward service's AssignCredit with its judge."""
     out = ctx.run.stage("credit")
     return asyncio.run(_credit(ctx, out))
 

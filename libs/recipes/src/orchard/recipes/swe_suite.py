@@ -494,8 +494,8 @@ def split_suite(
 def teacher_script(tasks: Sequence[SuiteTask], model: str = "scripted-teacher") -> dict[str, Any]:
     """The scripted teacher's plans for ``tasks``, in the scripted policy's JSON form
     (:meth:`orchard.rollout.scripted_policy.PolicyScript.from_json`), all through the shell:
-    read the module, fix it, run the tests, submit; the failure path reads the module and the
-    failing tests, then makes the family's wrong fix and submits without testing it."""
+    read the module and run the tests; then the solution fixes the bug, runs the tests again
+    and submits, and the failure makes the family's wrong fix and submits untested."""
 
     def bash(thought: str, command: str) -> dict[str, Any]:
         return {"thought": thought, "tool": "bash", "arguments": {"command": command}}
@@ -505,13 +505,14 @@ def teacher_script(tasks: Sequence[SuiteTask], model: str = "scripted-teacher") 
         commands = task.shell
         solution = [
             bash("I read the code first.", commands.look),
-            bash("I fix the bug.", commands.fix),
             bash("I run the tests.", "python -m pytest -q"),
+            bash("I fix the bug.", commands.fix),
+            bash("I run the tests again.", "python -m pytest -q"),
             {"thought": "The tests pass; I submit.", "tool": "submit", "arguments": {}},
         ]
         failure = [
             bash("A quick look at the code.", commands.look),
-            bash("I see what fails.", "python -m pytest -q"),
+            bash("I run the tests.", "python -m pytest -q"),
             bash("I think this is it.", commands.wrong),
             {"thought": "Done, I submit.", "tool": "submit", "arguments": {}},
         ]

@@ -46,7 +46,10 @@ def wilson_interval(successes: int, trials: int, confidence: float = 0.95) -> tu
     denominator = 1 + z * z / trials
     centre = (p + z * z / (2 * trials)) / denominator
     half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denominator
-    return (max(0.0, centre - half), min(1.0, centre + half))
+    # At 0 and at n successes the bound is exactly 0 (or 1); computed, it is off by rounding.
+    low = 0.0 if successes == 0 else max(0.0, centre - half)
+    high = 1.0 if successes == trials else min(1.0, centre + half)
+    return (low, high)
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,7 +327,6 @@ def _plots(report: RunReport, folder: Path) -> dict[str, str]:
         intervals = [
             wilson_interval(e.resolved, e.attempts, report.confidence) for e in report.evaluations
         ]
-        # Clamped at 0: at a rate of 0 or 1 the bound equals the rate up to rounding.
         below = [max(0.0, r - lo) for r, (lo, _) in zip(rates, intervals, strict=True)]
         above = [max(0.0, hi - r) for r, (_, hi) in zip(rates, intervals, strict=True)]
         errors = [below, above]

@@ -1,0 +1,187 @@
+"""A reduced recipe end to end against real services: etcd, orchard-env (local runtime) and
+orchard-reward as processes; the scripted teacher and the tiny student on the local engine
+behind the capture proxy, in this process. Checks the artifacts each stage leaves: teacher
+trajectories in the student's tokens with loss masks, credit on failed ones, a published weight
+version, RL rollouts with captured tokens, evaluation numbers in the report; then that a second
+run resumes (runs nothing again) and that one stage runs alone on request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchard.core.etcd import EtcdStore
+from orchard.lm.weights import WeightRegistry
+from orchard.recipes.pipeline import run_recipe
+from orchard.recipes.stages import REGISTRY_NAMESPACE
+from orchard.recipes.workspace import StackEndpoints
+from orchard.rollout.provenance import read_records
+from orchard.rollout.results import RolloutStatus
+from orchard.sdk.recipe import Recipe, load_recipe
+from orchard.trainer.datasets import read_trajectories
+
+from .conftest import EnvStack, free_port, private_stack
+
+# The whole reduced recipe runs in the first test's setup (module fixture `report`).
+pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+RECIPE = {
+    "name": "reduced",
+    # 15 tasks, three per bug family: one each for SFT, RL and the held-out set.
+    "tasks": {
+        "builtin": {"count": 15, "seed": 3},
+        "split": {"sft": 0.34, "rl": 0.33, "evaluate": 0.33},
+    },
+    "harnesses": ["builtin:swe"],
+    "stages": {
+        "collect": {"attempts_per_task": 2, "budget": {"max_steps": 8, "wall_clock_s": 120}},
+        "sft": {"epochs": 2, "batch_size": 2, "learning_rate": 0.003, "warmup_steps": 1},
+        "rl": {
+            "steps": 1,
+            "groups_per_step": 1,
+            "sampler": {"kind": "fixed", "n": 2},
+            "budget": {"max_steps": 3, "max_tokens": 256, "wall_clock_s": 120},
+        },
+        "evaluate": {"attempts_per_task": 1},
+    },
+}
+
+
+@dataclass(frozen=True)
+class Services:
+    env: EnvStack
+    endpoints: StackEndpoints
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
+    reward = f"127.0.0.1:{free_port()}"
+    with private_stack(tmp_path_factory, {"reward": reward}) as env:
+        yield Services(
+            env,
+            StackEndpoints(
+                env=env.endpoint,
+                env_token=env.token,
+                reward=reward,
+                etcd=env.stack.etcd_endpoint,
+                env_metrics=env.metrics_address,
+            ),
+        )
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory: pytest.TempPathFactory) -> Recipe:
+    folder = tmp_path_factory.mktemp("recipe")
+    (folder / "reduced.yaml").write_text(yaml.safe_dump(RECIPE))
+    return load_recipe(folder / "reduced.yaml", workdir=folder)
+
+
+@pytest.fixture(scope="module")
+def report(services: Services, recipe: Recipe) -> Path:
+    return run_recipe(recipe, services.endpoints, progress=False, workers=3, say=lambda _: None)
+
+
+def _done(recipe: Recipe, stage: str) -> dict[str, object]:
+    assert recipe.output_dir is not None
+    data: dict[str, object] = json.loads((recipe.output_dir / stage / "done.json").read_text())
+    return data
+
+
+def test_collect_scores_the_teacher_and_tokenizes_its_conversations(
+    report: Path, recipe: Recipe
+) -> None:
+    assert recipe.output_dir is not None
+    collect = _done(recipe, "collect")
+    assert collect["rollouts"] == 10  # 5 SFT tasks x 2 attempts
+    assert collect["resolved"] + collect["unresolved"] == 10  # type: ignore[operator]
+    records = read_records(str(recipe.output_dir / "collect" / "rollouts.jsonl"))
+    rewards = {r.reward.value for r in records if r.reward is not None}
+    assert rewards <= {1.0, -1.0} and 1.0 in rewards  # ScoreTests: resolved or not
+    rows = list(read_trajectories(recipe.output_dir / "collect" / "trajectories.jsonl"))
+    assert len(rows) == 10
+    for row in rows:
+        assert row.turns and all(t.output_token_ids for t in row.turns)
+        assert all(len(t.output_loss_mask) == len(t.output_token_ids) for t in row.turns)
+        assert row.turns[0].weight_version == "teacher:scripted-teacher"
+        assert row.metadata["repository"].startswith("orchard/")
+
+
+def test_credit_marks_rise_segments_on_failed_trajectories(report: Path, recipe: Recipe) -> None:
+    assert recipe.output_dir is not None
+    credit = _done(recipe, "credit")
+    rows = list(read_trajectories(recipe.output_dir / "credit" / "trajectories.jsonl"))
+    assert credit["failed"] == len(rows) + sum(credit["excluded"].values())  # type: ignore[union-attr, operator]
+    for row in rows:
+        assert row.reward.value < 0
+        # The failure path reads, runs the tests (the rise), then breaks the code.
+        assert [(s.start, s.end) for s in row.credit.rise_segments] == [(1, 1)]
+        assert row.credit.step_values[2] < row.credit.step_values[1]
+
+
+def test_sft_trains_on_curated_rows_and_publishes_a_version(
+    report: Path, recipe: Recipe, services: Services
+) -> None:
+    assert recipe.output_dir is not None
+    sft = _done(recipe, "sft")
+    assert sft["samples"] >= 1 and sft["steps"] >= 1  # type: ignore[operator]
+    curated = list(read_trajectories(recipe.output_dir / "curate" / "sft.jsonl"))
+    successes = {r.task_id for r in curated if r.reward.value > 0}
+    assert len([r for r in curated if r.reward.value > 0]) == len(successes)  # shortest only
+
+    async def published() -> tuple[str, str]:
+        async with EtcdStore(services.endpoints.etcd, namespace=REGISTRY_NAMESPACE) as store:
+            version = await WeightRegistry(store, "reduced-student").get("sft")
+            assert version is not None
+            return version.location, version.metadata.get("stage", "")
+
+    location, stage = asyncio.run(published())
+    assert stage == "sft"
+    assert (Path(location) / "config.json").is_file()
+
+
+def test_rl_samples_the_student_through_the_capture_proxy(report: Path, recipe: Recipe) -> None:
+    assert recipe.output_dir is not None
+    records = read_records(str(recipe.output_dir / "rl" / "rollouts.jsonl"))
+    assert records, "the RL stage ran no rollout"
+    scored = [r for r in records if r.status is not RolloutStatus.ABORTED]
+    assert scored
+    for record in scored:
+        assert record.calls, "no call was captured"
+        for call in record.calls:
+            assert call.prompt_token_ids and call.output_token_ids
+            assert len(call.output_logprobs) == len(call.output_token_ids)
+            assert call.weight_version == "sft"  # sampled by the SFT weights
+
+
+def test_the_report_has_every_model_and_the_services_numbers(report: Path, recipe: Recipe) -> None:
+    data = json.loads((report.parent / "report.json").read_text())
+    models = {e["model"]: e for e in data["evaluations"]}
+    assert {"base", "sft"} <= set(models)
+    for evaluation in models.values():
+        assert evaluation["attempts"] == 5
+        low, high = evaluation["interval"]
+        assert 0 <= low <= evaluation["rate"] <= high <= 1
+    assert data["services"]["sandboxes_created"] >= 10
+    assert data["services"]["execs"] > 0
+    text = report.read_text()
+    assert "Held-out resolve rate" in text and "sft loss" in text
+    assert (report.parent / "resolve_rate.png").is_file()
+
+
+def test_a_second_run_resumes_and_one_stage_runs_alone(
+    report: Path, recipe: Recipe, services: Services
+) -> None:
+    said: list[str] = []
+    run_recipe(recipe, services.endpoints, progress=False, say=said.append)
+    assert sum("done already" in line for line in said) == 6
+    before = _done(recipe, "curate")
+    said.clear()
+    run_recipe(recipe, services.endpoints, only=["curate"], progress=False, say=said.append)
+    assert any(line.startswith("stage curate: done in") for line in said)
+    assert _done(recipe, "curate")["kept"] == before["kept"]

@@ -1,0 +1,113 @@
+"""The recipe runner's parts that need no service: teacher conversations in the student's
+tokens, the scripted credit judge, and the run folder's guard against mixing recipes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from orchard.lm.chat import ChatRenderer
+from orchard.lm.tokenizer import build_tokenizer
+from orchard.recipes.scripted_judge import judge_reply
+from orchard.recipes.trajectories import teacher_trajectory
+from orchard.recipes.workspace import RecipeMismatch, RunDir
+from orchard.reward.credit import credit_curve
+from orchard.rollout.harnesses.bash_react import shell_harness
+from orchard.rollout.provenance import RewardRecord, RolloutRecord
+from orchard.rollout.results import RolloutStatus
+from orchard.sdk.recipe import Recipe
+from orchard.types.v1 import reward_pb2
+
+
+def _call(index: int, name: str, arguments: dict[str, str]) -> dict[str, object]:
+    return {
+        "id": f"c{index}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments)},
+    }
+
+
+def _conversation() -> list[dict[str, object]]:
+    return [
+        {"role": "system", "content": "You fix bugs."},
+        {"role": "user", "content": "`f(3)` is wrong; fix src/a/rules.py."},
+        {"role": "assistant", "content": "I read it.",
+         "tool_calls": [_call(0, "bash", {"command": "cat src/*/rules.py"})]},
+        {"role": "tool", "tool_call_id": "c0",
+         "content": "exit code 0\ndef f(x):\n    return x > 3\n"},
+        {"role": "assistant", "content": "Done.", "tool_calls": [_call(1, "submit", {})]},
+        {"role": "tool", "tool_call_id": "c1", "content": "submitted"},
+    ]  # fmt: skip
+
+
+def test_a_teacher_conversation_becomes_the_students_exact_tokens() -> None:
+    tokenizer = build_tokenizer()
+    renderer = ChatRenderer(tokenizer)
+    tools = [t.schema() for t in shell_harness().tools]
+    record = RolloutRecord(
+        rollout_id="r1",
+        task_id="t1",
+        harness="builtin:swe",
+        status=RolloutStatus.COMPLETED,
+        outcome="submitted",
+        messages=_conversation(),
+        reward=RewardRecord(value=1.0, scorer="tests"),
+    )
+    trajectory = teacher_trajectory(record, renderer, tools, teacher_model="teacher")
+    assert len(trajectory.turns) == 2
+    assert trajectory.reward.status == reward_pb2.REWARD_STATUS_SCORED
+    tokens: list[int] = []
+    for turn in trajectory.turns:
+        tokens += [*turn.input_token_ids, *turn.output_token_ids]
+        assert all(turn.output_loss_mask) and not turn.output_logprobs
+        assert turn.output_token_ids[-1] in renderer.stop_token_ids  # ends its turn
+    # Inputs and outputs in order are the student's rendering of the conversation up to the
+    # last answer: nothing re-tokenized differently, nothing lost between turns.
+    whole = renderer.render(_conversation()[:5], tools, add_generation_prompt=False).token_ids
+    assert tuple(tokens) == tuple(whole[: len(tokens)])
+    assert renderer.decode(whole[len(tokens) :]).strip() == ""
+    assert [c.name for t in trajectory.turns for c in t.tool_calls] == ["bash", "submit"]
+
+
+def test_an_aborted_rollout_is_excluded_not_failed() -> None:
+    renderer = ChatRenderer(build_tokenizer())
+    record = RolloutRecord(
+        rollout_id="r2", task_id="t1", harness="builtin:swe", messages=_conversation()
+    )
+    trajectory = teacher_trajectory(record, renderer, [], teacher_model="teacher")
+    assert trajectory.reward.status == reward_pb2.REWARD_STATUS_EXCLUDED
+
+
+def _transcript(actions: list[str]) -> str:
+    return "\n\n".join(
+        f"### Turn {i}\nAction:\n{a}\nObservation:\n(none)" for i, a in enumerate(actions)
+    )
+
+
+def test_the_scripted_judge_rises_on_reading_and_drops_at_the_last_edit() -> None:
+    prompt = _transcript(
+        [
+            'tool call bash({"command": "cat src/*/rules.py"})',
+            'tool call bash({"command": "python -m pytest -q"})',
+            'tool call bash({"command": "sed -i \'s/a/b/\' src/*/rules.py"})',
+            "tool call submit({})",
+        ]
+    )
+    reply = judge_reply(prompt)
+    assert reply["critical_turn"] == 2
+    curve = credit_curve(json.dumps(reply), 4, epsilon=0.05)  # the reward library's own checks
+    assert [(s.start, s.end) for s in curve.rise_segments] == [(1, 1)]
+    assert curve.values[2] < curve.values[1] and curve.values[3] < 0.2
+    with pytest.raises(ValueError, match="no '### Turn N'"):
+        judge_reply("What is the capital of France?")
+
+
+def test_a_run_folder_refuses_another_recipe(tmp_path: Path) -> None:
+    base = {"name": "one", "tasks": {"builtin": {"count": 5}}, "output_dir": tmp_path / "run"}
+    RunDir.open(Recipe.model_validate(base))
+    RunDir.open(Recipe.model_validate(base))  # the same recipe resumes
+    other = {**base, "tasks": {"builtin": {"count": 6}}}
+    with pytest.raises(RecipeMismatch, match="differs in: tasks"):
+        RunDir.open(Recipe.model_validate(other))
