@@ -4,6 +4,9 @@ tokens, the scripted credit judge, and the run folder's guard against mixing rec
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -111,3 +114,25 @@ def test_a_run_folder_refuses_another_recipe(tmp_path: Path) -> None:
     other = {**base, "tasks": {"builtin": {"count": 6}}}
     with pytest.raises(RecipeMismatch, match="differs in: tasks"):
         RunDir.open(Recipe.model_validate(other))
+
+
+def _orchard(*args: str, state: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "orchard"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "ORCHARD_STATE_DIR": str(state)},
+    )
+
+
+def test_recipe_run_says_what_to_do_when_nothing_runs(tmp_path: Path) -> None:
+    done = _orchard("recipe", "run", "--no-progress", state=tmp_path / "state")
+    assert done.returncode == 2
+    assert "orchard up --detach" in done.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: Bad Name\ntasks: {builtin: {count: 1}}\n")
+    done = _orchard("recipe", "run", str(bad), state=tmp_path / "state")
+    assert done.returncode == 2
+    assert "not a valid recipe" in done.stderr and "name" in done.stderr

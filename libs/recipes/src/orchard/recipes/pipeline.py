@@ -84,6 +84,11 @@ def run_recipe(
     unknown = [s for s in only if s not in STAGES]
     if unknown:
         raise ValueError(f"unknown stage(s) {unknown}: the stages are {', '.join(STAGES)}")
+    if recipe.student.engine != "local":
+        raise ValueError(
+            f"student.engine {recipe.student.engine!r}: this runner samples the student with the "
+            "local engine only; use engine: local (a Hugging Face model path works with it)"
+        )
     run = RunDir.open(recipe)
     ctx = StageContext(
         recipe=recipe,
@@ -204,13 +209,19 @@ def build_report(ctx: StageContext) -> RunReport:
     curate = run.done("curate")
     if curate:
         notes.append(f"curation kept {curate['kept']} of {curate['input']} teacher trajectories")
+    services = _service_stats(ctx.stack)
+    if services is None:
+        notes.append(
+            "no sandbox numbers: orchard-env's metrics were not reachable (give it "
+            "server.metrics_address, e.g. `orchard up --set server.metrics_address=127.0.0.1:9464`)"
+        )
     report = RunReport(
         title=f"Recipe {ctx.recipe.name}",
         evaluations=tuple(evaluations),
         curves=tuple(curves),
         groups=tuple(groups),
         trajectories=counts,
-        services=_service_stats(ctx.stack),
+        services=services,
         stage_seconds=seconds,
         confidence=ctx.recipe.stages.evaluate.confidence,
         notes=tuple(notes),

@@ -112,7 +112,8 @@ class StackEndpoints:
 
     @classmethod
     def from_state_dir(cls, state_dir: Path | None = None) -> StackEndpoints:
-        """The services ``orchard up`` runs for this state dir (its ``up.json`` and profile);
+        """The services ``orchard up`` runs for this state dir (its ``up.json`` and profile;
+        orchard-env's metrics address from ``$ORCHARD_ENV_METRICS`` when it exports them);
         raises FileNotFoundError saying to run ``orchard up`` when none runs."""
         from orchard.sdk.connection import read_profile  # noqa: PLC0415
         from orchard.sdk.connection import state_dir as default_state_dir  # noqa: PLC0415
@@ -138,4 +139,5 @@ class StackEndpoints:
             env_token=profile.token or "",
             reward=components["orchard-reward"],
             etcd=components["etcd"],
+            env_metrics=os.environ.get("ORCHARD_ENV_METRICS", ""),
         )
