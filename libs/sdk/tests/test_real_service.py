@@ -88,6 +88,10 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
             f"127.0.0.1:{_free_port()}",
             "--reward-listen",
             f"127.0.0.1:{_free_port()}",
+            "--rollout-listen",
+            f"127.0.0.1:{_free_port()}",
+            "--trainer-listen",
+            f"127.0.0.1:{_free_port()}",
             *private,
         ],
         env=env,
@@ -129,9 +133,41 @@ def test_up_wrote_a_private_profile(service: dict[str, Any]) -> None:
     data = json.loads(profile.read_text())
     assert data["token"] and data["tenant"] == "local"
     names = [c["name"] for c in service["components"]]
-    assert names == ["etcd", "orchard-env", "orchard-reward", "orchard up"]
+    assert names == [
+        "etcd",
+        "orchard-env",
+        "orchard-reward",
+        "orchard-rollout",
+        "orchard-trainer",
+        "orchard up",
+    ]
     assert data["token"] not in (service["state"] / "env.yaml").read_text()
     assert data["token"] not in (service["state"] / "reward.yaml").read_text()
+
+
+def test_up_runs_the_rollout_and_trainer_services(service: dict[str, Any]) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from orchard.rollout.v1 import rollout_service_pb2, rollout_service_pb2_grpc
+    from orchard.trainer.v1 import trainer_service_pb2, trainer_service_pb2_grpc
+
+    address = {c["name"]: c["address"] for c in service["components"]}
+    with grpc.insecure_channel(address["orchard-rollout"]) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        jobs = rollout_service_pb2_grpc.RolloutServiceStub(channel).ListRolloutJobs(
+            rollout_service_pb2.ListRolloutJobsRequest(), timeout=10
+        )
+        assert list(jobs.jobs) == []  # its own etcd: the stack's, empty
+    with grpc.insecure_channel(address["orchard-trainer"]) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as caught:
+            trainer_service_pb2_grpc.TrainerServiceStub(channel).GetTrainingJob(
+                trainer_service_pb2.GetTrainingJobRequest(job_id="none"), timeout=10
+            )
+        assert caught.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT)
 
 
 def test_up_runs_the_reward_service_against_its_env_service(service: dict[str, Any]) -> None:

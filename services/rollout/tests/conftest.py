@@ -60,8 +60,8 @@ def env_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
     up = subprocess.run(
         [
             *CLI, "up", "--detach", "--json", "--listen", f"127.0.0.1:{_free_port()}",
-            # The reward service's fixed default port may be taken; these tests start their own.
-            "--without", "reward",
+            # The other services' fixed default ports may be taken; these tests need none.
+            "--without", "reward", "--without", "rollout", "--without", "trainer",
             "--set", f"runtime.cgroup_parent={cgroup_parent}",
             "--set", f"runtime.run_dir={run_dir}",
         ],

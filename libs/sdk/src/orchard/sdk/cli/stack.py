@@ -141,7 +141,8 @@ class LocalStack:
             env = ServiceProcess("env", self.listen, self._env_config(), self.state_dir)
             self.processes["env"] = env
             env.start(self.settings, self.stop_event)
-            for name, address in self.extra_services.items():
+            for name in [n for n in SERVICES if n in self.extra_services]:
+                address = self.extra_services[name]
                 config = SERVICES[name](self, address)
                 process = ServiceProcess(
                     name, address, config, self.state_dir, environ={ENV_TOKEN_VARIABLE: self.token}
@@ -210,8 +211,36 @@ def _reward_config(stack: LocalStack, address: str) -> dict[str, Any]:
     }
 
 
-SERVICES: dict[str, Callable[[LocalStack, str], dict[str, Any]]] = {"reward": _reward_config}
-"""Services a stack can run beside orchard-env, by name: how to configure each for it."""
+def _rollout_config(stack: LocalStack, address: str) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "server": {"listen": [address]},
+        "etcd": {"endpoints": [stack.etcd_endpoint]},
+        "env": {"endpoint": stack.listen, "token_env": ENV_TOKEN_VARIABLE},
+    }
+    reward = stack.extra_services.get("reward")
+    if reward:
+        config["reward"] = {"endpoint": reward}
+    return config
+
+
+def _trainer_config(stack: LocalStack, address: str) -> dict[str, Any]:
+    return {
+        "server": {"listen": [address]},
+        "etcd": {"endpoints": [stack.etcd_endpoint]},
+        "weights": {"checkpoint_dir": str(stack.state_dir / "trainer-checkpoints")},
+    }
+
+
+SERVICES: dict[str, Callable[[LocalStack, str], dict[str, Any]]] = {
+    "reward": _reward_config,
+    "rollout": _rollout_config,
+    "trainer": _trainer_config,
+}
+"""Services a stack can run beside orchard-env, by name: how to configure each for it (in
+start order: rollout after reward, whose address it is given)."""
+
+SUBCOMMANDS: dict[str, tuple[str, ...]] = {"trainer": ("serve",)}
+"""Arguments a service's command takes before its flags (``orchard-trainer serve``)."""
 
 
 class ServiceProcess:
@@ -255,7 +284,7 @@ class ServiceProcess:
         self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
         self.config_path.chmod(0o600)
         command = [*_command(self.program, f"orchard.{self.name}.main")]
-        command += ["--config", str(self.config_path)]
+        command += [*SUBCOMMANDS.get(self.name, ()), "--config", str(self.config_path)]
         for setting in settings:
             command += ["--set", setting]
         # Its settings come from its config file only, not from this shell's ORCHARD_<NAME>_*.

@@ -1,8 +1,9 @@
 """``orchard up`` and ``orchard down``: Orchard's services on this machine.
 
 ``orchard up`` starts, in order, an embedded etcd (data kept under the state dir, so sandbox
-records survive a restart), ``orchard-env`` with the local runtime and ``orchard-reward``
-(``--without reward`` leaves it out), as child processes. It
+records survive a restart), ``orchard-env`` with the local runtime, ``orchard-reward``,
+``orchard-rollout`` and ``orchard-trainer serve`` (``--without NAME`` leaves one out), as child
+processes. It
 generates a local tenant and token once (kept in the profile), writes the profile the SDK and
 the command line read by default, prints what runs where, and stays in the foreground until
 Ctrl-C or SIGTERM; then it stops what it started, in reverse order. ``--detach`` runs the same
@@ -15,7 +16,8 @@ else ``~/.local/state/orchard``)::
     up.json          pid of the running ``orchard up`` and its components
     env.yaml         the configuration orchard-env runs with (token digests only)
     reward.yaml      the configuration orchard-reward runs with (the env token comes from
-                     its environment, never the file)
+                     its environment, never the file); rollout.yaml and trainer.yaml likewise
+    trainer-checkpoints/  what orchard-trainer saves and publishes
     etcd/            etcd's data
     logs/            env.log, reward.log, up.log (detached runs)
     runtime/         the local runtime's per-sandbox state and writable layers
@@ -54,7 +56,11 @@ from orchard.sdk.errors import OrchardSDKError
 __all__ = ["add_up_commands"]
 
 DEFAULT_LISTEN = "127.0.0.1:7100"
-DEFAULT_SERVICE_LISTEN = {"reward": "127.0.0.1:7200"}
+DEFAULT_SERVICE_LISTEN = {
+    "reward": "127.0.0.1:7200",
+    "rollout": "127.0.0.1:7300",
+    "trainer": "127.0.0.1:7400",
+}
 """Where the services beside orchard-env listen (the ports the charts use)."""
 
 
@@ -77,14 +83,16 @@ def add_up_commands(subparsers: Any, formatter: type[argparse.HelpFormatter]) ->
         "up",
         help="run Orchard on this machine (etcd, orchard-env with the local runtime, reward)",
         description=(
-            "Start an embedded etcd, the environment service with the local runtime and the "
-            "reward service, write the profile the SDK and this command line use by default, "
+            "Start an embedded etcd, the environment service with the local runtime, and the "
+            "reward, rollout and trainer services, write the profile the SDK and this command "
+            "line use by default, "
             "and stay in the foreground until Ctrl-C (then stop them in reverse order). The "
             "local runtime needs root."
         ),
         epilog=(
             "examples:\n  orchard up\n  orchard up --detach && orchard sandbox create\n"
-            "  orchard up --without reward       # etcd and the environment service only"
+            "  orchard up --without reward --without rollout --without trainer\n"
+            "                                    # etcd and the environment service only"
         ),
         formatter_class=formatter,
     )
