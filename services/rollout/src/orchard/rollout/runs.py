@@ -207,19 +207,21 @@ class JobStore:
         return index
 
     async def groups(
-        self, job_id: str, start_index: int
+        self, job_id: str, start_index: int, *, page_size: int = 64
     ) -> list[tuple[int, trajectory_pb2.TrajectoryGroup]]:
-        """The job's groups from `start_index` on, in order."""
+        """The job's groups from `start_index` on, in order (read from that key on)."""
         prefix = f"{GROUPS}{job_id}/"
-        start = group_key(job_id, start_index)
+        after: str | None = group_key(job_id, start_index - 1) if start_index > 0 else None
         out = []
-        async for kv in self.store.iter_prefix(prefix):
-            if kv.key_str < start:
-                continue
-            group = trajectory_pb2.TrajectoryGroup()
-            group.ParseFromString(kv.value)
-            out.append((int(kv.key_str.rsplit("/", 1)[1]), group))
-        return sorted(out, key=lambda item: item[0])
+        while True:
+            page = await self.store.get_prefix(prefix, limit=page_size, start_after=after)
+            for kv in page.kvs:
+                group = trajectory_pb2.TrajectoryGroup()
+                group.ParseFromString(kv.value)
+                out.append((int(kv.key_str.rsplit("/", 1)[1]), group))
+            if not page.more or not page.kvs:
+                return out
+            after = page.kvs[-1].key_str
 
 
 # -- groups as the consumer sees them -------------------------------------------------------

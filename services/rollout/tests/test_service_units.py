@@ -1,0 +1,196 @@
+"""The service's parts without the environment service: spec validation, the job store in a
+REAL etcd (the session's embedded one), and groups as the consumer sees them."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from orchard.core.errors import OrchardError, Reason
+from orchard.core.etcd import EmbeddedEtcd, EtcdStore
+from orchard.rollout.capture import CallRecord
+from orchard.rollout.config import RolloutConfig
+from orchard.rollout.provenance import FailureLayer, InfraFailure, RewardRecord, RolloutRecord
+from orchard.rollout.results import GroupKey, RolloutResult, RolloutStatus
+from orchard.rollout.runs import JobState, JobStore, group_proto
+from orchard.rollout.samplers import BalancedAdaptiveSampler, GroupChoice, SampledGroup
+from orchard.rollout.service import builtin_harnesses, validate_spec
+from orchard.rollout.v1 import rollout_service_pb2 as api
+from orchard.types.v1 import reward_pb2, trajectory_pb2
+
+CHECK = json.dumps({"check": {"command": "true"}})
+TESTS = json.dumps({"tests": {"instance_id": "x", "base_commit": "abc", "fail_to_pass": ["t::a"]}})
+
+
+def spec(**changes: Any) -> api.RolloutJobSpec:
+    base = api.RolloutJobSpec(
+        tasks=[api.RolloutTask(id="t1", instruction="do it", scorer_json=CHECK)],
+        harnesses=["builtin:bash"],
+    )
+    for name, value in changes.items():
+        if name in ("tasks", "harnesses"):
+            del getattr(base, name)[:]
+            getattr(base, name).extend(value)
+        else:
+            setattr(base, name, value)
+    return base
+
+
+def validate(s: api.RolloutJobSpec, **config: Any) -> Any:
+    return validate_spec(s, RolloutConfig(**config), builtin_harnesses(60))
+
+
+def test_a_spec_gets_the_configured_defaults() -> None:
+    valid = validate(spec())
+    assert valid.pairs == [GroupKey("t1", "builtin:bash")]
+    assert valid.policy == "local" and valid.concurrency == 8
+    assert (valid.budget.max_steps, valid.budget.max_duration_s) == (30, 600.0)
+    assert valid.sampler == BalancedAdaptiveSampler()
+    assert valid.group_filter is not None
+
+
+def test_keeping_every_group_turns_the_filter_off() -> None:
+    s = spec()
+    s.sampler.keep_uninformative_groups = True
+    s.sampler.kind = api.SAMPLER_KIND_FIXED_N
+    s.sampler.group_size = 3
+    valid = validate(s)
+    assert valid.group_filter is None and valid.sampler.name == "fixed_n"
+
+
+@pytest.mark.parametrize(
+    ("s", "reason", "words"),
+    [
+        (spec(harnesses=["builtin:nope"]), Reason.INVALID_ARGUMENT, "known harnesses"),
+        (spec(policy="nope"), Reason.INVALID_ARGUMENT, "configured policies: local"),
+        (
+            spec(tasks=[api.RolloutTask(id="t", instruction="i", scorer_json=TESTS)]),
+            Reason.FAILED_PRECONDITION,
+            "set reward.endpoint",
+        ),
+        (
+            spec(tasks=[api.RolloutTask(id="t", instruction="i", scorer_json="{}")]),
+            Reason.INVALID_ARGUMENT,
+            "exactly one of",
+        ),
+        (
+            spec(
+                tasks=[
+                    api.RolloutTask(id="t", instruction="i", scorer_json=CHECK),
+                    api.RolloutTask(id="t", instruction="i", scorer_json=CHECK),
+                ]
+            ),
+            Reason.INVALID_ARGUMENT,
+            "appears twice",
+        ),
+        (spec(concurrency=100_000), Reason.INVALID_ARGUMENT, "spec.concurrency"),
+    ],
+)
+def test_bad_specs_say_what_to_fix(s: api.RolloutJobSpec, reason: Reason, words: str) -> None:
+    with pytest.raises(OrchardError) as info:
+        validate(s)
+    assert info.value.reason is reason
+    assert words in info.value.message
+
+
+def test_a_tests_task_is_accepted_with_a_reward_service() -> None:
+    s = spec(tasks=[api.RolloutTask(id="t", instruction="i", scorer_json=TESTS)])
+    valid = validate(s, reward={"endpoint": "127.0.0.1:7200"})
+    check = valid.tasks["t"].check
+    assert check.task.base_commit == "abc" and list(check.task.fail_to_pass) == ["t::a"]
+    assert check.repo_path == "/testbed"
+
+
+@pytest.fixture
+async def jobs(etcd: EmbeddedEtcd) -> AsyncIterator[JobStore]:
+    async with EtcdStore(etcd.endpoint, namespace=f"rollout-test-{uuid.uuid4().hex}/") as store:
+        yield JobStore(store)
+
+
+async def test_jobs_and_their_groups_live_in_etcd(jobs: JobStore) -> None:
+    job = JobState(id="j1", spec=spec(), request_id="r1", pairs_total=2)
+    assert (await jobs.create(job)).id == "j1"
+    # The same request id returns the job it created.
+    again = await jobs.create(JobState(id="j2", spec=spec(), request_id="r1"))
+    assert again.id == "j1"
+    assert await jobs.get("j2") is None
+    for task_id in ("a", "b", "c"):
+        job.pairs_done.append(task_id)
+        group = trajectory_pb2.TrajectoryGroup(id=f"g-{task_id}", task_id=task_id)
+        await jobs.emit(job, group)
+    stored = await jobs.get("j1")
+    assert stored is not None
+    assert (stored.groups_emitted, stored.pairs_done) == (3, ["a", "b", "c"])
+    assert stored.spec == spec() and stored.state == api.ROLLOUT_JOB_STATE_RUNNING
+    assert [(i, g.id) for i, g in await jobs.groups("j1", 0)] == [
+        (0, "g-a"),
+        (1, "g-b"),
+        (2, "g-c"),
+    ]
+    assert [(i, g.id) for i, g in await jobs.groups("j1", 2, page_size=1)] == [(2, "g-c")]
+    assert await jobs.groups("j1", 3) == []
+    proto = stored.to_proto()
+    assert (proto.pairs_total, proto.pairs_done, proto.groups_emitted) == (2, 3, 3)
+
+
+def _call(rollout_id: str, seq: int, prompt: tuple[int, ...], out: tuple[int, ...]) -> CallRecord:
+    return CallRecord(
+        rollout_id=rollout_id,
+        call_id=f"{rollout_id}-{seq}",
+        seq=seq,
+        prompt_token_ids=prompt,
+        output_token_ids=out,
+        output_logprobs=tuple(-0.5 for _ in out),
+        weight_version="v3",
+        finish_reason="stop",
+        started_at=1.0 + seq,
+        latency_s=0.1,
+    )
+
+
+def _member(index: int, status: RolloutStatus, reward: float | None) -> RolloutResult:
+    rollout_id = f"t.{index}"
+    record = RolloutRecord(rollout_id=rollout_id, task_id="t", harness="builtin:bash")
+    record.status = status
+    record.outcome = "submitted"
+    if reward is not None:
+        record.reward = RewardRecord(value=reward, scorer="tests", detail="ok")
+        record.calls = [
+            _call(rollout_id, 0, (1, 2, 3), (10, 11)),
+            _call(rollout_id, 1, (1, 2, 3, 10, 11, 4), (12,)),
+        ]
+    else:
+        record.failure = InfraFailure(FailureLayer.REWARD, "reward excluded (timeout): slow", 1)
+    return RolloutResult(
+        GroupKey("t", "builtin:bash"), index, status, reward, 3, rollout_id, payload=record
+    )
+
+
+def test_a_group_carries_the_captured_tokens_rewards_and_advantages() -> None:
+    members = (
+        _member(0, RolloutStatus.COMPLETED, 1.0),
+        _member(1, RolloutStatus.COMPLETED, -1.0),
+        _member(2, RolloutStatus.ABORTED, None),
+    )
+    sampled = SampledGroup(
+        GroupKey("t", "builtin:bash"), members, GroupChoice.RELAXED, members, "bar", 0.5
+    )
+    group = group_proto("job1", sampled)
+    assert (group.sampler, group.positive_fraction) == ("bar:relaxed", 0.5)
+    first, second, aborted = group.trajectories
+    assert [list(t.output_token_ids) for t in first.turns] == [[10, 11], [12]]
+    # The second turn's input is only what was added after the first call's output.
+    assert list(first.turns[1].input_token_ids) == [4]
+    assert (first.reward.value, first.advantage) == (1.0, 1.0)
+    assert (second.reward.value, second.advantage) == (-1.0, -1.0)
+    assert first.metadata["weight_versions"] == "v3"
+    assert aborted.reward.status == reward_pb2.REWARD_STATUS_EXCLUDED
+    assert aborted.reward.exclusion == reward_pb2.EXCLUSION_REASON_ABORTED
+    assert "reward: reward excluded (timeout)" in aborted.reward.detail
+    assert aborted.advantage == 0.0 and not aborted.turns
+    assert aborted.outcome == trajectory_pb2.TRAJECTORY_OUTCOME_ABORTED
+    assert {t.group_id for t in group.trajectories} == {group.id}
