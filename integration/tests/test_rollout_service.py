@@ -497,3 +497,61 @@ def test_a_restarted_service_resumes_the_job_and_keeps_the_groups_it_emitted(
             assert list(client.list({JOB_LABEL: job.id})) == []
     finally:
         process.stop()
+
+
+def test_two_replicas_run_each_job_once_and_a_replica_adopts_the_job_of_a_dead_one(
+    services: Services,
+) -> None:
+    first = services.rollout("replicas")
+    second = RolloutProcess(
+        f"127.0.0.1:{free_port()}",
+        f"127.0.0.1:{free_port()}",
+        first.config_path.with_name("rollout-replicas-2.json"),
+        first.log.with_name("rollout-replicas-2.log"),
+        first.token,
+    )
+    config = json.loads(first.config_path.read_text())
+    config["server"] = {"listen": [second.address], "metrics_address": second.metrics_address}
+    second.config_path.write_text(json.dumps(config))
+    first.start()
+    second.start()
+    try:
+        with (
+            grpc.insecure_channel(first.address) as a,
+            grpc.insecure_channel(second.address) as b,
+        ):
+            stub_a = rollout_service_pb2_grpc.RolloutServiceStub(a)
+            stub_b = rollout_service_pb2_grpc.RolloutServiceStub(b)
+            # A cancel received by the replica that does not run the job reaches the owner.
+            stuck = api.RolloutJobSpec(
+                tasks=[calc_task("stuck")], harnesses=["builtin:bash"], sampler=fixed_n(2)
+            )
+            job = stub_a.CreateRolloutJob(api.CreateRolloutJobRequest(spec=stuck)).job
+            with SandboxClient(services.env.endpoint, token=services.env.token) as client:
+                deadline = time.monotonic() + 60
+                while len(list(client.list({JOB_LABEL: job.id}))) < 2:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.2)
+                cancelled = stub_b.CancelRolloutJob(api.CancelRolloutJobRequest(job_id=job.id))
+                assert cancelled.job.state == api.ROLLOUT_JOB_STATE_CANCELLED
+                time.sleep(5)  # the owner stops within its watch interval
+                assert list(client.list({JOB_LABEL: job.id})) == []
+            assert wait_job(stub_a, job.id, ended).state == api.ROLLOUT_JOB_STATE_CANCELLED
+            # A replica killed mid-job: the other adopts the job once its lease runs out.
+            spec = api.RolloutJobSpec(
+                tasks=[calc_task("slowA"), calc_task("slowB")],
+                harnesses=["builtin:bash"],
+                sampler=fixed_n(2),
+            )
+            job = stub_a.CreateRolloutJob(api.CreateRolloutJobRequest(spec=spec)).job
+            wait_job(stub_a, job.id, lambda j: j.rollouts_started >= 2)
+            assert first.process is not None
+            first.process.kill()
+            first.process.wait()
+            first.process = None
+            final = wait_job(stub_b, job.id, ended, timeout_s=120)
+            assert final.state == api.ROLLOUT_JOB_STATE_SUCCEEDED, final.error
+            assert (final.resumes, final.groups_emitted) == (1, 2)
+    finally:
+        first.stop()
+        second.stop()

@@ -104,7 +104,7 @@ class RolloutApplication:
             metrics=RolloutMetrics(server.metrics),
             registry=registry,
         )
-        await self.manager.resume_all()
+        await self.manager.open()
         self.servicer.attach(self.manager)
         log.info(
             "rollout service ready",

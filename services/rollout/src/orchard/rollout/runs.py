@@ -5,7 +5,9 @@ Keys, under the service's namespace:
 - ``jobs/<job_id>``: the job as JSON (spec, state, progress, the pairs sampled to their end);
 - ``requests/<request_id>``: the job a client's request id created (retries return it);
 - ``groups/<job_id>/<index>``: the emitted groups (``orchard.types.v1.TrajectoryGroup``, binary),
-  numbered from 0 in emission order.
+  numbered from 0 in emission order;
+- ``owners/<job_id>``: the process running the job, on that process's lease (it vanishes when
+  the process stops or dies, and another process, or the restarted one, adopts the job).
 
 A group is written in one transaction with the job record that counts it and marks its pair
 done, so a group is emitted exactly once: after a restart the job resumes with the pairs not yet
@@ -41,6 +43,7 @@ log = logging.getLogger(__name__)
 
 JOBS = "jobs/"
 REQUESTS = "requests/"
+OWNERS = "owners/"
 GROUPS = "groups/"
 INDEX_DIGITS = 10
 
@@ -181,6 +184,13 @@ class JobStore:
     async def put(self, job: JobState) -> None:
         job.update_time = time.time()
         await self.store.put(JOBS + job.id, job.to_json())
+
+    async def claim(self, job_id: str, owner: str, lease: int) -> bool:
+        """Makes `owner` the job's runner unless another live process is; True when it is."""
+        if await self.store.create_if_absent(OWNERS + job_id, owner, lease=lease) is not None:
+            return True
+        current = await self.store.get(OWNERS + job_id)
+        return current is not None and current.value_str == owner
 
     async def get(self, job_id: str) -> JobState | None:
         kv = await self.store.get(JOBS + job_id)
@@ -396,7 +406,9 @@ class JobRun:
         finally:
             progress.cancel()
         async with self._lock:
-            await self.jobs.put(self.job)
+            stored = await self.jobs.get(self.job.id)
+            if stored is None or not stored.ended:  # a cancel from elsewhere stays
+                await self.jobs.put(self.job)
         self.on_change()
 
     async def _save_progress(self, interval_s: float = 1.0) -> None:

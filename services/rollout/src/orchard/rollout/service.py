@@ -2,8 +2,10 @@
 
 `RolloutManager` owns what jobs use: the job store in etcd, the environment service client,
 the scorer, and the policies (a local engine behind a capture proxy, started on first use, or an
-OpenAI-compatible endpoint). Each job runs as one asyncio task in this process
-(:class:`orchard.rollout.runs.JobRun`).
+OpenAI-compatible endpoint). Each job runs as one asyncio task in the process that owns it
+(:class:`orchard.rollout.runs.JobRun`): ownership is a key on the process's etcd lease, so with
+several replicas each job runs once, a job whose owner stopped or died is adopted by another
+(or the restarted) process, and a cancel received by any replica reaches the owner.
 
 Bad input is INVALID_ARGUMENT with what to fix; a job that needs something this service was not
 configured with (a reward service) is FAILED_PRECONDITION. Both are raised as `OrchardError` and
@@ -17,6 +19,7 @@ import contextlib
 import enum
 import logging
 import re
+import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from orchard.core.errors import ErrorReason, OrchardError, Reason
+from orchard.core.etcd import Lease
 from orchard.rollout.batches import GroupFilter
 from orchard.rollout.budgets import LayeredRetries, RolloutBudget
 from orchard.rollout.config import PolicyConfig, RolloutConfig
@@ -208,10 +212,32 @@ class RolloutManager:
     _policies: dict[str, _Policy] = field(default_factory=dict)
     _policy_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _create_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    owner: str = field(default_factory=lambda: uuid.uuid4().hex)
+    lease_ttl_s: int = 10
+    adopt_interval_s: float = 2.0
+    _lease: Lease | None = None
+    _watcher: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
         if not self.harnesses:
             self.harnesses = builtin_harnesses(self.config.defaults.command_timeout_s)
+
+    async def open(self) -> None:
+        """Takes a lease for the jobs this process will own, adopts the jobs no live process
+        owns (a restart's), and keeps watching for orphans and cancels from other replicas."""
+        store = self.jobs.store
+        self._lease = await store.grant_lease(self.lease_ttl_s)
+        store.keep_alive(self._lease)
+        await self._adopt_orphans()
+        self._watcher = asyncio.create_task(self._watch(), name="rollout-job-watch")
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.adopt_interval_s)
+            try:
+                await self._adopt_orphans()
+            except Exception as exc:
+                log.warning("adopting jobs failed: %s", exc)
 
     # -- policies ------------------------------------------------------------------------
 
@@ -280,9 +306,13 @@ class RolloutManager:
                 pairs_total=len(valid.pairs),
             )
             stored = await self.jobs.create(job)
-            if stored.id == job.id:
+            if stored.id == job.id and await self._claim(job.id):
                 self._start(job, valid)
             return stored
+
+    async def _claim(self, job_id: str) -> bool:
+        assert self._lease is not None, "open() the manager first"
+        return await self.jobs.claim(job_id, self.owner, self._lease.id)
 
     def _start(self, job: JobState, valid: ValidSpec) -> None:
         task = asyncio.create_task(self._run(job, valid), name=f"rollout-job-{job.id}")
@@ -328,10 +358,16 @@ class RolloutManager:
         finally:
             self.metrics.jobs_running.dec()
 
-    async def resume_all(self) -> None:
-        """At start: jobs a previous process left RUNNING are resumed (or marked FAILED)."""
+    async def _adopt_orphans(self) -> None:
+        """Jobs left RUNNING by a process that is gone: resumed here (or marked FAILED); and
+        jobs of ours that another replica cancelled: stopped."""
         for job in await self.jobs.all():
-            if job.ended:
+            task = self._tasks.get(job.id)
+            if task is not None:
+                if job.ended:
+                    task.cancel()
+                continue
+            if job.ended or not await self._claim(job.id):
                 continue
             await self._delete_leftovers(job.id)
             if not self.config.resume_running_jobs:
@@ -384,6 +420,7 @@ class RolloutManager:
                 await task
         job = await self.get(job_id)
         if not job.ended:
+            # Another replica's job: it sees the state and stops its rollouts.
             job.state = api.ROLLOUT_JOB_STATE_CANCELLED
             job.error = ""
             await self.jobs.put(job)
@@ -420,12 +457,21 @@ class RolloutManager:
     async def close(self) -> None:
         """Stops the jobs of this process without ending them (a restart resumes them) and the
         policies."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
         tasks = list(self._tasks.values())
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self._lease is not None:
+            # The jobs' owner keys go with it: the next process adopts them at once.
+            with contextlib.suppress(Exception):
+                await self.jobs.store.revoke_lease(self._lease)
+            self._lease = None
         for policy in self._policies.values():
             if policy.proxy is not None:
                 with contextlib.suppress(Exception):
