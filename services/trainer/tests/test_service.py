@@ -456,3 +456,55 @@ def test_serve_runs_the_service_and_drains_on_sigterm(etcd, tmp_path: Path) -> N
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+async def test_rl_groups_sampled_by_too_old_weights_are_refused_or_skipped(trainer, registry):
+    t = await trainer.start()
+    for name in ("v1", "v2", "v3"):
+        await registry.publish(name, f"models/{name}")
+    build = TrajectoryBuilder()
+
+    def trajectory(name: str, version: str, reward: float) -> trajectory_pb2.Trajectory:
+        out = build([build.Turn(inputs=[1, 11, 2], outputs=[13 + len(name), 3])], reward=reward)
+        out.id = name
+        out.turns[0].weight_version = version
+        return out
+
+    def group(*members: trajectory_pb2.Trajectory) -> trajectory_pb2.TrajectoryGroup:
+        return trajectory_pb2.TrajectoryGroup(id="g", trajectories=members)
+
+    def rl_spec(**fields: Any) -> api.TrainingJobSpec:
+        spec = {"mode": api.TRAINING_MODE_RL, "model": "builtin:tiny", "max_staleness": 1}
+        return api.TrainingJobSpec(**{**spec, **fields})
+
+    strict = (await t.stub.CreateTrainingJob(api.CreateTrainingJobRequest(spec=rl_spec()))).job
+    fresh = group(trajectory("a", "v3", 1.0), trajectory("bb", "v2", 0.0))
+    accepted = await submit(t.stub, strict.id, [fresh])
+    assert accepted.trajectories_trainable == 2
+    code, message = await failure(
+        submit(t.stub, strict.id, [group(trajectory("a", "v3", 1.0), trajectory("c", "v1", 0.0))])
+    )
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "2 versions behind" in message
+    assert "skip_stale" in message
+    code, message = await failure(submit(t.stub, strict.id, [group(trajectory("d", "local", 1.0))]))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "unknown weight version" in message
+
+    lenient = await t.stub.CreateTrainingJob(
+        api.CreateTrainingJobRequest(spec=rl_spec(skip_stale=True))
+    )
+    mixed = group(
+        trajectory("a", "v3", 1.0), trajectory("bb", "v2", 0.0), trajectory("c", "v1", 0.5)
+    )
+    accepted = await submit(t.stub, lenient.job.id, [mixed])
+    assert (accepted.trajectories_trainable, accepted.trajectories_skipped) == (2, 1)
+
+    code, message = await failure(
+        t.stub.CreateTrainingJob(api.CreateTrainingJobRequest(spec=sft_spec(max_staleness=1)))
+    )
+    assert (code, "for RL jobs" in message) == (grpc.StatusCode.INVALID_ARGUMENT, True)
+    code, message = await failure(
+        t.stub.CreateTrainingJob(api.CreateTrainingJobRequest(spec=rl_spec(max_staleness=-1)))
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT

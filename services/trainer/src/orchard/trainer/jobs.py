@@ -13,9 +13,9 @@ Data:
   sample set; step `k` trains on micro-batches `k` of a seeded plan over it (epochs follow one
   another, as in offline SFT), so a job without any sample cannot step;
 - RL: each submitted group becomes samples with group-relative advantages
-  (`rl.build_rl_batch`); a `Step` of `n` optimizer steps consumes the whole buffer
-  (`rl.rl_update`, `n` updates on it) and needs at least `n x gradient_accumulation` trainable
-  samples.
+  (`rl.build_rl_batch`), after the staleness bound of `spec.max_staleness` when it is set; a
+  `Step` of `n` optimizer steps consumes the whole buffer (`rl.rl_update`, `n` updates on it)
+  and needs at least `n x gradient_accumulation` trainable samples.
 """
 
 from __future__ import annotations
@@ -40,7 +40,14 @@ from orchard.trainer.losses import PolicyLossConfig
 from orchard.trainer.masks import Overflow, Sample, SampleConfig, build_sft_samples
 from orchard.trainer.microbatches import MicroBatchPlan
 from orchard.trainer.policy import BUILTIN_SIZES, Policy, load_policy
-from orchard.trainer.rl import RlBatch, RlConfig, build_rl_batch, rl_update
+from orchard.trainer.rl import (
+    RlBatch,
+    RlConfig,
+    StalePolicy,
+    VersionLag,
+    build_rl_batch,
+    rl_update,
+)
 from orchard.trainer.telemetry import StepRecord, StepRecorder
 from orchard.trainer.v1 import trainer_service_pb2 as api
 from orchard.types.v1 import trajectory_pb2
@@ -140,6 +147,15 @@ def resolve_spec(spec: api.TrainingJobSpec) -> api.TrainingJobSpec:
         policy_loss_config(out)
     except ValueError as exc:
         raise SpecError(f"spec.policy_loss: {exc}") from None
+    if out.HasField("max_staleness") or out.skip_stale:
+        if out.mode != api.TRAINING_MODE_RL:
+            raise SpecError("spec.max_staleness and spec.skip_stale are for RL jobs")
+        if not out.HasField("max_staleness"):
+            raise SpecError("spec.skip_stale needs spec.max_staleness, the bound to apply")
+        if out.max_staleness < 0:
+            raise SpecError(
+                f"spec.max_staleness must be 0 or more versions, got {out.max_staleness}"
+            )
     if out.dataset:
         if out.mode != api.TRAINING_MODE_SFT:
             raise SpecError("spec.dataset is for SFT jobs; RL jobs train on submitted groups")
@@ -260,9 +276,12 @@ class JobRunner:
                         f"outside the model's vocabulary [0, {self.vocab_size})"
                     )
 
-    def submit(self, group: trajectory_pb2.TrajectoryGroup) -> SubmitCounts:
+    def submit(
+        self, group: trajectory_pb2.TrajectoryGroup, version_lag: VersionLag | None = None
+    ) -> SubmitCounts:
         """Add one group's samples to the buffer; raises `ValueError` (or `TrajectoryError`)
-        for a malformed trajectory, adding nothing of the group."""
+        for a malformed trajectory and `StaleBatchError` for one sampled by weights older than
+        `spec.max_staleness` allows (with `version_lag`), adding nothing of the group."""
         trajectories = list(group.trajectories)
         for trajectory in trajectories:
             self._check_tokens(trajectory)
@@ -272,7 +291,7 @@ class JobRunner:
             self._plan = None
             reasons = Counter({str(k): v for k, v in built.skipped.items()})
             return SubmitCounts(1, len(built.samples), sum(reasons.values()), reasons)
-        batch = build_rl_batch(trajectories, self._rl_config())
+        batch = build_rl_batch(trajectories, self._rl_config(), version_lag=version_lag)
         self.rl_samples.extend(batch.samples)
         self.rl_advantages.extend(batch.advantages)
         if not math.isnan(batch.reward_mean):
@@ -282,8 +301,13 @@ class JobRunner:
         )
 
     def _rl_config(self, updates: int = 1) -> RlConfig:
+        bounded = self.spec.HasField("max_staleness")
         return RlConfig(
-            loss=policy_loss_config(self.spec), samples=self.samples, updates_per_batch=updates
+            loss=policy_loss_config(self.spec),
+            samples=self.samples,
+            updates_per_batch=updates,
+            max_staleness=self.spec.max_staleness if bounded else None,
+            stale=StalePolicy.SKIP if self.spec.skip_stale else StalePolicy.REJECT,
         )
 
     def run_steps(

@@ -31,7 +31,7 @@ import grpc
 from google.protobuf import timestamp_pb2
 
 from orchard.core.errors import OrchardError, Reason
-from orchard.lm.weights import WeightRegistry
+from orchard.lm.weights import InvalidWeightVersion, WeightRegistry
 from orchard.trainer.checkpoints import (
     CheckpointError,
     CheckpointInfo,
@@ -44,8 +44,10 @@ from orchard.trainer.jobs import MODE_NAMES, JobRunner, NotEnoughData, SpecError
 from orchard.trainer.masks import TrajectoryError
 from orchard.trainer.metrics import TrainerMetrics
 from orchard.trainer.records import JobRecord, JobStore
+from orchard.trainer.rl import StaleBatchError
 from orchard.trainer.v1 import trainer_service_pb2 as api
 from orchard.trainer.v1 import trainer_service_pb2_grpc
+from orchard.types.v1 import trajectory_pb2
 
 __all__ = ["JobManager", "TrainerServicer"]
 
@@ -308,8 +310,21 @@ class JobManager:
                     raise OrchardError(
                         Reason.FAILED_PRECONDITION, f"job {job_id} was cancelled meanwhile"
                     )
+                lag = None
+                if runner.spec.HasField("max_staleness"):
+                    lag = await self._version_lag(request.group)
                 try:
-                    counts = await asyncio.to_thread(runner.submit, request.group)
+                    counts = await asyncio.to_thread(
+                        runner.submit, request.group, None if lag is None else lag.get
+                    )
+                except StaleBatchError as exc:
+                    raise OrchardError(
+                        Reason.FAILED_PRECONDITION,
+                        f"group {index} ({request.group.id or 'no id'}): {exc} "
+                        f"(spec.max_staleness); sample it again with newer weights, or create "
+                        f"the job with skip_stale; the groups before it "
+                        f"({response.groups_accepted}) were accepted",
+                    ) from None
                 except (TrajectoryError, ValueError) as exc:
                     raise _invalid(
                         f"group {index} ({request.group.id or 'no id'}): {exc}; the groups "
@@ -324,6 +339,25 @@ class JobManager:
         if running is None:
             raise _invalid("the stream held no message; send job_id and a group per message")
         return response
+
+    async def _version_lag(self, group: trajectory_pb2.TrajectoryGroup) -> dict[str, int | None]:
+        """How many versions each weight version named in `group` lags behind the latest
+        published one (None: not a published version)."""
+        latest = await self.registry.latest()
+        names = {
+            turn.weight_version
+            for trajectory in group.trajectories
+            for turn in trajectory.turns
+            if turn.kind == trajectory_pb2.TURN_KIND_POLICY
+        }
+        lag: dict[str, int | None] = {}
+        for name in names:
+            try:
+                found = await self.registry.get(name) if latest is not None else None
+            except InvalidWeightVersion:
+                found = None
+            lag[name] = latest.number - found.number if latest and found else None
+        return lag
 
     async def step(self, job_id: str, steps: int, publish: bool) -> api.StepResponse:
         if steps < 1:

@@ -139,6 +139,8 @@ class TrainingJobSpec(_message.Message):
     DROP_LONG_FIELD_NUMBER: _builtins.int
     POLICY_LOSS_FIELD_NUMBER: _builtins.int
     DATASET_FIELD_NUMBER: _builtins.int
+    MAX_STALENESS_FIELD_NUMBER: _builtins.int
+    SKIP_STALE_FIELD_NUMBER: _builtins.int
     mode: Global___TrainingMode.ValueType
     """SFT or RL."""
     model: _builtins.str
@@ -161,6 +163,12 @@ class TrainingJobSpec(_message.Message):
     """Drop over-long samples instead of left-truncating them."""
     dataset: _builtins.str
     """Dataset path for offline SFT (JSONL of trajectories)."""
+    max_staleness: _builtins.int
+    """RL: most weight versions a trajectory's policy turns may lag behind the latest published
+    version (staleness in the weight registry's numbering); unset: no bound.
+    """
+    skip_stale: _builtins.bool
+    """RL: leave stale trajectories out of the loss instead of refusing their group."""
     @_builtins.property
     def policy_loss(self) -> Global___PolicyLossConfig:
         """RL loss settings."""
@@ -180,12 +188,16 @@ class TrainingJobSpec(_message.Message):
         drop_long: _builtins.bool = ...,
         policy_loss: Global___PolicyLossConfig | None = ...,
         dataset: _builtins.str = ...,
+        max_staleness: _builtins.int | None = ...,
+        skip_stale: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["policy_loss", b"policy_loss"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "max_staleness", b"max_staleness", "policy_loss", b"policy_loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dataset", b"dataset", "drop_long", b"drop_long", "gradient_accumulation", b"gradient_accumulation", "learning_rate", b"learning_rate", "max_sequence_tokens", b"max_sequence_tokens", "micro_batch_size", b"micro_batch_size", "mode", b"mode", "model", b"model", "policy_loss", b"policy_loss", "total_steps", b"total_steps", "warmup_steps", b"warmup_steps", "zero_stage", b"zero_stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "dataset", b"dataset", "drop_long", b"drop_long", "gradient_accumulation", b"gradient_accumulation", "learning_rate", b"learning_rate", "max_sequence_tokens", b"max_sequence_tokens", "max_staleness", b"max_staleness", "micro_batch_size", b"micro_batch_size", "mode", b"mode", "model", b"model", "policy_loss", b"policy_loss", "skip_stale", b"skip_stale", "total_steps", b"total_steps", "warmup_steps", b"warmup_steps", "zero_stage", b"zero_stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__max_staleness: _TypeAlias = _typing.Literal["max_staleness"]  # noqa: Y015
+    _WhichOneofArgType__max_staleness: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_staleness) -> _WhichOneofReturnType__max_staleness | None: ...
 
 Global___TrainingJobSpec: _TypeAlias = TrainingJobSpec  # noqa: Y015
 
