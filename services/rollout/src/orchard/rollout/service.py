@@ -31,7 +31,11 @@ from orchard.core.etcd import Lease
 from orchard.rollout.batches import GroupFilter
 from orchard.rollout.budgets import LayeredRetries, RolloutBudget
 from orchard.rollout.config import PolicyConfig, RolloutConfig
-from orchard.rollout.harnesses.bash_react import bash_react_harness, generic_tool_harness
+from orchard.rollout.harnesses.bash_react import (
+    bash_react_harness,
+    generic_tool_harness,
+    shell_harness,
+)
 from orchard.rollout.harnesses.tool_loop import ModelEndpoint, ToolCallingHarness
 from orchard.rollout.metrics import RolloutMetrics
 from orchard.rollout.results import GroupKey
@@ -77,7 +81,7 @@ def _invalid(message: str) -> OrchardError:
 def builtin_harnesses(command_timeout_s: float) -> dict[str, ToolCallingHarness]:
     return {
         "builtin:bash": bash_react_harness(command_timeout_s=command_timeout_s),
-        "builtin:swe": bash_react_harness(command_timeout_s=command_timeout_s, name="builtin:swe"),
+        "builtin:swe": shell_harness(command_timeout_s=command_timeout_s),
         "builtin:tools": generic_tool_harness(),
     }
 
