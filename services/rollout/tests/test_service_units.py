@@ -16,7 +16,7 @@ from orchard.rollout.capture import CallRecord
 from orchard.rollout.config import RolloutConfig
 from orchard.rollout.provenance import FailureLayer, InfraFailure, RewardRecord, RolloutRecord
 from orchard.rollout.results import GroupKey, RolloutResult, RolloutStatus
-from orchard.rollout.runs import JobState, JobStore, group_proto
+from orchard.rollout.runs import JobCancelled, JobState, JobStore, group_proto
 from orchard.rollout.samplers import BalancedAdaptiveSampler, GroupChoice, SampledGroup
 from orchard.rollout.service import builtin_harnesses, validate_spec
 from orchard.rollout.v1 import rollout_service_pb2 as api
@@ -135,6 +135,14 @@ async def test_jobs_and_their_groups_live_in_etcd(jobs: JobStore) -> None:
     assert await jobs.groups("j1", 3) == []
     proto = stored.to_proto()
     assert (proto.pairs_total, proto.pairs_done, proto.groups_emitted) == (2, 3, 3)
+    # Once cancelled, the runner's writes are refused: the cancel is never overwritten.
+    await jobs.mark_cancelled("j1")
+    with pytest.raises(JobCancelled):
+        await jobs.emit(job, trajectory_pb2.TrajectoryGroup(id="late"))
+    with pytest.raises(JobCancelled):
+        await jobs.put_running(job)
+    assert job.groups_emitted == 3
+    assert [g.id for _, g in await jobs.groups("j1", 0)] == ["g-a", "g-b", "g-c"]
 
 
 def _call(rollout_id: str, seq: int, prompt: tuple[int, ...], out: tuple[int, ...]) -> CallRecord:

@@ -6,6 +6,8 @@ Keys, under the service's namespace:
 - ``requests/<request_id>``: the job a client's request id created (retries return it);
 - ``groups/<job_id>/<index>``: the emitted groups (``orchard.types.v1.TrajectoryGroup``, binary),
   numbered from 0 in emission order;
+- ``cancels/<job_id>``: written by a cancel; every write of the job's runner is conditional on
+  its absence, so a cancel (from any replica) is never overwritten;
 - ``owners/<job_id>``: the process running the job, on that process's lease (it vanishes when
   the process stops or dies, and another process, or the restarted one, adopts the job).
 
@@ -18,6 +20,7 @@ start), and consumers resume `StreamGroups` at the index they stopped at.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import statistics
@@ -29,7 +32,7 @@ from typing import Any
 
 from google.protobuf import json_format, timestamp_pb2
 
-from orchard.core.etcd import EtcdStore, PutOp
+from orchard.core.etcd import Compare, CompareOp, EtcdStore, PutOp
 from orchard.rollout.batches import GroupFilter
 from orchard.rollout.metrics import RolloutMetrics
 from orchard.rollout.provenance import RolloutRecord
@@ -44,6 +47,7 @@ log = logging.getLogger(__name__)
 JOBS = "jobs/"
 REQUESTS = "requests/"
 OWNERS = "owners/"
+CANCELS = "cancels/"
 GROUPS = "groups/"
 INDEX_DIGITS = 10
 
@@ -162,6 +166,10 @@ class JobState:
         )
 
 
+class JobCancelled(Exception):
+    """The job was cancelled (possibly through another replica): its runner stops writing."""
+
+
 class JobStore:
     """Jobs and their groups in etcd."""
 
@@ -185,6 +193,19 @@ class JobStore:
         job.update_time = time.time()
         await self.store.put(JOBS + job.id, job.to_json())
 
+    async def put_running(self, job: JobState) -> None:
+        """The runner's write: refused (JobCancelled) once the job was cancelled."""
+        job.update_time = time.time()
+        result = await self.store.txn(
+            [Compare.version(CANCELS + job.id, CompareOp.EQUAL, 0)],
+            [PutOp.of(JOBS + job.id, job.to_json())],
+        )
+        if not result.succeeded:
+            raise JobCancelled(job.id)
+
+    async def mark_cancelled(self, job_id: str) -> None:
+        await self.store.put(CANCELS + job_id, "1")
+
     async def claim(self, job_id: str, owner: str, lease: int) -> bool:
         """Makes `owner` the job's runner unless another live process is; True when it is."""
         if await self.store.create_if_absent(OWNERS + job_id, owner, lease=lease) is not None:
@@ -207,13 +228,16 @@ class JobStore:
         index = job.groups_emitted
         job.groups_emitted += 1
         job.update_time = time.time()
-        await self.store.txn(
-            [],
+        result = await self.store.txn(
+            [Compare.version(CANCELS + job.id, CompareOp.EQUAL, 0)],
             [
                 PutOp.of(group_key(job.id, index), group.SerializeToString()),
                 PutOp.of(JOBS + job.id, job.to_json()),
             ],
         )
+        if not result.succeeded:
+            job.groups_emitted -= 1
+            raise JobCancelled(job.id)
         return index
 
     async def groups(
@@ -378,7 +402,7 @@ class JobRun:
                 self.job.groups_dropped += 1
                 self.metrics.groups_dropped.labels(sampled.sampler).inc()
                 log.info("job %s: group of %s/%s dropped: %s", self.job.id, *_names(key), reason)
-                await self.jobs.put(self.job)
+                await self.jobs.put_running(self.job)
             else:
                 index = await self.jobs.emit(self.job, group_proto(self.job.id, sampled))
                 self.metrics.groups_emitted.labels(sampled.sampler).inc()
@@ -400,15 +424,18 @@ class JobRun:
             raise
         except Exception as exc:
             errors = exc.exceptions if isinstance(exc, BaseExceptionGroup) else [exc]
+            if any(isinstance(e, JobCancelled) for e in errors):
+                log.info("job %s: cancelled; its runner stops", self.job.id)
+                self.on_change()
+                return
             self.job.state = api.ROLLOUT_JOB_STATE_FAILED
             self.job.error = "; ".join(f"{type(e).__name__}: {e}" for e in errors)[:2000]
             log.error("job %s failed: %s", self.job.id, self.job.error)
         finally:
             progress.cancel()
         async with self._lock:
-            stored = await self.jobs.get(self.job.id)
-            if stored is None or not stored.ended:  # a cancel from elsewhere stays
-                await self.jobs.put(self.job)
+            with contextlib.suppress(JobCancelled):  # a cancel from elsewhere stays
+                await self.jobs.put_running(self.job)
         self.on_change()
 
     async def _save_progress(self, interval_s: float = 1.0) -> None:
@@ -419,7 +446,10 @@ class JobRun:
             if self.job.rollouts_done != saved:
                 saved = self.job.rollouts_done
                 async with self._lock:
-                    await self.jobs.put(self.job)
+                    try:
+                        await self.jobs.put_running(self.job)
+                    except JobCancelled:
+                        return
                 self.on_change()
 
 

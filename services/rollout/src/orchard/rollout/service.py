@@ -417,6 +417,8 @@ class RolloutManager:
         job = await self.get(job_id)
         if job.ended:
             return job
+        # First the mark: from now on no runner (here or on another replica) writes the job.
+        await self.jobs.mark_cancelled(job_id)
         task = self._tasks.get(job_id)
         if task is not None:
             task.cancel()
