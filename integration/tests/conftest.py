@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,10 +44,12 @@ class EnvStack:
 
 @contextlib.contextmanager
 def private_stack(
-    tmp_path_factory: pytest.TempPathFactory, services: dict[str, str] | None = None
+    tmp_path_factory: pytest.TempPathFactory,
+    services: dict[str, str] | None = None,
+    service_settings: dict[str, dict[str, Any]] | None = None,
 ) -> Iterator[EnvStack]:
-    """etcd, orchard-env and ``services`` (name -> listen address) with their own cgroup
-    parent and run dir, all removed at the end."""
+    """etcd, orchard-env and ``services`` (name -> listen address; ``service_settings`` merged
+    into their configs) with their own cgroup parent and run dir, all removed at the end."""
     if os.geteuid() != 0:
         pytest.skip("the local runtime needs root")
     state = tmp_path_factory.mktemp("stack")
@@ -61,6 +64,7 @@ def private_stack(
         runtime={"cgroup_parent": cgroup_parent, "run_dir": str(run_dir)},
         settings=[f"server.metrics_address={metrics}"],
         services=services,
+        service_settings=service_settings,
     )
     try:
         stack.start()

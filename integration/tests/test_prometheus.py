@@ -17,12 +17,15 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from orchard.sdk import SandboxClient
+
+from .conftest import private_stack
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -157,3 +160,141 @@ def test_prometheus_scrapes_the_env_service_and_answers_promql(
     prometheus.wait_for('sum(orchard_env_sandboxes{state="READY"})', 0.0)
     assert prometheus.value("sum(orchard_env_create_seconds_count)") == 2.0
     assert prometheus.targets_up() == {"orchard-env": 1.0}
+
+
+# -- every service ----------------------------------------------------------------------------
+
+SCRIPT = {
+    "model": "scripted",
+    "plans": [
+        {
+            "match": "marker file",
+            "solve_rate": 0.5,
+            "solution": [
+                {
+                    "thought": "I create it.",
+                    "tool": "bash",
+                    "arguments": {"command": "touch /tmp/m"},
+                },
+                {"thought": "Done.", "tool": "submit", "arguments": {}},
+            ],
+            "failure": [{"thought": "Nothing to do.", "tool": "submit", "arguments": {}}],
+        }
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def scripted_policy() -> Iterator[str]:
+    """The scripted policy on loopback, served from a thread of its own."""
+    import asyncio
+    import threading
+
+    from orchard.rollout.scripted_policy import PolicyScript, ScriptedPolicyServer
+
+    loop = asyncio.new_event_loop()
+    server = ScriptedPolicyServer(PolicyScript.from_json(SCRIPT), seed=1)
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    url = asyncio.run_coroutine_threadsafe(server.start(), loop).result(timeout=30)
+    try:
+        yield url
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+
+
+@dataclass(frozen=True)
+class Everything:
+    addresses: dict[str, str]
+    metrics: dict[str, str]
+    prometheus: Prometheus
+
+
+@pytest.fixture(scope="module")
+def everything(
+    tmp_path_factory: pytest.TempPathFactory, scripted_policy: str
+) -> Iterator[Everything]:
+    names = ("reward", "rollout", "trainer")
+    addresses = {name: f"127.0.0.1:{_free_port()}" for name in names}
+    metrics = {name: f"127.0.0.1:{_free_port()}" for name in names}
+    settings: dict[str, dict[str, Any]] = {
+        name: {"server": {"metrics_address": metrics[name]}} for name in names
+    }
+    settings["rollout"]["policies"] = {
+        "scripted": {"kind": "openai", "base_url": scripted_policy, "model": "scripted"}
+    }
+    settings["rollout"]["default_policy"] = "scripted"
+    with private_stack(tmp_path_factory, addresses, settings) as env:
+        targets = {"orchard-env": env.metrics_address}
+        targets.update({f"orchard-{name}": metrics[name] for name in names})
+        server = Prometheus(tmp_path_factory.mktemp("prometheus-all"), targets)
+        try:
+            yield Everything({"env": env.endpoint, **addresses}, metrics, server)
+        finally:
+            server.stop()
+
+
+def test_prometheus_scrapes_every_service_and_answers_rollout_progress(
+    everything: Everything,
+) -> None:
+    import grpc
+
+    from orchard.rollout.v1 import rollout_service_pb2 as api
+    from orchard.rollout.v1 import rollout_service_pb2_grpc
+
+    prometheus = everything.prometheus
+    deadline = time.monotonic() + 30
+    while set(prometheus.targets_up().values()) != {1.0} or len(prometheus.targets_up()) < 4:
+        assert time.monotonic() < deadline, prometheus.targets_up()
+        time.sleep(0.25)
+    assert set(prometheus.targets_up()) == {
+        "orchard-env", "orchard-reward", "orchard-rollout", "orchard-trainer"
+    }  # fmt: skip
+
+    tasks = [
+        api.RolloutTask(
+            id=f"marker-{i}",
+            image="host",
+            instruction="Create the marker file /tmp/m, then submit.",
+            scorer_json=json.dumps({"check": {"command": "test -f /tmp/m"}}),
+        )
+        for i in range(2)
+    ]
+    spec = api.RolloutJobSpec(
+        tasks=tasks,
+        harnesses=["builtin:bash"],
+        sampler=api.SamplerConfig(kind=api.SAMPLER_KIND_FIXED_N, group_size=2),
+        budget=api.RolloutBudget(max_steps=4),
+        concurrency=2,
+    )
+    with grpc.insecure_channel(everything.addresses["rollout"]) as channel:
+        stub = rollout_service_pb2_grpc.RolloutServiceStub(channel)
+        job = stub.CreateRolloutJob(api.CreateRolloutJobRequest(spec=spec), timeout=30).job
+        deadline = time.monotonic() + 120
+        while job.state == api.ROLLOUT_JOB_STATE_RUNNING:
+            assert time.monotonic() < deadline, job
+            time.sleep(0.5)
+            job = stub.GetRolloutJob(api.GetRolloutJobRequest(job_id=job.id), timeout=10).job
+    assert job.state == api.ROLLOUT_JOB_STATE_SUCCEEDED, job.error
+    assert job.rollouts_done == 4
+
+    # Rollout progress, as the dashboard asks it; the scrape lags by an interval.
+    prometheus.wait_for("sum(orchard_rollout_rollouts_started_total)", 4.0)
+    prometheus.wait_for("sum(orchard_rollout_rollouts_finished_total)", 4.0)
+    prometheus.wait_for(
+        "(sum(orchard_rollout_groups_emitted_total) or vector(0))"
+        " + (sum(orchard_rollout_groups_dropped_total) or vector(0))",
+        2.0,
+    )
+    tool_p50 = prometheus.value(
+        'histogram_quantile(0.5, sum by (le) (orchard_rollout_step_seconds_bucket{part="tool"}))'
+    )
+    assert 0 < tool_p50 < 60
+    # The sandboxes those rollouts ran in, and their commands, from the env service.
+    assert prometheus.value("sum(orchard_env_create_seconds_count)") >= 4
+    assert prometheus.value('sum(orchard_env_exec_seconds_count{code="OK"})') >= 4
+    # The reward and trainer services export their own families.
+    assert prometheus.query('{__name__=~"orchard_trainer_.*"}')
+    assert prometheus.query('{__name__=~"orchard_reward_.*"}')

@@ -71,6 +71,7 @@ class LocalStack:
         stop_event: threading.Event | None = None,
         etcd_data_dir: Path | None = None,
         services: Mapping[str, str] | None = None,
+        service_settings: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         unknown = sorted(set(services or {}) - set(SERVICES))
         if unknown:
@@ -84,6 +85,9 @@ class LocalStack:
         self.etcd_data_dir = etcd_data_dir or state_dir / "etcd"
         self.etcd: Any = None
         self.extra_services = dict(services or {})
+        self.service_settings = {k: dict(v) for k, v in (service_settings or {}).items()}
+        """Per service, top-level config sections merged over what the stack writes (e.g.
+        {"rollout": {"server": {"metrics_address": ...}, "policies": {...}}})."""
         self.processes: dict[str, ServiceProcess] = {}
         """The running services by name ("env" first), in start order."""
 
@@ -144,6 +148,10 @@ class LocalStack:
             for name in [n for n in SERVICES if n in self.extra_services]:
                 address = self.extra_services[name]
                 config = SERVICES[name](self, address)
+                for section, value in self.service_settings.get(name, {}).items():
+                    current = config.get(section)
+                    merged = {**current, **value} if isinstance(current, dict) else value
+                    config[section] = merged
                 process = ServiceProcess(
                     name, address, config, self.state_dir, environ={ENV_TOKEN_VARIABLE: self.token}
                 )
