@@ -390,12 +390,17 @@ ALERTS = {"OrchardEnvSandboxLeak", "OrchardEnvExecErrorRate", "OrchardEnvReaperL
 _METRIC_NAME = re.compile(r"\borchard_[a-z0-9_]+")
 
 
-def exported_metrics() -> set[str]:
-    """Every series name the env service exports, read from its own metric definitions."""
+def exported_metrics(service: str = "env") -> set[str]:
+    """Every series name a service exports, read from its own metric definitions."""
     from orchard.core.metrics import ServiceMetrics  # noqa: PLC0415 - prometheus_client
+    from orchard.rollout.metrics import RolloutMetrics  # noqa: PLC0415
 
-    metrics = ServiceMetrics("env")
-    EnvMetrics(metrics)
+    definitions: dict[str, Callable[[ServiceMetrics], object]] = {
+        "env": EnvMetrics,
+        "rollout": RolloutMetrics,
+    }
+    metrics = ServiceMetrics(service)
+    definitions[service](metrics)
     names = set()
     for family in metrics.registry.collect():
         if family.type == "histogram":
@@ -440,6 +445,7 @@ def check_observability(docs: list[Manifest], report: Report, where: str) -> Non
         json.loads(text)
         for doc in docs
         if doc["kind"] == "ConfigMap"
+        and doc["metadata"]["name"].endswith("env-dashboards")
         and (doc["metadata"].get("labels") or {}).get("grafana_dashboard")
         for key, text in (doc.get("data") or {}).items()
         if key.endswith(".json")
@@ -464,6 +470,32 @@ def check_observability(docs: list[Manifest], report: Report, where: str) -> Non
         tests = Path(tmp) / "alert-tests.yaml"
         tests.write_text(ALERT_TESTS.read_text().replace("[RULES]", f"[{rules}]"))
         _promtool(report, where, "test", "rules", str(tests))
+
+
+def check_dashboard(service: str) -> Callable[[list[Manifest], Report, str], None]:
+    """The service's Grafana dashboard ConfigMap exists and queries only its metrics."""
+
+    def check(docs: list[Manifest], report: Report, where: str) -> None:
+        dashboards = [
+            json.loads(text)
+            for doc in find(docs, "ConfigMap")
+            if doc["metadata"]["name"].endswith(f"{service}-dashboards")
+            and (doc["metadata"].get("labels") or {}).get("grafana_dashboard")
+            for key, text in (doc.get("data") or {}).items()
+            if key.endswith(".json")
+        ]
+        report.check(bool(dashboards), f"{where}: no Grafana dashboard ConfigMap of {service}")
+        known = exported_metrics(service)
+        for dashboard in dashboards:
+            for panel in dashboard.get("panels", []):
+                for target in panel.get("targets", []):
+                    unknown = set(_METRIC_NAME.findall(str(target["expr"]))) - known
+                    report.check(
+                        not unknown,
+                        f"{where}: {sorted(unknown)} are not {service} metrics: {target['expr']}",
+                    )
+
+    return check
 
 
 def check_etcd(replicas: int) -> Callable[[list[Manifest], Report, str], None]:
@@ -548,7 +580,7 @@ CASES = [
         UMBRELLA,
         "all-services",
         ("ci/all-services-values.yaml",),
-        (*GENERAL, *ENV, check_etcd(3), check_all_services),
+        (*GENERAL, *ENV, check_etcd(3), check_all_services, check_dashboard("rollout")),
     ),
     Case(
         UMBRELLA,
@@ -557,7 +589,15 @@ CASES = [
         (*GENERAL, *ENV, check_no_etcd),
     ),
     *(
-        Case(service, label, files, GENERAL + (ENV if service == "env" else ()) + extra)
+        Case(
+            service,
+            label,
+            files,
+            GENERAL
+            + (ENV if service == "env" else ())
+            + ((check_dashboard("rollout"),) if service == "rollout" else ())
+            + extra,
+        )
         for service in SERVICES
         for label, files, extra in (
             ("standalone", ("ci/standalone-values.yaml",), ()),
