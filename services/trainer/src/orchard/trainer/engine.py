@@ -160,9 +160,11 @@ def sft_step_loss(logits: torch.Tensor, batch: TokenBatch) -> tuple[torch.Tensor
 def masked_entropy(logits: torch.Tensor, mask: torch.Tensor) -> float:
     """Mean entropy (nats) of the next-token distribution at the loss positions."""
     with torch.no_grad():
-        if not bool(mask.any()):
+        selected = mask.bool()
+        if not bool(selected.any()):
             return 0.0
-        return float(token_entropy(logits)[mask.bool()].mean())
+        # Only the loss positions: the softmax over the vocabulary is most of the cost.
+        return float(token_entropy(logits[selected]).mean())
 
 
 class TrainingEngine:
