@@ -42,8 +42,8 @@ class BuiltinSize:
 
 
 BUILTIN_SIZES: dict[str, BuiltinSize] = {
-    "tiny": BuiltinSize(hidden_size=64, layers=2, heads=4, kv_heads=2, context=1024),
-    "small": BuiltinSize(hidden_size=128, layers=4, heads=4, kv_heads=2, context=1024),
+    "tiny": BuiltinSize(hidden_size=64, layers=2, heads=4, kv_heads=2, context=2048),
+    "small": BuiltinSize(hidden_size=128, layers=4, heads=4, kv_heads=2, context=2048),
 }
 
 
