@@ -715,11 +715,15 @@ async def _rl(ctx: StageContext, trainer: Any, tokenizer: Any, out: Path) -> dic
                 for step in range(stage.steps):
                     order = list(pairs)
                     rotation.shuffle(order)
+                    # A step samples at most twice the pairs it needs: a step whose pairs all
+                    # come out without signal costs a bounded number of rollouts.
+                    order = order[: 2 * stage.groups_per_step]
                     started = time.monotonic()
+                    counted = _Counted(runner, bar)
                     batch = await fill_batch(
                         order,
                         sampler,
-                        runner,
+                        counted,
                         batch_size=stage.groups_per_step,
                         group_filter=GroupFilter(),
                         parallel_pairs=max(1, min(len(order), ctx.workers // 2 or 1)),
@@ -806,6 +810,21 @@ async def _rl(ctx: StageContext, trainer: Any, tokenizer: Any, out: Path) -> dic
         summary["weights"] = (ctx.run.done("sft") or {}).get("weights")
         summary["note"] = "no RL step had a group with signal; the RL model is the SFT model"
     return summary
+
+
+@dataclass
+class _Counted:
+    """The runner, counting rollouts on the stage's progress bar."""
+
+    runner: RolloutRunner
+    bar: tqdm[Any]
+    done: int = 0
+
+    async def __call__(self, key: GroupKey, index: int) -> RolloutResult:
+        result = await self.runner(key, index)
+        self.done += 1
+        self.bar.set_postfix(rollouts=self.done, refresh=True)
+        return result
 
 
 def _lag_of(numbers: dict[str, int]) -> Callable[[str], int | None]:
