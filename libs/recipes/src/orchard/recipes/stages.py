@@ -24,7 +24,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,6 +137,13 @@ async def _run_all(
     return list(await asyncio.gather(*(one(k, i) for k, i in keys)))
 
 
+def _attempts(
+    tasks: Sequence[RecipeTask], harnesses: Mapping[str, object], attempts: int
+) -> list[tuple[GroupKey, int]]:
+    """Every (task, harness) pair ``attempts`` times, in task order."""
+    return [(GroupKey(t.id, h), i) for t in tasks for h in harnesses for i in range(attempts)]
+
+
 def _status_counts(records: Sequence[RolloutRecord]) -> dict[str, Any]:
     resolved = sum(
         1
@@ -194,12 +201,7 @@ async def _collect(ctx: StageContext, out: Path) -> dict[str, Any]:
     stage = ctx.recipe.stages.collect
     tasks = ctx.tasks["sft"]
     harnesses = harnesses_for(ctx.recipe)
-    keys = [
-        (GroupKey(t.id, h), i)
-        for t in tasks
-        for h in harnesses
-        for i in range(stage.attempts_per_task)
-    ]
+    keys = _attempts(tasks, harnesses, stage.attempts_per_task)
     async with (
         _teacher(ctx, tasks) as endpoint,
         AsyncSandboxClient(ctx.stack.env, token=ctx.stack.env_token) as sandboxes,
@@ -576,12 +578,7 @@ async def _evaluate_model(
     stage = ctx.recipe.stages.evaluate
     tasks = ctx.tasks["evaluate"]
     harnesses = harnesses_for(ctx.recipe)
-    keys = [
-        (GroupKey(t.id, h), i)
-        for t in tasks
-        for h in harnesses
-        for i in range(stage.attempts_per_task)
-    ]
+    keys = _attempts(tasks, harnesses, stage.attempts_per_task)
     async with (
         student_endpoint(folder, version, stage.temperature) as (endpoint, capture),
         AsyncSandboxClient(ctx.stack.env, token=ctx.stack.env_token) as sandboxes,

@@ -83,14 +83,21 @@ def add_recipe_commands(subparsers: Any, formatter: type[argparse.HelpFormatter]
     run.set_defaults(run=_run)
 
 
-def _check(args: argparse.Namespace) -> int:
-    path = args.file or builtin_recipe()
+def _load(path: Path) -> Recipe | None:
+    """The recipe, or None after saying on stderr what is wrong with it."""
     try:
-        recipe = load_recipe(path)
+        return load_recipe(path)
     except ConfigError as exc:
         sys.stderr.write(f"orchard: {path} is not a valid recipe:\n")
         for problem in exc.problems:
             sys.stderr.write(f"  {problem}\n")
+        return None
+
+
+def _check(args: argparse.Namespace) -> int:
+    path = args.file or builtin_recipe()
+    recipe = _load(path)
+    if recipe is None:
         return 2
     if args.json:
         print_json(recipe.model_dump(mode="json"))
@@ -114,12 +121,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.workers < 1:
         sys.stderr.write("orchard: --workers must be at least 1\n")
         return 2
-    try:
-        recipe = load_recipe(path)
-    except ConfigError as exc:
-        sys.stderr.write(f"orchard: {path} is not a valid recipe:\n")
-        for problem in exc.problems:
-            sys.stderr.write(f"  {problem}\n")
+    recipe = _load(path)
+    if recipe is None:
         return 2
     try:
         from orchard.recipes.pipeline import StageError, run_recipe  # noqa: PLC0415
