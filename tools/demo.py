@@ -18,6 +18,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -47,6 +48,8 @@ def main() -> int:
     parser.add_argument("--resume", action="store_true", help="continue the previous demo")
     parser.add_argument("--workers", type=int, default=4, help="rollouts at once (default 4)")
     args = parser.parse_args()
+    # SIGTERM ends the demo like Ctrl-C: the stack it started is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if os.geteuid() != 0:
         sys.stderr.write("demo: the local runtime needs root (namespaces, cgroups); run as root\n")
         return 2
