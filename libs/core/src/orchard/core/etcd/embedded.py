@@ -168,8 +168,14 @@ class EmbeddedEtcd:
         ]
         with self._log_path.open("wb") as log_file:
             started = time.monotonic()
+            # Its own session: Ctrl-C in a terminal reaches the parent only, which stops its
+            # services first (they need etcd to tear down what they run) and etcd last.
             self._process = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         deadline = started + self.startup_timeout
         target = f"{self.host}:{self._client_port}"
