@@ -72,6 +72,9 @@ def test_a_teacher_conversation_becomes_the_students_exact_tokens() -> None:
     assert tuple(tokens) == tuple(whole[: len(tokens)])
     assert renderer.decode(whole[len(tokens) :]).strip() == ""
     assert [c.name for t in trajectory.turns for c in t.tool_calls] == ["bash", "submit"]
+    # What each turn saw, as text for judges: the task first, then each tool's output.
+    assert "fix src/a/rules.py" in trajectory.turns[0].input_text
+    assert trajectory.turns[1].input_text == "exit code 0\ndef f(x):\n    return x > 3\n"
 
 
 def test_an_aborted_rollout_is_excluded_not_failed() -> None:

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import random
 import time
 from collections import Counter
@@ -189,8 +190,6 @@ async def _teacher(ctx: StageContext, tasks: Sequence[RecipeTask]) -> AsyncItera
         async with ScriptedPolicyServer(script, seed=ctx.seed) as server:
             yield ModelEndpoint(server.base_url, teacher.model, temperature=1.0)
         return
-    import os  # noqa: PLC0415
-
     key = os.environ.get(teacher.api_key_env, "") if teacher.api_key_env else "orchard"
     if teacher.api_key_env and not key:
         raise ValueError(f"teacher.api_key_env names {teacher.api_key_env}, which is not set")
@@ -270,6 +269,11 @@ def run_collect(ctx: StageContext) -> dict[str, Any]:
 # -- credit --------------------------------------------------------------------------------------
 
 
+def _statements(ctx: StageContext) -> dict[str, str]:
+    """Each SFT task's problem statement, which the credit judge reads as the task."""
+    return {t.id: t.instance.problem_statement for t in ctx.tasks["sft"]}
+
+
 async def _credit_by_service(
     ctx: StageContext, failed: Sequence[trajectory_pb2.Trajectory], bar: tqdm[Any]
 ) -> tuple[list[trajectory_pb2.Trajectory], Counter[str]]:
@@ -279,7 +283,7 @@ async def _credit_by_service(
     from orchard.reward.v1 import reward_service_pb2, reward_service_pb2_grpc  # noqa: PLC0415
     from orchard.types.v1 import reward_pb2  # noqa: PLC0415
 
-    statement = {t.id: t.instance.problem_statement for t in ctx.tasks["sft"]}
+    statement = _statements(ctx)
     credited: list[trajectory_pb2.Trajectory] = []
     excluded: Counter[str] = Counter()
     gate = asyncio.Semaphore(ctx.workers)
@@ -319,7 +323,7 @@ async def _credit_by_scripted_judge(
     from orchard.reward.judge_client import JudgeEndpoint, OpenAIJudge  # noqa: PLC0415
     from orchard.reward.judged import assign_credit  # noqa: PLC0415
 
-    statement = {t.id: t.instance.problem_statement for t in ctx.tasks["sft"]}
+    statement = _statements(ctx)
     credited: list[trajectory_pb2.Trajectory] = []
     excluded: Counter[str] = Counter()
     async with ScriptedJudgeServer() as server:
@@ -432,17 +436,23 @@ def run_curate(ctx: StageContext) -> dict[str, Any]:
 # -- sft -----------------------------------------------------------------------------------------
 
 
-def publish(ctx: StageContext, checkpoint: Any) -> dict[str, Any]:
-    """Publish a trainer checkpoint to the run's model in the weight registry."""
+@contextlib.asynccontextmanager
+async def _registry(ctx: StageContext) -> AsyncIterator[Any]:
+    """The run's student in the weight registry (a `WeightRegistry`), connected to etcd."""
     from orchard.core.etcd import EtcdStore  # noqa: PLC0415
     from orchard.lm.weights import WeightRegistry  # noqa: PLC0415
+
+    async with EtcdStore(ctx.stack.etcd, namespace=REGISTRY_NAMESPACE) as store:
+        yield WeightRegistry(store, ctx.registry_model)
+
+
+def publish(ctx: StageContext, checkpoint: Any) -> dict[str, Any]:
+    """Publish a trainer checkpoint to the run's model in the weight registry."""
     from orchard.trainer.checkpoints import publish_checkpoint  # noqa: PLC0415
 
     async def go() -> dict[str, Any]:
-        async with EtcdStore(ctx.stack.etcd, namespace=REGISTRY_NAMESPACE) as store:
-            published = await publish_checkpoint(
-                WeightRegistry(store, ctx.registry_model), checkpoint
-            )
+        async with _registry(ctx) as registry:
+            published = await publish_checkpoint(registry, checkpoint)
             return {
                 "version": published.version,
                 "number": published.number,
@@ -652,8 +662,6 @@ def _sampler(ctx: StageContext) -> Any:
 
 
 async def _rl(ctx: StageContext, trainer: Any, tokenizer: Any, out: Path) -> dict[str, Any]:
-    from orchard.core.etcd import EtcdStore  # noqa: PLC0415
-    from orchard.lm.weights import WeightRegistry  # noqa: PLC0415
     from orchard.rollout.batches import GroupFilter, fill_batch  # noqa: PLC0415
     from orchard.rollout.engines.local import LocalEngine, LocalEngineConfig  # noqa: PLC0415
     from orchard.rollout.proxy.server import CaptureProxy, CaptureProxyConfig  # noqa: PLC0415
@@ -678,8 +686,7 @@ async def _rl(ctx: StageContext, trainer: Any, tokenizer: Any, out: Path) -> dic
     steps_log = out / "steps.jsonl"
     steps_log.unlink(missing_ok=True)
     summary: dict[str, Any] = {"steps": [], "groups": [], "weights": None}
-    async with EtcdStore(ctx.stack.etcd, namespace=REGISTRY_NAMESPACE) as store:
-        registry = WeightRegistry(store, ctx.registry_model)
+    async with _registry(ctx) as registry:
         numbers: dict[str, int] = {v.version: v.number for v in await registry.versions()}
         engine_config = LocalEngineConfig(registry_model=ctx.registry_model, follow_registry=True)
         async with (
@@ -862,14 +869,10 @@ def run_rl(ctx: StageContext) -> dict[str, Any]:
 
 
 def _publish_base(ctx: StageContext, folder: Path) -> None:
-    from orchard.core.etcd import EtcdStore  # noqa: PLC0415
-    from orchard.lm.weights import WeightRegistry  # noqa: PLC0415
-
     location = str(folder.resolve())
 
     async def go() -> None:
-        async with EtcdStore(ctx.stack.etcd, namespace=REGISTRY_NAMESPACE) as store:
-            registry = WeightRegistry(store, ctx.registry_model)
+        async with _registry(ctx) as registry:
             if await registry.get("base") is None:
                 await registry.publish("base", location, {"stage": "base"})
 

@@ -15,7 +15,6 @@ Two sources, one shape:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -65,10 +64,6 @@ def record_reward(record: RolloutRecord) -> reward_pb2.Reward:
     )
 
 
-def _tool_schemas(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    return [dict(t) for t in tools]
-
-
 def _assistant_end(renderer: ChatRenderer, ids: list[int]) -> int:
     """Index just past the last end-of-turn token in ``ids``."""
     end_ids = set(renderer.stop_token_ids)
@@ -88,12 +83,16 @@ def teacher_trajectory(
     """The teacher's conversation in ``record.messages`` as a trajectory in the student's
     tokens; raises `TrajectoryBuildError` when the template does not extend turn by turn."""
     messages = list(record.messages)
-    schemas = _tool_schemas(tools)
+    schemas = [dict(t) for t in tools]
     turns: list[trajectory_pb2.Turn] = []
     consumed: list[int] = []
+    previous = -1
     for index, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
+        # What the turn saw that the previous one did not: the prompt or the tool outputs.
+        seen = "\n\n".join(str(m.get("content") or "") for m in messages[previous + 1 : index])
+        previous = index
         history = messages[:index]
         prompt = list(renderer.render(history, schemas).token_ids)
         with_answer = list(
@@ -124,7 +123,7 @@ def teacher_trajectory(
                     )
                     for c in calls
                 ],
-                input_text=json.dumps(history[-1].get("content", ""))[:2000] if history else "",
+                input_text=seen,
             )
         )
         consumed = prompt + output
