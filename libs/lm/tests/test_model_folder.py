@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from orchard.lm.model_folder import (
     MANIFEST,
@@ -47,6 +47,28 @@ def test_saved_folder_loads_as_the_same_model(tokenizer, tmp_path):
     with torch.no_grad():
         assert torch.equal(loaded.model(input_ids=ids).logits, expected)
         assert torch.equal(plain(input_ids=ids).logits, expected)
+
+
+# Numbers, indentation and tool markup: the places where pre-tokenizers differ.
+MODEL_TEXTS = [
+    "it should return 0, as the tests say: 12345 items",
+    "def peak(values):\n    best = values[0]\n        return best\n\n\n",
+    '<tool_call>\n{"name": "bash", "arguments": {"command": "sed -i \'s/a > /a >= /\' x.py"}}'
+    "\n</tool_call><|im_end|>",
+    "exit code 1\n.F                                                   [100%]\n1 failed in 0.31s",
+]
+
+
+def test_a_model_folder_tokenizes_as_its_tokenizer_under_any_loader(tokenizer, tmp_path):
+    """Hugging Face rebuilds a Qwen2 model folder's tokenizer with the Qwen2 class (and so do
+    vLLM and the trainer's path loader): whichever loader reads the folder, the same text must
+    give the ids the saved tokenizer gave, or a model serves on tokens it was not trained on."""
+    folder = save_model_folder(tmp_path / "v1", tiny_causal_lm_for(tokenizer), tokenizer)
+    for loaded in (load_model_folder(folder).tokenizer, AutoTokenizer.from_pretrained(folder)):
+        for text in MODEL_TEXTS:
+            assert loaded.encode(text, add_special_tokens=False) == tokenizer.encode(
+                text, add_special_tokens=False
+            ), (type(loaded).__name__, text)
 
 
 def test_an_existing_folder_is_never_overwritten(tokenizer, tmp_path):

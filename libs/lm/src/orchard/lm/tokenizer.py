@@ -14,8 +14,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    trainers,
+)
 from transformers import PreTrainedTokenizerFast
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from orchard.lm.chat import (
     END_OF_TEXT,
@@ -67,6 +77,27 @@ assistant system tool tools call calls answer question please thanks ok yes no c
 found not empty missing import module class method name names first last next step steps
 done task tasks submit view edit create delete move copy search find print passed failed
 pass fail install package version build make start stop wait time data
+should would could must can will may might have has had do does did get got set use used
+when where what which who why how because before after while until again also only just
+every each some any all none many more most less least other same different new old
+true false null self cls args kwargs lambda yield async await raise try except finally
+def elif else assert global del pass break continue range len int str float bool tuple
+items keys sorted reversed enumerate zip map filter sum min max abs round format join split
+strip replace startswith endswith lower upper append extend insert remove pop update
+count index total amount price quantity order orders item cost rate score scores point
+points limit limits size length width height offset start end begin finish left right
+parse parser parsed encode decode encoded decoded load save dump config settings option
+options default defaults setup teardown fixture fixtures mock assertion failure failures
+expected actual got instead wrong correct broken works working worked please thank you
+report reports summary session platform collected warning warnings deprecated skipped
+traceback recent most line lines raised exception exceptions stack frame frames source
+repository commit branch merge rebase diff status log clone push pull fetch remote origin
+server client request response header headers body query json yaml text bytes buffer
+stream streams socket port host address network timeout retry retries cache memory disk
+process thread threads worker workers queue job jobs task schedule scheduler event events
+user users group groups owner permission permissions access token tokens key secret
+number numbers zero one two three four five six seven eight nine ten hundred thousand
+largest smallest greater smaller equal above below between inside outside within without
 """
 _WORDS = _WORD_TEXT.split()
 _COMMANDS = (
@@ -152,7 +183,17 @@ def train_tokenizer(config: TokenizerConfig = TokenizerConfig()) -> Tokenizer:
             "byte-level vocabulary needs (256 bytes plus the special and markup tokens)"
         )
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    # The built-in models are Qwen2 models, and Hugging Face loaders (`AutoTokenizer`, vLLM)
+    # rebuild a Qwen2 model's tokenizer with the Qwen2 class, which sets its own normalizer and
+    # pre-tokenizer over whatever tokenizer.json says. Using the same two here makes every
+    # loader split text into the very tokens the trainer saw.
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=config.vocab_size - len(MARKUP_TOKENS),

@@ -237,14 +237,12 @@ async def _collect(ctx: StageContext, out: Path) -> dict[str, Any]:
 
 
 def _student_renderer(ctx: StageContext) -> ChatRenderer:
-    model = ctx.recipe.student.model
-    if model.startswith("builtin:"):
-        from orchard.lm.tokenizer import build_tokenizer  # noqa: PLC0415
-
-        return ChatRenderer(build_tokenizer())
+    """The student's chat rendering, with the tokenizer read from the student's model folder
+    the way every engine reads it, so training rows hold the ids the engines will produce."""
     from transformers import AutoTokenizer  # noqa: PLC0415
 
-    return ChatRenderer(AutoTokenizer.from_pretrained(model, local_files_only=True))
+    folder = base_model_folder(ctx)
+    return ChatRenderer(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
 
 
 def _write_trajectories(path: Path, rows: Sequence[trajectory_pb2.Trajectory]) -> None:
