@@ -1,8 +1,8 @@
 """Orchard's main job on embedded defaults: the built-in recipe end to end, ending in a report.
 
 Run it with `make demo` (needs root: the local runtime uses namespaces, cgroups and an overlay
-over the host root). It starts an embedded etcd, orchard-env with the local runtime and
-orchard-reward as processes under ``runs/demo/stack``, runs the built-in recipe
+over the host root). It starts an embedded etcd, orchard-env with the local runtime,
+orchard-reward and orchard-trainer as processes under ``runs/demo/stack``, runs the built-in recipe
 (``orchard recipe check`` shows it) against them with a progress bar per stage, and prints the
 held-out resolve rates and where the report is (``runs/demo/builtin-swe/report/report.md``).
 Everything it starts, it stops.
@@ -47,41 +47,50 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--resume", action="store_true", help="continue the previous demo")
     parser.add_argument("--workers", type=int, default=4, help="rollouts at once (default 4)")
+    parser.add_argument(
+        "--out", type=Path, default=DEMO, help="folder of the run and its stack (runs/demo)"
+    )
     args = parser.parse_args()
+    demo: Path = args.out.resolve()
     # SIGTERM ends the demo like Ctrl-C: the stack it started is stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if os.geteuid() != 0:
         sys.stderr.write("demo: the local runtime needs root (namespaces, cgroups); run as root\n")
         return 2
     if not args.resume:
-        shutil.rmtree(DEMO, ignore_errors=True)
-    DEMO.mkdir(parents=True, exist_ok=True)
-    recipe = load_recipe(builtin_recipe(), workdir=DEMO).model_copy(
-        update={"output_dir": DEMO / "builtin-swe"}
+        shutil.rmtree(demo, ignore_errors=True)
+    demo.mkdir(parents=True, exist_ok=True)
+    recipe = load_recipe(builtin_recipe(), workdir=demo).model_copy(
+        update={"output_dir": demo / "builtin-swe"}
     )
     token = secrets.token_urlsafe(16)
     metrics = f"127.0.0.1:{_free_port()}"
     reward = f"127.0.0.1:{_free_port()}"
+    trainer = f"127.0.0.1:{_free_port()}"
     cgroup = f"orchard-demo-{uuid.uuid4().hex[:8]}"
     run_dir = Path(tempfile.mkdtemp(prefix="od-"))  # sandbox socket paths must stay short
     stack = LocalStack(
-        DEMO / "stack",
+        demo / "stack",
         listen=f"127.0.0.1:{_free_port()}",
         token=token,
         runtime={"cgroup_parent": cgroup, "run_dir": str(run_dir)},
         settings=[f"server.metrics_address={metrics}"],
-        services={"reward": reward},
+        services={"reward": reward, "trainer": trainer},
     )
     started = time.monotonic()
     print(f"{BOLD}Orchard demo{RESET}: the built-in recipe, every stage, on this machine")
     try:
         with stack:
-            print(f"  services: etcd {stack.etcd_endpoint}, env {stack.endpoint}, reward {reward}")
+            print(
+                f"  services: etcd {stack.etcd_endpoint}, env {stack.endpoint}, "
+                f"reward {reward}, trainer {trainer}"
+            )
             endpoints = StackEndpoints(
                 env=stack.endpoint,
                 env_token=token,
                 reward=reward,
                 etcd=stack.etcd_endpoint,
+                trainer=trainer,
                 env_metrics=metrics,
             )
             report = run_recipe(recipe, endpoints, workers=args.workers)
@@ -103,7 +112,8 @@ def main() -> int:
             f"{evaluation['resolved'] / max(1, evaluation['attempts']):6.1%}  "
             f"(95% interval {low:.0%} to {high:.0%})"
         )
-    print(f"\nreport: {report.relative_to(ROOT)}  ({time.monotonic() - started:.0f} s in all)")
+    shown = report.relative_to(ROOT) if report.is_relative_to(ROOT) else report
+    print(f"\nreport: {shown}  ({time.monotonic() - started:.0f} s in all)")
     return 0
 
 

@@ -1,6 +1,7 @@
-"""A reduced recipe end to end against real services: etcd, orchard-env (local runtime) and
-orchard-reward as processes; the scripted teacher and the tiny student on the local engine
-behind the capture proxy, in this process. Checks the artifacts each stage leaves: teacher
+"""A reduced recipe end to end against real services: etcd, orchard-env (local runtime),
+orchard-reward and orchard-trainer as processes (SFT and RL train in orchard-trainer); the
+scripted teacher and the tiny student on the local engine behind the capture proxy, in this
+process. Checks the artifacts each stage leaves: teacher
 trajectories in the student's tokens with loss masks, credit on failed ones, a published weight
 version, RL rollouts with captured tokens, evaluation numbers in the report; then that a second
 run resumes (runs nothing again) and that one stage runs alone on request."""
@@ -12,6 +13,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -62,7 +64,8 @@ class Services:
 @pytest.fixture(scope="module")
 def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
     reward = f"127.0.0.1:{free_port()}"
-    with private_stack(tmp_path_factory, {"reward": reward}) as env:
+    trainer = f"127.0.0.1:{free_port()}"
+    with private_stack(tmp_path_factory, {"reward": reward, "trainer": trainer}) as env:
         yield Services(
             env,
             StackEndpoints(
@@ -70,6 +73,7 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
                 env_token=env.token,
                 reward=reward,
                 etcd=env.stack.etcd_endpoint,
+                trainer=trainer,
                 env_metrics=env.metrics_address,
             ),
         )
@@ -87,9 +91,9 @@ def report(services: Services, recipe: Recipe) -> Path:
     return run_recipe(recipe, services.endpoints, progress=False, workers=3, say=lambda _: None)
 
 
-def _done(recipe: Recipe, stage: str) -> dict[str, object]:
+def _done(recipe: Recipe, stage: str) -> dict[str, Any]:
     assert recipe.output_dir is not None
-    data: dict[str, object] = json.loads((recipe.output_dir / stage / "done.json").read_text())
+    data: dict[str, Any] = json.loads((recipe.output_dir / stage / "done.json").read_text())
     return data
 
 
@@ -99,7 +103,7 @@ def test_collect_scores_the_teacher_and_tokenizes_its_conversations(
     assert recipe.output_dir is not None
     collect = _done(recipe, "collect")
     assert collect["rollouts"] == 10  # 5 SFT tasks x 2 attempts
-    assert collect["resolved"] + collect["unresolved"] == 10  # type: ignore[operator]
+    assert collect["resolved"] + collect["unresolved"] == 10
     records = read_records(str(recipe.output_dir / "collect" / "rollouts.jsonl"))
     rewards = {r.reward.value for r in records if r.reward is not None}
     assert rewards <= {1.0, -1.0} and 1.0 in rewards  # ScoreTests: resolved or not
@@ -116,7 +120,7 @@ def test_credit_marks_rise_segments_on_failed_trajectories(report: Path, recipe:
     assert recipe.output_dir is not None
     credit = _done(recipe, "credit")
     rows = list(read_trajectories(recipe.output_dir / "credit" / "trajectories.jsonl"))
-    assert credit["failed"] == len(rows) + sum(credit["excluded"].values())  # type: ignore[union-attr, operator]
+    assert credit["failed"] == len(rows) + sum(credit["excluded"].values())
     for row in rows:
         assert row.reward.value < 0
         # The failure path reads, runs the tests (the rise), then breaks the code.
@@ -129,24 +133,32 @@ def test_sft_trains_on_curated_rows_and_publishes_a_version(
 ) -> None:
     assert recipe.output_dir is not None
     sft = _done(recipe, "sft")
-    assert sft["samples"] >= 1 and sft["steps"] >= 1  # type: ignore[operator]
+    assert sft["samples"] >= 1 and sft["steps"] >= 1
     curated = list(read_trajectories(recipe.output_dir / "curate" / "sft.jsonl"))
     successes = {r.task_id for r in curated if r.reward.value > 0}
     assert len([r for r in curated if r.reward.value > 0]) == len(successes)  # shortest only
 
-    async def published() -> tuple[str, str]:
-        async with EtcdStore(services.endpoints.etcd, namespace=REGISTRY_NAMESPACE) as store:
-            version = await WeightRegistry(store, "reduced-student").get("sft")
-            assert version is not None
-            return version.location, version.metadata.get("stage", "")
+    weights = sft["weights"]
+    # Trained by orchard-trainer: its job published the version under the run's model.
+    assert weights["version"] == f"{sft['job']}-step-{sft['steps']:06d}"
 
-    location, stage = asyncio.run(published())
-    assert stage == "sft"
+    async def published() -> tuple[str, str, str]:
+        async with EtcdStore(services.endpoints.etcd, namespace=REGISTRY_NAMESPACE) as store:
+            version = await WeightRegistry(store, "reduced-student").get(weights["version"])
+            assert version is not None
+            return version.location, version.metadata["job"], version.metadata["mode"]
+
+    location, job, mode = asyncio.run(published())
+    assert (job, mode) == (sft["job"], "sft")
+    assert location == weights["location"]
     assert (Path(location) / "config.json").is_file()
+    losses = [json.loads(line)["loss"] for line in (recipe.output_dir / "sft" / "run.jsonl").open()]
+    assert len(losses) == sft["steps"] and losses[0] == sft["first_loss"]
 
 
 def test_rl_samples_the_student_through_the_capture_proxy(report: Path, recipe: Recipe) -> None:
     assert recipe.output_dir is not None
+    sft_version = _done(recipe, "sft")["weights"]["version"]
     records = read_records(str(recipe.output_dir / "rl" / "rollouts.jsonl"))
     assert records, "the RL stage ran no rollout"
     scored = [r for r in records if r.status is not RolloutStatus.ABORTED]
@@ -156,7 +168,7 @@ def test_rl_samples_the_student_through_the_capture_proxy(report: Path, recipe: 
         for call in record.calls:
             assert call.prompt_token_ids and call.output_token_ids
             assert len(call.output_logprobs) == len(call.output_token_ids)
-            assert call.weight_version == "sft"  # sampled by the SFT weights
+            assert call.weight_version == sft_version  # sampled by the SFT weights
 
 
 def test_the_report_has_every_model_and_the_services_numbers(report: Path, recipe: Recipe) -> None:

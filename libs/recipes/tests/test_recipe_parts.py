@@ -1,5 +1,6 @@
 """The recipe runner's parts that need no service: teacher conversations in the student's
-tokens, the scripted credit judge, and the run folder's guard against mixing recipes."""
+tokens, the scripted credit judge, the run folder's guard against mixing recipes, and how the RL
+stage picks the weights it hands on."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from orchard.lm.chat import ChatRenderer
 from orchard.lm.tokenizer import build_tokenizer
 from orchard.recipes.scripted_judge import judge_reply
+from orchard.recipes.stages import pick_validated
 from orchard.recipes.trajectories import teacher_trajectory
 from orchard.recipes.workspace import RecipeMismatch, RunDir
 from orchard.reward.credit import credit_curve
@@ -139,3 +141,23 @@ def test_recipe_run_says_what_to_do_when_nothing_runs(tmp_path: Path) -> None:
     done = _orchard("recipe", "run", str(bad), state=tmp_path / "state")
     assert done.returncode == 2
     assert "not a valid recipe" in done.stderr and "name" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("resolved", "picked"),
+    [
+        ([7, 8, 6, 6], 1),  # the best RL version
+        ([7, 7, 7, 7], 3),  # ties go to the latest RL version
+        ([7, 8, 8, 5], 2),
+        ([9, 8, 8, 5], 0),  # the start only when every RL version is worse
+        ([0, 0], 1),
+        ([3], 0),
+    ],
+)
+def test_rl_hands_on_the_best_validated_version(resolved: list[int], picked: int) -> None:
+    assert pick_validated(resolved) == picked
+
+
+def test_rl_validation_needs_a_candidate() -> None:
+    with pytest.raises(ValueError, match="no candidate"):
+        pick_validated([])

@@ -508,3 +508,45 @@ async def test_rl_groups_sampled_by_too_old_weights_are_refused_or_skipped(train
         t.stub.CreateTrainingJob(api.CreateTrainingJobRequest(spec=rl_spec(max_staleness=-1)))
     )
     assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_job_publishes_to_its_own_weight_model(trainer, registry):
+    """`spec.weight_model` names the registry model a job publishes to and measures staleness
+    against; other jobs keep the service's registry model."""
+    t = await trainer.start()
+    own = registry.for_model("run-a-student")
+    spec = sft_spec(total_steps=1, weight_model="run-a-student")
+    job = (await t.stub.CreateTrainingJob(api.CreateTrainingJobRequest(spec=spec))).job
+    assert job.spec.weight_model == "run-a-student"
+    await submit(t.stub, job.id, groups(1, 4))
+    stepped = await t.stub.Step(api.StepRequest(job_id=job.id, steps=1, publish=True))
+    found = await own.get(stepped.weight_version)
+    assert found is not None and found.metadata["job"] == job.id
+    assert await registry.latest() is None  # the service's model got nothing
+
+    # Staleness is measured against the job's own model: v1 is one behind there.
+    await own.publish("v1", "models/v1")
+    await own.publish("v2", "models/v2")
+    rl = api.TrainingJobSpec(
+        mode=api.TRAINING_MODE_RL, model="builtin:tiny", max_staleness=0,
+        weight_model="run-a-student",
+    )  # fmt: skip
+    rl_job = (await t.stub.CreateTrainingJob(api.CreateTrainingJobRequest(spec=rl))).job
+    build = TrajectoryBuilder()
+    members = []
+    for name, reward in (("a", 1.0), ("b", 0.0)):
+        member = build([build.Turn(inputs=[1, 11, 2], outputs=[14, 3])], reward=reward)
+        member.id = name
+        member.turns[0].weight_version = "v1"
+        members.append(member)
+    code, message = await failure(
+        submit(t.stub, rl_job.id, [trajectory_pb2.TrajectoryGroup(id="g", trajectories=members)])
+    )
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "1 versions behind" in message
+
+    code, message = await failure(
+        t.stub.CreateTrainingJob(
+            api.CreateTrainingJobRequest(spec=sft_spec(weight_model="no spaces/here"))
+        )
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "spec.weight_model" in message

@@ -85,6 +85,11 @@ def _check_name(kind: str, name: str) -> None:
         )
 
 
+def check_model_name(name: str) -> None:
+    """Raise `InvalidWeightVersion` when `name` cannot name a model in the registry."""
+    _check_name("model name", name)
+
+
 class WeightRegistry:
     """Published weight versions of one model, on an `EtcdStore` the caller owns."""
 
@@ -95,6 +100,11 @@ class WeightRegistry:
         self._prefix = f"weights/{model}/"
         self._latest_key = f"{self._prefix}latest"
         self._versions = f"{self._prefix}versions/"
+
+    def for_model(self, model: str) -> WeightRegistry:
+        """The registry of another model on the same store (this one when `model` is its
+        own name)."""
+        return self if model == self.model else WeightRegistry(self._store, model)
 
     async def publish(
         self, version: str, location: str, metadata: Mapping[str, str] | None = None

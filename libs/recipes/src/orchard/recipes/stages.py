@@ -5,11 +5,14 @@
   its conversations become trajectories in the student's tokens.
 - **curate**: successful trajectories (and failed ones with credit, when the credit stage gave
   some) filtered for SFT.
-- **sft**: offline SFT of the student on the curated trajectories (DeepSpeed engine), the
-  trained model saved as a model folder and published to the weight registry.
-- **rl**: policy-gradient steps from the SFT model on groups the sampler draws from the RL
-  tasks; the student samples through the local engine behind the capture proxy, so training
-  gets the exact tokens and logprobs; each step publishes a new weight version the engine loads.
+- **sft**: an SFT job in orchard-trainer (DeepSpeed engine) on the curated trajectories, stepped
+  to its end and published to the weight registry under the run's model.
+- **rl**: an RL job in orchard-trainer, starting from the SFT model; each step, the sampler draws
+  groups from the RL tasks, the student sampling through the local engine behind the capture
+  proxy (exact tokens and logprobs); the groups go to the job, which takes one optimizer step
+  and publishes a new weight version the engine loads before the next step. With
+  ``select: validation`` the stage then runs the SFT model and every RL version greedily on the
+  RL tasks and hands on the best.
 - **evaluate**: every model (base, sft, rl) attempts every held-out task; resolved counts.
 
 Each stage function takes a `StageContext` and returns the summary `done.json` keeps.
@@ -25,7 +28,7 @@ import os
 import random
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,7 @@ from tqdm import tqdm
 from orchard.lm.chat import ChatRenderer
 from orchard.recipes.recipe_tasks import WORKDIR, RecipeTask, task_spec
 from orchard.recipes.swe_suite import teacher_script
+from orchard.recipes.trainer_client import TrainerJobs, step_entry
 from orchard.recipes.trajectories import student_trajectories, teacher_trajectory
 from orchard.recipes.workspace import RunDir, StackEndpoints, write_json
 from orchard.rollout.budgets import RolloutBudget
@@ -46,6 +50,7 @@ from orchard.rollout.runner import RolloutRunner
 from orchard.rollout.scoring import RewardServiceScorer
 from orchard.sdk import AsyncSandboxClient
 from orchard.sdk.recipe import Budget, Recipe
+from orchard.trainer.v1 import trainer_service_pb2 as trainer_api
 from orchard.types.v1 import trajectory_pb2
 
 __all__ = [
@@ -444,22 +449,6 @@ async def _registry(ctx: StageContext) -> AsyncIterator[Any]:
         yield WeightRegistry(store, ctx.registry_model)
 
 
-def publish(ctx: StageContext, checkpoint: Any) -> dict[str, Any]:
-    """Publish a trainer checkpoint to the run's model in the weight registry."""
-    from orchard.trainer.checkpoints import publish_checkpoint  # noqa: PLC0415
-
-    async def go() -> dict[str, Any]:
-        async with _registry(ctx) as registry:
-            published = await publish_checkpoint(registry, checkpoint)
-            return {
-                "version": published.version,
-                "number": published.number,
-                "location": published.location,
-            }
-
-    return asyncio.run(go())
-
-
 def base_model_folder(ctx: StageContext) -> Path:
     """The untrained student as a model folder (written once): what SFT starts from and the
     base line of the evaluation."""
@@ -478,64 +467,77 @@ def base_model_folder(ctx: StageContext) -> Path:
     return folder
 
 
+SFT_STEPS_PER_CALL = 12
+"""Optimizer steps per Step call of an SFT job: often enough for the progress bar."""
+
+
 def run_sft(ctx: StageContext) -> dict[str, Any]:
-    from orchard.lm.model_folder import load_model_folder  # noqa: PLC0415
-    from orchard.trainer.checkpoints import save_checkpoint  # noqa: PLC0415
-    from orchard.trainer.engine import EngineConfig, Precision  # noqa: PLC0415
-    from orchard.trainer.masks import SampleConfig  # noqa: PLC0415
-    from orchard.trainer.sft import SftRunConfig, run_offline_sft  # noqa: PLC0415
+    from orchard.trainer.masks import SampleConfig, build_sft_samples  # noqa: PLC0415
 
     stage = ctx.recipe.stages.sft
     data = ctx.run.root / "curate" / "sft.jsonl"
     rows = _read_trajectories(data)
-    if not rows:
+    # The trainer builds the same samples from the same file; counted here to size the
+    # schedule in epochs of samples (a failed row without rise segments gives none).
+    samples = len(build_sft_samples(rows, SampleConfig()).samples)
+    if not samples:
         raise RuntimeError(
-            "curation kept no trajectory for SFT: the teacher resolved nothing; look at "
+            "curation kept no trajectory to train on: the teacher resolved nothing; look at "
             f"{ctx.run.root / 'collect' / 'rollouts.jsonl'}"
         )
-    steps = max(1, stage.epochs * len(rows) // (stage.batch_size * stage.gradient_accumulation))
+    steps = max(1, stage.epochs * samples // (stage.batch_size * stage.gradient_accumulation))
     out = ctx.run.stage("sft")
-    base = base_model_folder(ctx)
-    config = SftRunConfig(
-        data=data,
-        model=str(base),
-        output_dir=out,
-        engine=EngineConfig(
-            zero_stage=stage.zero_stage,
-            micro_batch_size=stage.batch_size,
-            gradient_accumulation=stage.gradient_accumulation,
-            learning_rate=stage.learning_rate,
-            warmup_steps=min(stage.warmup_steps, steps),
-            total_steps=steps,
-            precision=Precision.FP32,
-            seed=ctx.seed,
-        ),
-        samples=SampleConfig(),
-        job=f"{ctx.recipe.name}-sft",
-        progress=ctx.progress,
+    spec = trainer_api.TrainingJobSpec(
+        mode=trainer_api.TRAINING_MODE_SFT,
+        model=str(base_model_folder(ctx).resolve()),
+        zero_stage=stage.zero_stage,
+        learning_rate=stage.learning_rate,
+        warmup_steps=min(stage.warmup_steps, steps),
+        total_steps=steps,
+        micro_batch_size=stage.batch_size,
+        gradient_accumulation=stage.gradient_accumulation,
+        dataset=str(data.resolve()),
+        weight_model=ctx.registry_model,
     )
-    result = run_offline_sft(config, keep_engine=True)
-    assert result.engine is not None
-    try:
-        checkpoint = save_checkpoint(
-            result.engine,
-            load_model_folder(base).tokenizer,
-            out / "checkpoints",
-            version="sft",
-            metadata={"run": ctx.recipe.name, "stage": "sft"},
-        )
-    finally:
-        result.engine.close()
-    published = publish(ctx, checkpoint)
-    losses = [r.loss for r in result.steps]
-    return {
-        "samples": result.samples,
-        "steps": len(result.steps),
-        "first_loss": losses[0] if losses else None,
-        "last_loss": losses[-1] if losses else None,
-        "skipped": dict(result.skipped),
-        "weights": published,
-    }
+    log_path = out / "run.jsonl"
+    log_path.unlink(missing_ok=True)
+
+    async def go() -> dict[str, Any]:
+        async with TrainerJobs(ctx.stack.trainer) as trainer:
+            job = await trainer.create(spec, request_id=f"{ctx.recipe.name}-sft-{time.time_ns()}")
+            losses: list[float] = []
+            version = ""
+            bar = tqdm(total=steps, desc=f"sft {job.id}", unit="step", disable=not ctx.progress)
+            with bar, log_path.open("a", encoding="utf-8") as run_log:
+                while len(losses) < steps:
+                    n = min(SFT_STEPS_PER_CALL, steps - len(losses))
+                    last = len(losses) + n == steps
+                    response = await trainer.step(job.id, n, publish=last)
+                    for metrics in response.steps:
+                        run_log.write(json.dumps(step_entry(metrics), sort_keys=True) + "\n")
+                        losses.append(metrics.loss)
+                    run_log.flush()
+                    bar.update(len(response.steps))
+                    bar.set_postfix(loss=f"{losses[-1]:.4f}")
+                    version = response.weight_version or version
+        async with _registry(ctx) as registry:
+            published = await registry.get(version)
+        if published is None:
+            raise RuntimeError(f"orchard-trainer reported version {version!r}, not in the registry")
+        return {
+            "job": job.id,
+            "samples": samples,
+            "steps": len(losses),
+            "first_loss": losses[0] if losses else None,
+            "last_loss": losses[-1] if losses else None,
+            "weights": {
+                "version": published.version,
+                "number": published.number,
+                "location": published.location,
+            },
+        }
+
+    return asyncio.run(go())
 
 
 # -- evaluate ------------------------------------------------------------------------------------
@@ -581,12 +583,21 @@ def models_to_evaluate(ctx: StageContext) -> list[tuple[str, Path, str]]:
 
 
 async def _evaluate_model(
-    ctx: StageContext, name: str, folder: Path, version: str, out: Path
+    ctx: StageContext,
+    name: str,
+    folder: Path,
+    version: str,
+    out: Path,
+    *,
+    split: str = "evaluate",
+    attempts: int | None = None,
 ) -> dict[str, Any]:
+    """Run the model in ``folder`` on the tasks of ``split`` with the evaluation's settings;
+    rollouts go to ``out/<name>.rollouts.jsonl``."""
     stage = ctx.recipe.stages.evaluate
-    tasks = ctx.tasks["evaluate"]
+    tasks = ctx.tasks[split]
     harnesses = harnesses_for(ctx.recipe)
-    keys = _attempts(tasks, harnesses, stage.attempts_per_task)
+    keys = _attempts(tasks, harnesses, attempts or stage.attempts_per_task)
     async with (
         student_endpoint(folder, version, stage.temperature) as (endpoint, capture),
         AsyncSandboxClient(ctx.stack.env, token=ctx.stack.env_token) as sandboxes,
@@ -603,7 +614,8 @@ async def _evaluate_model(
             seed=ctx.seed,
             labels={"orchard-run": ctx.recipe.name, "orchard-stage": f"evaluate-{name}"},
         )
-        with _bar(ctx, len(keys), f"evaluate {name}") as bar:
+        desc = f"evaluate {name}" if split == "evaluate" else f"validate {name} on {split}"
+        with _bar(ctx, len(keys), desc) as bar:
             await _run_all(runner, keys, workers=ctx.workers, bar=bar)
     records = sorted(runner.records, key=lambda r: (r.task_id, r.started_at))
     write_records(records, str(out / f"{name}.rollouts.jsonl"))
@@ -659,33 +671,24 @@ def _sampler(ctx: StageContext) -> Any:
     )
 
 
-async def _rl(ctx: StageContext, trainer: Any, tokenizer: Any, out: Path) -> dict[str, Any]:
+async def _rl(
+    ctx: StageContext, trainer: TrainerJobs, job_id: str, tokenizer: Any, out: Path
+) -> dict[str, Any]:
     from orchard.rollout.batches import GroupFilter, fill_batch  # noqa: PLC0415
     from orchard.rollout.engines.local import LocalEngine, LocalEngineConfig  # noqa: PLC0415
     from orchard.rollout.proxy.server import CaptureProxy, CaptureProxyConfig  # noqa: PLC0415
     from orchard.rollout.runner import ProxyCapture  # noqa: PLC0415
-    from orchard.trainer.checkpoints import publish_checkpoint, save_checkpoint  # noqa: PLC0415
-    from orchard.trainer.losses import PolicyLossConfig  # noqa: PLC0415
-    from orchard.trainer.rl import RlConfig, StalePolicy, build_rl_batch, rl_update  # noqa: PLC0415
 
     stage = ctx.recipe.stages.rl
     tasks = ctx.tasks["rl"]
     harnesses = harnesses_for(ctx.recipe)
     pairs = [GroupKey(t.id, h) for t in tasks for h in harnesses]
     sampler = _sampler(ctx)
-    config = RlConfig(
-        loss=PolicyLossConfig(
-            clip_low=stage.clip_low, clip_high=stage.clip_high, kl_coef=stage.kl_coef
-        ),
-        max_staleness=stage.max_staleness,
-        stale=StalePolicy.SKIP,
-    )
     renderer = ChatRenderer(tokenizer)
     steps_log = out / "steps.jsonl"
     steps_log.unlink(missing_ok=True)
     summary: dict[str, Any] = {"steps": [], "groups": [], "weights": None}
     async with _registry(ctx) as registry:
-        numbers: dict[str, int] = {v.version: v.number for v in await registry.versions()}
         engine_config = LocalEngineConfig(registry_model=ctx.registry_model, follow_registry=True)
         async with (
             LocalEngine(engine_config, registry=registry) as engine,
@@ -730,16 +733,22 @@ async def _rl(ctx: StageContext, trainer: Any, tokenizer: Any, out: Path) -> dic
                         group_filter=GroupFilter(),
                         parallel_pairs=max(1, min(len(order), ctx.workers // 2 or 1)),
                     )
-                    trajectories: list[trajectory_pb2.Trajectory] = []
+                    groups = []
                     for group in batch.kept:
-                        group_id = f"rl-{step}-{group.key.task_id}"
-                        for member in group.members:
-                            record = member.payload
-                            for trajectory in student_trajectories(record, renderer):
-                                trajectory.group_id = group_id
-                                trajectories.append(trajectory)
-                    rl_batch = build_rl_batch(
-                        trajectories, config, version_lag=_lag_of(dict(numbers))
+                        members = [
+                            trajectory
+                            for member in group.members
+                            for trajectory in student_trajectories(member.payload, renderer)
+                        ]
+                        groups.append(
+                            trajectory_pb2.TrajectoryGroup(
+                                id=f"rl-{step}-{group.key.task_id}", trajectories=members
+                            )
+                        )
+                    submitted = (
+                        await trainer.submit(job_id, groups)
+                        if groups
+                        else trainer_api.SubmitGroupsResponse()
                     )
                     every = [*batch.kept, *batch.surplus, *(d.group for d in batch.dropped)]
                     entry: dict[str, Any] = {
@@ -747,11 +756,11 @@ async def _rl(ctx: StageContext, trainer: Any, tokenizer: Any, out: Path) -> dic
                         "groups_kept": len(batch.kept),
                         "groups_dropped": len(batch.dropped),
                         "rollouts": batch.rollouts_run,
-                        "samples": len(rl_batch.samples),
+                        "samples": submitted.trajectories_trainable,
                         "reward_mean": _mean(
                             [r.reward for g in every for r in g.rollouts if r.reward is not None]
                         ),
-                        "skipped": dict(rl_batch.skipped),
+                        "skipped": submitted.trajectories_skipped,
                         "seconds_sampling": round(time.monotonic() - started, 2),
                     }
                     summary["groups"] += [
@@ -765,26 +774,16 @@ async def _rl(ctx: StageContext, trainer: Any, tokenizer: Any, out: Path) -> dic
                         }
                         for g in every
                     ]
-                    if len(rl_batch.samples) >= trainer.config.gradient_accumulation:
-                        results = await asyncio.to_thread(
-                            rl_update, trainer, rl_batch, config, pad_id=tokenizer.pad_token_id
-                        )
-                        entry.update(
-                            loss=results[-1].loss,
-                            grad_norm=results[-1].grad_norm,
-                            metrics={k: float(v) for k, v in results[-1].extra.items()},
-                        )
-                        version = f"rl-{step + 1:03d}"
-                        checkpoint = await asyncio.to_thread(
-                            save_checkpoint,
-                            trainer,
-                            tokenizer,
-                            out / "checkpoints",
-                            version=version,
-                            metadata={"run": ctx.recipe.name, "stage": "rl"},
-                        )
-                        published = await publish_checkpoint(registry, checkpoint)
-                        numbers[published.version] = published.number
+                    if submitted.trajectories_trainable:
+                        response = await trainer.step(job_id, 1, publish=True)
+                        metrics = step_entry(response.steps[-1])
+                        entry.update(loss=metrics.pop("loss"), metrics=metrics)
+                        published = await registry.get(response.weight_version)
+                        if published is None:
+                            raise RuntimeError(
+                                f"orchard-trainer reported version {response.weight_version!r}, "
+                                "not in the registry"
+                            )
                         await engine.wait_for_weights(published.version)
                         summary["weights"] = {
                             "version": published.version,
@@ -792,6 +791,7 @@ async def _rl(ctx: StageContext, trainer: Any, tokenizer: Any, out: Path) -> dic
                             "location": published.location,
                         }
                         entry["published"] = published.version
+                        entry["weights"] = summary["weights"]
                     else:
                         entry["published"] = None
                         entry["note"] = "no group carried signal: no update this step"
@@ -829,41 +829,88 @@ class _Counted:
         return result
 
 
-def _lag_of(numbers: dict[str, int]) -> Callable[[str], int | None]:
-    latest = max(numbers.values(), default=0)
-    return lambda version: latest - numbers[version] if version in numbers else None
-
-
 def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
 def run_rl(ctx: StageContext) -> dict[str, Any]:
-    from orchard.trainer.engine import EngineConfig, Precision, TrainingEngine  # noqa: PLC0415
-    from orchard.trainer.policy import load_policy  # noqa: PLC0415
+    from transformers import AutoTokenizer  # noqa: PLC0415
 
     stage = ctx.recipe.stages.rl
     sft = ctx.run.done("sft")
     start = Path(sft["weights"]["location"]) if sft else base_model_folder(ctx)
     if sft is None:
         _publish_base(ctx, start)
-    policy = load_policy(str(start), seed=ctx.seed)
-    assert policy.tokenizer is not None
     out = ctx.run.stage("rl")
-    trainer = TrainingEngine(
-        policy.model,
-        EngineConfig(
-            micro_batch_size=8,
-            learning_rate=stage.learning_rate,
-            total_steps=stage.steps,
-            precision=Precision.FP32,
-            seed=ctx.seed,
+    spec = trainer_api.TrainingJobSpec(
+        mode=trainer_api.TRAINING_MODE_RL,
+        model=str(start.resolve()),
+        learning_rate=stage.learning_rate,
+        total_steps=stage.steps,
+        micro_batch_size=8,
+        policy_loss=trainer_api.PolicyLossConfig(
+            clip_low=stage.clip_low, clip_high=stage.clip_high, kl_coef=stage.kl_coef
         ),
+        max_staleness=stage.max_staleness,
+        skip_stale=True,
+        weight_model=ctx.registry_model,
     )
-    try:
-        return asyncio.run(_rl(ctx, trainer, policy.tokenizer, out))
-    finally:
-        trainer.close()
+    tokenizer = AutoTokenizer.from_pretrained(str(start), local_files_only=True)
+
+    async def go() -> dict[str, Any]:
+        async with TrainerJobs(ctx.stack.trainer) as trainer:
+            job = await trainer.create(spec, request_id=f"{ctx.recipe.name}-rl-{time.time_ns()}")
+            try:
+                summary = await _rl(ctx, trainer, job.id, tokenizer, out)
+            finally:
+                # Steps without signal leave steps unused: the job ends here, either way.
+                await trainer.cancel(job.id)
+            return {"job": job.id, **summary}
+
+    summary = asyncio.run(go())
+    versions = [s["weights"] for s in summary["steps"] if s.get("published")]
+    if stage.select == "validation" and versions:
+        first = sft["weights"] if sft else {"version": "base", "location": str(start)}
+        summary.update(_validate(ctx, [first, *versions], out / "validation"))
+    return summary
+
+
+def pick_validated(resolved: Sequence[int]) -> int:
+    """Index of the candidate to hand on, given each one's resolved count (the starting model
+    first, then the RL versions in order): the most resolved, a tie going to the later RL
+    version; the starting model only when it is strictly better than every RL version."""
+    if not resolved:
+        raise ValueError("no candidate to pick from")
+    ranks = [(count, index if index else -1) for index, count in enumerate(resolved)]
+    return max(range(len(ranks)), key=ranks.__getitem__)
+
+
+def _validate(ctx: StageContext, candidates: Sequence[dict[str, Any]], out: Path) -> dict[str, Any]:
+    """Greedy resolve rate of each candidate (the starting model first, then the RL versions
+    in order) on the RL tasks; the best one's weights, a tie going to the later version."""
+    out.mkdir(parents=True, exist_ok=True)
+    scores: dict[str, dict[str, Any]] = {}
+    for weights in candidates:
+        version, folder = str(weights["version"]), Path(weights["location"])
+        result = asyncio.run(
+            _evaluate_model(ctx, version, folder, version, out, split="rl", attempts=1)
+        )
+        write_json(out / f"{version}.json", result)
+        scores[version] = {"resolved": result["resolved"], "attempts": result["attempts"]}
+    chosen = candidates[pick_validated([s["resolved"] for s in scores.values()])]
+    version = str(chosen["version"])
+    table = ", ".join(f"{v} {s['resolved']}/{s['attempts']}" for v, s in scores.items())
+    start = str(candidates[0]["version"])
+    if version == start:
+        verdict = f"no RL version did as well as {start}, so the RL model is the {start} model"
+    else:
+        verdict = f"the RL model is {version}"
+    return {
+        "validation": {"split": "rl", "scores": scores, "chosen": version},
+        "weights": dict(chosen),
+        "note": f"RL validation, greedy on the {len(ctx.tasks['rl'])} RL tasks: {table}; "
+        + verdict,
+    }
 
 
 def _publish_base(ctx: StageContext, folder: Path) -> None:

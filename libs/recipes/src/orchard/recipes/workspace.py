@@ -96,6 +96,10 @@ class RunDir:
         shutil.rmtree(self.root / name, ignore_errors=True)
 
 
+NEEDED = ("etcd", "orchard-reward", "orchard-trainer")
+"""The components of `orchard up` a recipe talks to besides orchard-env."""
+
+
 @dataclass(frozen=True)
 class StackEndpoints:
     """The running services a recipe talks to."""
@@ -107,6 +111,8 @@ class StackEndpoints:
     """orchard-reward's gRPC address."""
     etcd: str
     """etcd's client URL (the weight registry lives there)."""
+    trainer: str
+    """orchard-trainer's gRPC address (SFT and RL train there)."""
     env_metrics: str = ""
     """HOST:PORT of orchard-env's /metrics, when it exports them (the report reads them)."""
 
@@ -129,7 +135,7 @@ class StackEndpoints:
         profile = read_profile(state / "profile.json")
         if profile is None:
             raise FileNotFoundError(f"no Orchard profile in {state}: run `orchard up --detach`")
-        missing = [n for n in ("etcd", "orchard-reward") if n not in components]
+        missing = [n for n in NEEDED if n not in components]
         if missing:
             raise FileNotFoundError(
                 f"`orchard up` runs without {', '.join(missing)}; restart it with every service"
@@ -139,5 +145,6 @@ class StackEndpoints:
             env_token=profile.token or "",
             reward=components["orchard-reward"],
             etcd=components["etcd"],
+            trainer=components["orchard-trainer"],
             env_metrics=os.environ.get("ORCHARD_ENV_METRICS", ""),
         )

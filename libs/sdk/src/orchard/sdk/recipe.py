@@ -264,6 +264,15 @@ class Rl(Stage):
     )
     sampler: Sampler = Sampler()
     budget: Budget = Budget()
+    select: Literal["validation", "last"] = Field(
+        default="validation",
+        description=(
+            "Which weights the stage hands on. validation: the starting model and every RL "
+            "version are run greedily on the RL tasks, and the best wins (a tie goes to the "
+            "later version), so RL never hands on weights that do worse than its start on "
+            "the tasks it trained on. last: the last version, unchecked."
+        ),
+    )
 
 
 class Evaluate(Stage):

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchard.lm.weights import InvalidWeightVersion, check_model_name
 from orchard.trainer.checkpoints import (
     MANIFEST,
     CheckpointInfo,
@@ -156,6 +157,11 @@ def resolve_spec(spec: api.TrainingJobSpec) -> api.TrainingJobSpec:
             raise SpecError(
                 f"spec.max_staleness must be 0 or more versions, got {out.max_staleness}"
             )
+    if out.weight_model:
+        try:
+            check_model_name(out.weight_model)
+        except InvalidWeightVersion as exc:
+            raise SpecError(f"spec.weight_model: {exc}") from None
     if out.dataset:
         if out.mode != api.TRAINING_MODE_SFT:
             raise SpecError("spec.dataset is for SFT jobs; RL jobs train on submitted groups")

@@ -312,7 +312,7 @@ class JobManager:
                     )
                 lag = None
                 if runner.spec.HasField("max_staleness"):
-                    lag = await self._version_lag(request.group)
+                    lag = await self._version_lag(self._registry_of(runner.spec), request.group)
                 try:
                     counts = await asyncio.to_thread(
                         runner.submit, request.group, None if lag is None else lag.get
@@ -340,10 +340,16 @@ class JobManager:
             raise _invalid("the stream held no message; send job_id and a group per message")
         return response
 
-    async def _version_lag(self, group: trajectory_pb2.TrajectoryGroup) -> dict[str, int | None]:
+    def _registry_of(self, spec: api.TrainingJobSpec) -> WeightRegistry:
+        """Where a job publishes: its `weight_model`, or the service's registry model."""
+        return self.registry.for_model(spec.weight_model or self.registry.model)
+
+    async def _version_lag(
+        self, registry: WeightRegistry, group: trajectory_pb2.TrajectoryGroup
+    ) -> dict[str, int | None]:
         """How many versions each weight version named in `group` lags behind the latest
-        published one (None: not a published version)."""
-        latest = await self.registry.latest()
+        published one of the job's model (None: not a published version)."""
+        latest = await registry.latest()
         names = {
             turn.weight_version
             for trajectory in group.trajectories
@@ -353,7 +359,7 @@ class JobManager:
         lag: dict[str, int | None] = {}
         for name in names:
             try:
-                found = await self.registry.get(name) if latest is not None else None
+                found = await registry.get(name) if latest is not None else None
             except InvalidWeightVersion:
                 found = None
             lag[name] = latest.number - found.number if latest and found else None
@@ -431,7 +437,9 @@ class JobManager:
         self, record: JobRecord, checkpoint: api.Checkpoint, info: CheckpointInfo
     ) -> None:
         version = await publish_checkpoint(
-            self.registry, info, metadata={"job": record.id, "mode": self._mode(record)}
+            self._registry_of(record.job.spec),
+            info,
+            metadata={"job": record.id, "mode": self._mode(record)},
         )
         checkpoint.weight_version = version.version
         record.job.weight_version = version.version

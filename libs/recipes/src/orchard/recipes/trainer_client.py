@@ -1,0 +1,112 @@
+"""The recipe's side of orchard-trainer: training jobs driven over gRPC.
+
+The SFT stage hands the trainer the curated dataset as a path on the trainer's machine and
+steps the job to its end; the RL stage submits each step's groups and asks for one optimizer
+step and a published weight version. Jobs publish under the run's own registry model
+(`TrainingJobSpec.weight_model`), so the engines of this run follow this run's versions only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Self
+
+import grpc
+
+from orchard.trainer.v1 import trainer_service_pb2 as api
+from orchard.trainer.v1 import trainer_service_pb2_grpc as rpc
+from orchard.types.v1 import trajectory_pb2
+
+__all__ = ["TrainerError", "TrainerJobs", "step_entry"]
+
+_RUNNING = api.TRAINING_JOB_STATE_RUNNING
+
+
+class TrainerError(RuntimeError):
+    """orchard-trainer refused or failed a call; the message is the service's, with the call."""
+
+
+def step_entry(metrics: api.StepMetrics) -> dict[str, Any]:
+    """One optimizer step's metrics as the run log writes them."""
+    return {
+        "step": int(metrics.step),
+        "loss": float(metrics.loss),
+        "lr": float(metrics.learning_rate),
+        "grad_norm": float(metrics.grad_norm),
+        "loss_tokens": int(metrics.loss_tokens),
+        **{k: float(v) for k, v in sorted(metrics.extra.items())},
+    }
+
+
+@dataclass
+class TrainerJobs:
+    """A connection to orchard-trainer at ``address`` (HOST:PORT)."""
+
+    address: str
+    _channel: grpc.aio.Channel | None = None
+    _stub: Any = None
+
+    async def __aenter__(self) -> Self:
+        self._channel = grpc.aio.insecure_channel(self.address)
+        self._stub = rpc.TrainerServiceStub(self._channel)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def _call(self, what: str, call: Any) -> Any:
+        try:
+            return await call
+        except grpc.aio.AioRpcError as exc:
+            raise TrainerError(
+                f"orchard-trainer at {self.address}: {what}: {exc.code().name}: {exc.details()}"
+            ) from None
+
+    async def create(self, spec: api.TrainingJobSpec, request_id: str) -> api.TrainingJob:
+        """Start a job (the same `request_id` returns the same job); raises TrainerError when
+        it does not come up running."""
+        response = await self._call(
+            "CreateTrainingJob",
+            self._stub.CreateTrainingJob(
+                api.CreateTrainingJobRequest(spec=spec, request_id=request_id)
+            ),
+        )
+        job: api.TrainingJob = response.job
+        if job.state != _RUNNING:
+            state = api.TrainingJobState.Name(job.state)
+            raise TrainerError(f"training job {job.id} is {state}: {job.error or 'no reason'}")
+        return job
+
+    async def step(self, job_id: str, steps: int, *, publish: bool = False) -> api.StepResponse:
+        request = api.StepRequest(job_id=job_id, steps=steps, publish=publish)
+        response: api.StepResponse = await self._call("Step", self._stub.Step(request))
+        return response
+
+    async def submit(
+        self, job_id: str, groups: Sequence[trajectory_pb2.TrajectoryGroup]
+    ) -> api.SubmitGroupsResponse:
+        async def messages() -> AsyncIterator[api.SubmitGroupsRequest]:
+            for group in groups:
+                yield api.SubmitGroupsRequest(job_id=job_id, group=group)
+
+        response: api.SubmitGroupsResponse = await self._call(
+            "SubmitGroups", self._stub.SubmitGroups(messages())
+        )
+        return response
+
+    async def get(self, job_id: str) -> api.TrainingJob:
+        response = await self._call(
+            "GetTrainingJob", self._stub.GetTrainingJob(api.GetTrainingJobRequest(job_id=job_id))
+        )
+        job: api.TrainingJob = response.job
+        return job
+
+    async def cancel(self, job_id: str) -> None:
+        """Stop a job that has steps left (its checkpoints stay)."""
+        if (await self.get(job_id)).state == _RUNNING:
+            await self._call(
+                "CancelTrainingJob",
+                self._stub.CancelTrainingJob(api.CancelTrainingJobRequest(job_id=job_id)),
+            )
