@@ -161,3 +161,26 @@ def test_rl_hands_on_the_best_validated_version(resolved: list[int], picked: int
 def test_rl_validation_needs_a_candidate() -> None:
     with pytest.raises(ValueError, match="no candidate"):
         pick_validated([])
+
+
+def test_the_stack_is_read_from_orchard_up_and_needs_the_trainer(tmp_path: Path) -> None:
+    from orchard.recipes.workspace import StackEndpoints  # noqa: PLC0415
+    from orchard.sdk.connection import Profile, write_profile  # noqa: PLC0415
+
+    with pytest.raises(FileNotFoundError, match="orchard up --detach"):
+        StackEndpoints.from_state_dir(tmp_path)
+    write_profile(Profile(endpoint="127.0.0.1:7100", token="t0ken"), tmp_path / "profile.json")
+    components = [
+        {"name": "etcd", "address": "http://127.0.0.1:2379"},
+        {"name": "orchard-env", "address": "127.0.0.1:7100"},
+        {"name": "orchard-reward", "address": "127.0.0.1:7200"},
+    ]
+    (tmp_path / "up.json").write_text(json.dumps({"pid": 1, "components": components}))
+    with pytest.raises(FileNotFoundError, match="without orchard-trainer"):
+        StackEndpoints.from_state_dir(tmp_path)
+    components.append({"name": "orchard-trainer", "address": "127.0.0.1:7400"})
+    (tmp_path / "up.json").write_text(json.dumps({"pid": 1, "components": components}))
+    stack = StackEndpoints.from_state_dir(tmp_path)
+    assert (stack.env, stack.env_token, stack.reward, stack.trainer, stack.etcd) == (
+        "127.0.0.1:7100", "t0ken", "127.0.0.1:7200", "127.0.0.1:7400", "http://127.0.0.1:2379",
+    )  # fmt: skip

@@ -36,6 +36,7 @@ from orchard.trainer.checkpoints import (
     save_checkpoint,
 )
 from orchard.trainer.datasets import read_trajectories
+from orchard.trainer.distributed import ProcessGroupSpec
 from orchard.trainer.engine import EngineConfig, StepResult, TrainingEngine
 from orchard.trainer.losses import PolicyLossConfig
 from orchard.trainer.masks import Overflow, Sample, SampleConfig, build_sft_samples
@@ -251,7 +252,10 @@ class JobRunner:
         if spec.dataset:
             dataset = build_sft_samples(read_trajectories(Path(spec.dataset)), self.samples)
             self.sft_samples.extend(dataset.samples)
-        self.engine = TrainingEngine(self.policy.model, engine_config(spec))
+        # One rank in this process, on a port of its own, whatever the environment says.
+        self.engine = TrainingEngine(
+            self.policy.model, engine_config(spec), process_group=ProcessGroupSpec()
+        )
         try:
             if resume_from is not None:
                 load_checkpoint(self.engine, resume_from)
