@@ -17,11 +17,12 @@ from orchard.lm.tokenizer import build_tokenizer
 from orchard.recipes.scripted_judge import judge_reply
 from orchard.recipes.stages import pick_validated
 from orchard.recipes.trajectories import teacher_trajectory
-from orchard.recipes.workspace import RecipeMismatch, RunDir
+from orchard.recipes.workspace import RecipeMismatch, RunDir, StackEndpoints
 from orchard.reward.credit import credit_curve
 from orchard.rollout.harnesses.bash_react import shell_harness
 from orchard.rollout.provenance import RewardRecord, RolloutRecord
 from orchard.rollout.results import RolloutStatus
+from orchard.sdk.connection import Profile, write_profile
 from orchard.sdk.recipe import Recipe
 from orchard.types.v1 import reward_pb2
 
@@ -164,9 +165,6 @@ def test_rl_validation_needs_a_candidate() -> None:
 
 
 def test_the_stack_is_read_from_orchard_up_and_needs_the_trainer(tmp_path: Path) -> None:
-    from orchard.recipes.workspace import StackEndpoints  # noqa: PLC0415
-    from orchard.sdk.connection import Profile, write_profile  # noqa: PLC0415
-
     with pytest.raises(FileNotFoundError, match="orchard up --detach"):
         StackEndpoints.from_state_dir(tmp_path)
     write_profile(Profile(endpoint="127.0.0.1:7100", token="t0ken"), tmp_path / "profile.json")
