@@ -2,10 +2,10 @@
 
 Run it with `make demo` (needs root: the local runtime uses namespaces, cgroups and an overlay
 over the host root). It starts an embedded etcd, orchard-env with the local runtime,
-orchard-reward and orchard-trainer as processes under ``runs/demo/stack``, runs the built-in recipe
-(``orchard recipe check`` shows it) against them with a progress bar per stage, and prints the
-held-out resolve rates and where the report is (``runs/demo/builtin-swe/report/report.md``).
-Everything it starts, it stops.
+orchard-reward, orchard-rollout and orchard-trainer as processes under ``runs/demo/stack``, runs
+the built-in recipe (``orchard recipe check`` shows it) against them with a progress bar per
+stage, and prints the held-out resolve rates and where the report is
+(``runs/demo/builtin-swe/report/report.md``). Everything it starts, it stops.
 
 ``--resume`` keeps the previous demo's outputs and continues at the first unfinished stage;
 without it the demo starts from nothing.
@@ -66,6 +66,7 @@ def main() -> int:
     token = secrets.token_urlsafe(16)
     metrics = f"127.0.0.1:{_free_port()}"
     reward = f"127.0.0.1:{_free_port()}"
+    rollout = f"127.0.0.1:{_free_port()}"
     trainer = f"127.0.0.1:{_free_port()}"
     cgroup = f"orchard-demo-{uuid.uuid4().hex[:8]}"
     run_dir = Path(tempfile.mkdtemp(prefix="od-"))  # sandbox socket paths must stay short
@@ -75,7 +76,7 @@ def main() -> int:
         token=token,
         runtime={"cgroup_parent": cgroup, "run_dir": str(run_dir)},
         settings=[f"server.metrics_address={metrics}"],
-        services={"reward": reward, "trainer": trainer},
+        services={"reward": reward, "rollout": rollout, "trainer": trainer},
     )
     started = time.monotonic()
     print(f"{BOLD}Orchard demo{RESET}: the built-in recipe, every stage, on this machine")
@@ -83,7 +84,7 @@ def main() -> int:
         with stack:
             print(
                 f"  services: etcd {stack.etcd_endpoint}, env {stack.endpoint}, "
-                f"reward {reward}, trainer {trainer}"
+                f"reward {reward}, rollout {rollout}, trainer {trainer}"
             )
             endpoints = StackEndpoints(
                 env=stack.endpoint,
@@ -91,6 +92,7 @@ def main() -> int:
                 reward=reward,
                 etcd=stack.etcd_endpoint,
                 trainer=trainer,
+                rollout=rollout,
                 env_metrics=metrics,
             )
             report = run_recipe(recipe, endpoints, workers=args.workers)

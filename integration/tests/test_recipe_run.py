@@ -1,10 +1,12 @@
 """A reduced recipe end to end against real services: etcd, orchard-env (local runtime),
-orchard-reward and orchard-trainer as processes (SFT and RL train in orchard-trainer); the
-scripted teacher and the tiny student on the local engine behind the capture proxy, in this
-process. Checks the artifacts each stage leaves: teacher
-trajectories in the student's tokens with loss masks, credit on failed ones, a published weight
-version, RL rollouts with captured tokens, evaluation numbers in the report; then that a second
-run resumes (runs nothing again) and that one stage runs alone on request."""
+orchard-reward, orchard-rollout and orchard-trainer as processes. The scripted teacher runs in
+this process (the collect stage drives it with the rollout library); the student's rollouts (RL
+sampling, validation, evaluation) are orchard-rollout jobs on its local engine behind its
+capture proxy, and SFT and RL train in orchard-trainer. Checks the artifacts each stage leaves:
+teacher trajectories in the student's tokens with loss masks, credit on failed ones, a published
+weight version, RL groups with captured tokens of the version that sampled them, evaluation
+numbers in the report; then that a second run resumes (runs nothing again) and that one stage
+runs alone on request."""
 
 from __future__ import annotations
 
@@ -21,12 +23,13 @@ import yaml
 from orchard.core.etcd import EtcdStore
 from orchard.lm.weights import WeightRegistry
 from orchard.recipes.pipeline import run_recipe
-from orchard.recipes.stages import REGISTRY_NAMESPACE
-from orchard.recipes.workspace import StackEndpoints
+from orchard.recipes.recipe_tasks import prepare_tasks
+from orchard.recipes.stages import REGISTRY_NAMESPACE, read_groups
+from orchard.recipes.workspace import RunDir, StackEndpoints
 from orchard.rollout.provenance import read_records
-from orchard.rollout.results import RolloutStatus
 from orchard.sdk.recipe import Recipe, load_recipe
 from orchard.trainer.datasets import read_trajectories
+from orchard.types.v1 import reward_pb2
 
 from .conftest import EnvStack, free_port, private_stack
 
@@ -64,8 +67,10 @@ class Services:
 @pytest.fixture(scope="module")
 def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
     reward = f"127.0.0.1:{free_port()}"
+    rollout = f"127.0.0.1:{free_port()}"
     trainer = f"127.0.0.1:{free_port()}"
-    with private_stack(tmp_path_factory, {"reward": reward, "trainer": trainer}) as env:
+    components = {"reward": reward, "rollout": rollout, "trainer": trainer}
+    with private_stack(tmp_path_factory, components) as env:
         yield Services(
             env,
             StackEndpoints(
@@ -74,6 +79,7 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
                 reward=reward,
                 etcd=env.stack.etcd_endpoint,
                 trainer=trainer,
+                rollout=rollout,
                 env_metrics=env.metrics_address,
             ),
         )
@@ -156,27 +162,46 @@ def test_sft_trains_on_curated_rows_and_publishes_a_version(
     assert len(losses) == sft["steps"] and losses[0] == sft["first_loss"]
 
 
-def test_rl_samples_the_student_through_the_capture_proxy(report: Path, recipe: Recipe) -> None:
+def test_rl_samples_the_student_in_rollout_jobs_with_captured_tokens(
+    report: Path, recipe: Recipe
+) -> None:
     assert recipe.output_dir is not None
     sft_version = _done(recipe, "sft")["weights"]["version"]
-    records = read_records(str(recipe.output_dir / "rl" / "rollouts.jsonl"))
-    assert records, "the RL stage ran no rollout"
-    scored = [r for r in records if r.status is not RolloutStatus.ABORTED]
-    assert scored
-    for record in scored:
-        assert record.calls, "no call was captured"
-        for call in record.calls:
-            assert call.prompt_token_ids and call.output_token_ids
-            assert len(call.output_logprobs) == len(call.output_token_ids)
-            assert call.weight_version == sft_version  # sampled by the SFT weights
+    rl = _done(recipe, "rl")
+    (step,) = rl["steps"]
+    assert step["rollout_job"] and step["sampled"] == sft_version
+    groups = read_groups(recipe.output_dir / "rl" / "groups.jsonl")
+    assert groups, "the RL stage's rollout job emitted no group"
+    scored = [
+        t
+        for g in groups
+        for t in g.trajectories
+        if t.reward.status == reward_pb2.REWARD_STATUS_SCORED
+    ]
+    assert scored and rl["rollouts"] == len({t.rollout_id for g in groups for t in g.trajectories})
+    for trajectory in scored:
+        assert trajectory.turns, "no call was captured"
+        for turn in trajectory.turns:
+            assert turn.input_token_ids and turn.output_token_ids
+            assert len(turn.output_logprobs) == len(turn.output_token_ids)
+            assert turn.weight_version == sft_version  # sampled by the SFT weights
+    assert all(g.sampler.startswith("fixed_n:") and g.rollouts_run == 2 for g in groups)
 
 
 def test_the_report_has_every_model_and_the_services_numbers(report: Path, recipe: Recipe) -> None:
     data = json.loads((report.parent / "report.json").read_text())
     models = {e["model"]: e for e in data["evaluations"]}
     assert {"base", "sft"} <= set(models)
-    for evaluation in models.values():
+    evaluate = _done(recipe, "evaluate")["models"]
+    held_out = {t.id for t in prepare_tasks(recipe, RunDir.open(recipe))["evaluate"]}
+    assert recipe.output_dir is not None
+    for name, evaluation in models.items():
         assert evaluation["attempts"] == 5
+        # Each model's held-out rollouts ran as a rollout job of its weight version.
+        groups = read_groups(recipe.output_dir / "evaluate" / f"{name}.groups.jsonl")
+        assert {g.task_id for g in groups} == held_out
+        versions = {t.weight_version for g in groups for r in g.trajectories for t in r.turns}
+        assert versions == {evaluate[name]["weight_version"]}
         low, high = evaluation["interval"]
         assert 0 <= low <= evaluation["rate"] <= high <= 1
     assert data["services"]["sandboxes_created"] >= 10

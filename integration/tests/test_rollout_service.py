@@ -392,6 +392,76 @@ def test_the_local_engine_behind_the_capture_proxy_gives_exact_tokens(
         assert len(trajectory.turns[0].input_token_ids) > 0
 
 
+def _publish(services: Services, model: str, versions: list[str]) -> None:
+    from orchard.core.etcd import EtcdStore
+    from orchard.lm.weights import WeightRegistry
+
+    async def go() -> None:
+        async with EtcdStore(services.env.stack.etcd_endpoint, namespace="orchard/") as store:
+            registry = WeightRegistry(store, model)
+            for version in versions:
+                await registry.publish(version, services.model_folder)
+
+    asyncio.run(go())
+
+
+def test_a_job_brings_a_weight_version_from_the_registry_and_its_engine_closes_after_it(
+    services: Services,
+    rollout: RolloutProcess,
+    stub: rollout_service_pb2_grpc.RolloutServiceStub,
+) -> None:
+    model = f"rt-student-{uuid.uuid4().hex[:8]}"
+    _publish(services, model, ["step-1", "step-2"])
+    lookup = api.RolloutTask(
+        id="lookup",
+        image="host",
+        instruction="Say hi.",
+        scorer_json=json.dumps({"check": {"command": "false"}}),
+    )
+
+    def spec(version: str) -> api.RolloutJobSpec:
+        return api.RolloutJobSpec(
+            tasks=[lookup],
+            harnesses=["builtin:tools"],
+            policy_spec=api.PolicySpec(
+                weights=api.RegistryWeights(model=model, version=version),
+                temperature=0.0,
+                max_tokens_per_call=10,
+            ),
+            sampler=fixed_n(2),
+            budget=api.RolloutBudget(max_steps=2),
+        )
+
+    # The pinned older version and the latest one, at once: one engine each.
+    pinned = stub.CreateRolloutJob(api.CreateRolloutJobRequest(spec=spec("step-1"))).job
+    latest = stub.CreateRolloutJob(api.CreateRolloutJobRequest(spec=spec(""))).job
+    for started, version in ((pinned, "step-1"), (latest, "step-2")):
+        request = api.StreamGroupsRequest(job_id=started.id)
+        streamed = list(stub.StreamGroups(request, timeout=300))
+        job = stub.GetRolloutJob(api.GetRolloutJobRequest(job_id=started.id)).job
+        assert job.state == api.ROLLOUT_JOB_STATE_SUCCEEDED, job.error
+        assert job.spec.policy_spec.weights.model == model
+        (message,) = streamed
+        assert len(message.group.trajectories) == 2
+        for trajectory in message.group.trajectories:
+            assert trajectory.turns, "the calls of a job's own policy are captured"
+            assert {t.weight_version for t in trajectory.turns} == {version}
+            assert all(0 < len(t.output_token_ids) <= 10 for t in trajectory.turns)
+        # Greedy: both rollouts of the same prompt sampled the same first reply.
+        first = [list(t.turns[0].output_token_ids) for t in message.group.trajectories]
+        assert first[0] == first[1]
+    # No job uses them any more: both engines are closed.
+    deadline = time.monotonic() + 30
+    while rollout.metric("orchard_rollout_job_policy_engines") != 0:
+        assert time.monotonic() < deadline, "the job policies' engines stay up"
+        time.sleep(0.2)
+    # A version never published is refused before any sandbox starts.
+    with pytest.raises(grpc.RpcError) as info:
+        stub.CreateRolloutJob(api.CreateRolloutJobRequest(spec=spec("step-9")))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "'step-9'" in info.value.details() and model in info.value.details()
+
+
 @pytest.mark.parametrize(
     ("change", "code", "words"),
     [
@@ -400,7 +470,11 @@ def test_the_local_engine_behind_the_capture_proxy_gives_exact_tokens(
         (lambda s: setattr(s, "policy", "gpt-9"), "INVALID_ARGUMENT", "configured policies"),
         (lambda s: setattr(s.tasks[0], "scorer_json", "{"), "INVALID_ARGUMENT", "not JSON"),
         (lambda s: setattr(s.tasks[0], "id", "a/b"), "INVALID_ARGUMENT", "letters, digits"),
-        (lambda s: setattr(s.sampler, "group_size", 1), "INVALID_ARGUMENT", "group_size"),
+        (
+            lambda s: s.sampler.CopyFrom(fixed_n(1, keep_all=False)),
+            "INVALID_ARGUMENT",
+            "carries no signal for training",
+        ),
         (lambda s: setattr(s, "concurrency", -1), "INVALID_ARGUMENT", "spec.concurrency"),
     ],
 )

@@ -164,7 +164,7 @@ def test_rl_validation_needs_a_candidate() -> None:
         pick_validated([])
 
 
-def test_the_stack_is_read_from_orchard_up_and_needs_the_trainer(tmp_path: Path) -> None:
+def test_the_stack_is_read_from_orchard_up_and_needs_rollout_and_trainer(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="orchard up --detach"):
         StackEndpoints.from_state_dir(tmp_path)
     write_profile(Profile(endpoint="127.0.0.1:7100", token="t0ken"), tmp_path / "profile.json")
@@ -174,11 +174,16 @@ def test_the_stack_is_read_from_orchard_up_and_needs_the_trainer(tmp_path: Path)
         {"name": "orchard-reward", "address": "127.0.0.1:7200"},
     ]
     (tmp_path / "up.json").write_text(json.dumps({"pid": 1, "components": components}))
-    with pytest.raises(FileNotFoundError, match="without orchard-trainer"):
+    with pytest.raises(FileNotFoundError, match="without orchard-rollout, orchard-trainer"):
         StackEndpoints.from_state_dir(tmp_path)
     components.append({"name": "orchard-trainer", "address": "127.0.0.1:7400"})
     (tmp_path / "up.json").write_text(json.dumps({"pid": 1, "components": components}))
+    with pytest.raises(FileNotFoundError, match="without orchard-rollout;"):
+        StackEndpoints.from_state_dir(tmp_path)
+    components.append({"name": "orchard-rollout", "address": "127.0.0.1:7300"})
+    (tmp_path / "up.json").write_text(json.dumps({"pid": 1, "components": components}))
     stack = StackEndpoints.from_state_dir(tmp_path)
-    assert (stack.env, stack.env_token, stack.reward, stack.trainer, stack.etcd) == (
-        "127.0.0.1:7100", "t0ken", "127.0.0.1:7200", "127.0.0.1:7400", "http://127.0.0.1:2379",
+    assert (stack.env, stack.env_token, stack.reward, stack.rollout, stack.trainer, stack.etcd) == (
+        "127.0.0.1:7100", "t0ken", "127.0.0.1:7200", "127.0.0.1:7300", "127.0.0.1:7400",
+        "http://127.0.0.1:2379",
     )  # fmt: skip

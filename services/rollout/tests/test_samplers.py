@@ -155,7 +155,7 @@ def test_bad_sampler_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="stride"):
         BalancedAdaptiveSampler(stride=0)
     with pytest.raises(ValueError, match="group_size"):
-        FixedNSampler(group_size=1)
+        FixedNSampler(group_size=0)
     with pytest.raises(ValueError, match="no reward"):
         RolloutResult(KEY, 0, A, 1.0, 0)
     with pytest.raises(ValueError, match="no reward"):

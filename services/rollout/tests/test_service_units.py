@@ -35,6 +35,8 @@ def spec(**changes: Any) -> api.RolloutJobSpec:
         if name in ("tasks", "harnesses"):
             del getattr(base, name)[:]
             getattr(base, name).extend(value)
+        elif name in ("policy_spec", "sampler"):
+            getattr(base, name).CopyFrom(value)
         else:
             setattr(base, name, value)
     return base
@@ -103,6 +105,107 @@ def test_a_tests_task_is_accepted_with_a_reward_service() -> None:
     check = valid.tasks["t"].check
     assert check.task.base_commit == "abc" and list(check.task.fail_to_pass) == ["t::a"]
     assert check.repo_path == "/testbed"
+
+
+def weights(model: str = "run-student", version: str = "v1", **fields: Any) -> api.PolicySpec:
+    return api.PolicySpec(weights=api.RegistryWeights(model=model, version=version), **fields)
+
+
+def test_one_rollout_per_task_is_an_evaluation_never_a_training_group() -> None:
+    single = api.SamplerConfig(kind=api.SAMPLER_KIND_FIXED_N, group_size=1)
+    with pytest.raises(OrchardError, match="carries no signal"):
+        validate(spec(sampler=single))
+    single.keep_uninformative_groups = True
+    valid = validate(spec(sampler=single))
+    assert valid.group_filter is None and valid.sampler.group_size == 1
+
+
+def test_a_job_brings_its_own_weight_version() -> None:
+    valid = validate(spec(policy_spec=weights(temperature=0.0, max_tokens_per_call=64)))
+    key = valid.job_policy
+    assert valid.policy == "" and key is not None
+    assert (key.model, key.version, key.temperature, key.max_tokens_per_call) == (
+        "run-student",
+        "v1",
+        0.0,
+        64,
+    )
+    # Unset temperature and output budget: sampling at 1 with the service's call budget.
+    key = validate(spec(policy_spec=weights(version=""))).job_policy
+    assert key is not None and (key.version, key.temperature, key.max_tokens_per_call) == (
+        "",
+        1.0,
+        1024,
+    )
+
+
+@pytest.mark.parametrize(
+    ("s", "config", "reason", "words"),
+    [
+        (spec(policy="local", policy_spec=weights()), {}, Reason.INVALID_ARGUMENT, "one of them"),
+        (spec(policy_spec=api.PolicySpec()), {}, Reason.INVALID_ARGUMENT, "needs weights"),
+        (spec(policy_spec=weights(model="a/b")), {}, Reason.INVALID_ARGUMENT, "model name"),
+        (
+            spec(policy_spec=weights(temperature=2.5)),
+            {},
+            Reason.INVALID_ARGUMENT,
+            "must lie in [0, 2]",
+        ),
+        (
+            spec(policy_spec=weights()),
+            {"job_policies": {"allow": False}},
+            Reason.FAILED_PRECONDITION,
+            "job_policies.allow is false",
+        ),
+    ],
+)
+def test_bad_job_policies_say_what_to_fix(
+    s: api.RolloutJobSpec, config: dict[str, Any], reason: Reason, words: str
+) -> None:
+    with pytest.raises(OrchardError) as info:
+        validate(s, **config)
+    assert info.value.reason is reason
+    assert words in info.value.message
+
+
+def test_a_task_goes_to_a_job_and_back_unchanged() -> None:
+    from orchard.rollout.harnesses.tools import CommandTool
+    from orchard.rollout.tasks import TaskSpec
+
+    tool = CommandTool.from_declaration(
+        {
+            "name": "lookup",
+            "description": "look a word up",
+            "parameters": {"type": "object", "properties": {}},
+            "command": ["/bin/cat"],
+            "timeout_s": 5,
+        }
+    )
+    tests = TaskSpec.from_settings("t", "fix it", json.loads(TESTS) | {"workdir": "/testbed"})
+    tasks = [
+        tests,
+        TaskSpec.from_settings(
+            "c", "check it", {"check": {"command": "true", "timeout_s": 9}, "setup": ["mkdir /w"]}
+        ),
+        TaskSpec.from_settings("s", "score it", {"score_task": "calc-1", "memory": "256M"}),
+        TaskSpec("g", "use the tool", tests.check, image="img:1", tools=(tool,)),
+    ]
+    for task in tasks:
+        assert TaskSpec.from_proto(task.to_proto()) == task
+    with pytest.raises(ValueError, match="absolute"):
+        TaskSpec.from_settings("t", "i", json.loads(CHECK) | {"workdir": "testbed"})
+
+
+def test_a_task_workdir_is_where_the_shell_runs_unless_the_harness_has_its_own() -> None:
+    from orchard.rollout.harnesses.bash_react import shell_harness
+    from orchard.rollout.harnesses.tools import BashTool
+
+    harness = builtin_harnesses(60)["builtin:swe"]
+    moved = harness.in_directory("/testbed")
+    assert [t.cwd for t in moved.tools if isinstance(t, BashTool)] == ["/testbed"]
+    assert harness.in_directory("") is harness
+    own = shell_harness(cwd="/repo").in_directory("/testbed")
+    assert [t.cwd for t in own.tools if isinstance(t, BashTool)] == ["/repo"]
 
 
 @pytest.fixture
@@ -202,3 +305,46 @@ def test_a_group_carries_the_captured_tokens_rewards_and_advantages() -> None:
     assert aborted.advantage == 0.0 and not aborted.turns
     assert aborted.outcome == trajectory_pb2.TRAJECTORY_OUTCOME_ABORTED
     assert {t.group_id for t in group.trajectories} == {group.id}
+
+
+async def test_job_policies_share_an_engine_and_wait_for_a_free_one() -> None:
+    """The pool of job policies' engines: jobs of one key share one, the last user closes it,
+    and a key beyond `max_engines` waits until one closes. The engines are stand-ins that
+    record their closing; the real ones run in integration/tests/test_rollout_service.py."""
+    import asyncio
+
+    from orchard.rollout.harnesses.tool_loop import ModelEndpoint
+    from orchard.rollout.service import JobPolicyKey, RolloutManager, _Policy
+
+    closed: list[str] = []
+
+    class Recorded(_Policy):
+        async def close(self) -> None:
+            closed.append(self.endpoint.model)
+
+    class Manager(RolloutManager):
+        async def _start_job_policy(self, key: JobPolicyKey) -> _Policy:
+            started.append(key.version)
+            return Recorded(ModelEndpoint("http://127.0.0.1:1/v1", key.version))
+
+    started: list[str] = []
+    config = RolloutConfig(job_policies={"max_engines": 1})
+    manager = Manager(config=config, jobs=None, sandboxes=None)  # type: ignore[arg-type]
+    one, two = (JobPolicyKey("m", v, 1.0, 64) for v in ("v1", "v2"))
+    first = await manager._acquire_job_policy(one)
+    again = await manager._acquire_job_policy(one)
+    assert first is again and started == ["v1"]
+    waiting = asyncio.create_task(manager._acquire_job_policy(two))
+    await asyncio.sleep(0.05)
+    assert not waiting.done(), "a second engine started beyond max_engines"
+    await manager._release_job_policy(one)
+    await asyncio.sleep(0.05)
+    assert not waiting.done() and closed == [], "released while a job still used it"
+    await manager._release_job_policy(one)
+    second = await asyncio.wait_for(waiting, 5)
+    assert closed == ["v1"] and started == ["v1", "v2"]
+    assert second.endpoint.model == "v2"
+    await manager._release_job_policy(two)
+    assert closed == ["v1", "v2"]
+    engines = manager.metrics.registry.get_sample_value("orchard_rollout_job_policy_engines")
+    assert engines == 0

@@ -7,13 +7,15 @@
   some) filtered for SFT.
 - **sft**: an SFT job in orchard-trainer (DeepSpeed engine) on the curated trajectories, stepped
   to its end and published to the weight registry under the run's model.
-- **rl**: an RL job in orchard-trainer, starting from the SFT model; each step, the sampler draws
-  groups from the RL tasks, the student sampling through the local engine behind the capture
-  proxy (exact tokens and logprobs); the groups go to the job, which takes one optimizer step
-  and publishes a new weight version the engine loads before the next step. With
+- **rl**: an RL job in orchard-trainer, starting from the SFT model; each step is a rollout job
+  in orchard-rollout of the current weight version on part of the RL tasks, its sampler
+  assembling groups (the student sampling on the service's local engine behind its capture
+  proxy: exact tokens and logprobs); the first groups with signal go to the training job,
+  which takes one optimizer step and publishes the version the next step samples. With
   ``select: validation`` the stage then runs the SFT model and every RL version greedily on the
-  RL tasks and hands on the best.
-- **evaluate**: every model (base, sft, rl) attempts every held-out task; resolved counts.
+  RL tasks (rollout jobs too) and hands on the best.
+- **evaluate**: every model (base, sft, rl) attempts every held-out task in a rollout job of
+  its weight version; resolved counts.
 
 Each stage function takes a `StageContext` and returns the summary `done.json` keeps.
 """
@@ -22,24 +24,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import random
 import time
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from google.protobuf import json_format
 from tqdm import tqdm
 
 from orchard.lm.chat import ChatRenderer
 from orchard.recipes.recipe_tasks import WORKDIR, RecipeTask, task_spec
+from orchard.recipes.rollout_client import RolloutJobs
 from orchard.recipes.swe_suite import teacher_script
 from orchard.recipes.trainer_client import TrainerJobs, step_entry
-from orchard.recipes.trajectories import student_trajectories, teacher_trajectory
+from orchard.recipes.trajectories import teacher_trajectory
 from orchard.recipes.workspace import RunDir, StackEndpoints, write_json
 from orchard.rollout.budgets import RolloutBudget
 from orchard.rollout.harnesses.bash_react import bash_react_harness, shell_harness
@@ -48,10 +54,11 @@ from orchard.rollout.provenance import RolloutRecord, write_records
 from orchard.rollout.results import GroupKey, RolloutResult, RolloutStatus
 from orchard.rollout.runner import RolloutRunner
 from orchard.rollout.scoring import RewardServiceScorer
+from orchard.rollout.v1 import rollout_service_pb2 as rollout_api
 from orchard.sdk import AsyncSandboxClient
 from orchard.sdk.recipe import Budget, Recipe
 from orchard.trainer.v1 import trainer_service_pb2 as trainer_api
-from orchard.types.v1 import trajectory_pb2
+from orchard.types.v1 import reward_pb2, trajectory_pb2
 
 __all__ = [
     "StageContext",
@@ -66,8 +73,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-STUDENT_MODEL = "student"
-"""The model name harnesses send to the capture proxy (it serves one model)."""
 REGISTRY_NAMESPACE = "orchard/"
 """Where in etcd the weight registry lives (the rollout and trainer services use the same)."""
 MAX_TOKENS_PER_CALL = 192
@@ -540,97 +545,151 @@ def run_sft(ctx: StageContext) -> dict[str, Any]:
     return asyncio.run(go())
 
 
+# -- student rollouts in orchard-rollout ----------------------------------------------------------
+
+
+def _rollout_tasks(tasks: Sequence[RecipeTask]) -> list[rollout_api.RolloutTask]:
+    """The tasks as a rollout job takes them: the harness's shell runs in the repository."""
+    return [dataclasses.replace(task_spec(t), workdir=WORKDIR).to_proto() for t in tasks]
+
+
+def _budget_proto(budget: Budget) -> rollout_api.RolloutBudget:
+    proto = rollout_api.RolloutBudget(max_steps=budget.max_steps, max_tokens=budget.max_tokens)
+    proto.max_duration.FromNanoseconds(int(budget.wall_clock_s * 1e9))
+    return proto
+
+
+def _student_policy(ctx: StageContext, version: str, temperature: float) -> rollout_api.PolicySpec:
+    """The run's student at ``version`` of its registry model, on orchard-rollout's engine."""
+    return rollout_api.PolicySpec(
+        weights=rollout_api.RegistryWeights(model=ctx.registry_model, version=version),
+        temperature=temperature,
+        max_tokens_per_call=MAX_TOKENS_PER_CALL,
+    )
+
+
+def _rollout_bar(ctx: StageContext, total: int, desc: str) -> tuple[tqdm[Any], Any]:
+    """A progress bar and the callback that moves it from a job's counters."""
+    bar = _bar(ctx, total, desc)
+
+    def progress(job: rollout_api.RolloutJob) -> None:
+        bar.n = min(total, int(job.rollouts_done)) if total else int(job.rollouts_done)
+        bar.set_postfix(groups=job.groups_emitted, excluded=job.rollouts_excluded, refresh=True)
+
+    return bar, progress
+
+
+def _main_line(group: trajectory_pb2.TrajectoryGroup) -> list[trajectory_pb2.Trajectory]:
+    """One trajectory per rollout: the main line (branches of a rewritten history left out)."""
+    return [t for t in group.trajectories if "branch" not in t.metadata]
+
+
+def _scored(trajectory: trajectory_pb2.Trajectory) -> bool:
+    return trajectory.reward.status == reward_pb2.REWARD_STATUS_SCORED
+
+
+def _resolved(trajectory: trajectory_pb2.Trajectory) -> bool:
+    return _scored(trajectory) and trajectory.reward.value >= 0.5
+
+
+def group_counts(groups: Sequence[trajectory_pb2.TrajectoryGroup]) -> dict[str, Any]:
+    """Rollouts of the groups, resolved, unresolved and excluded (by the layer that failed)."""
+    rollouts = [t for g in groups for t in _main_line(g)]
+    excluded: Counter[str] = Counter(
+        t.metadata.get("failure_layer", "scoring") for t in rollouts if not _scored(t)
+    )
+    resolved = sum(_resolved(t) for t in rollouts)
+    return {
+        "rollouts": len(rollouts),
+        "resolved": resolved,
+        "unresolved": len(rollouts) - resolved - sum(excluded.values()),
+        "excluded": dict(excluded),
+    }
+
+
+def has_signal(group: trajectory_pb2.TrajectoryGroup) -> bool:
+    """Whether a group can move the policy: two or more scored rollouts, not all rewarded the
+    same (the rollout service's group filter, applied here to groups it streams unfiltered)."""
+    rewards = [t.reward.value for t in _main_line(group) if _scored(t)]
+    return len(rewards) >= 2 and len(set(rewards)) > 1
+
+
+def _write_groups(path: Path, groups: Sequence[trajectory_pb2.TrajectoryGroup]) -> None:
+    with path.open("a", encoding="utf-8") as out:
+        for group in groups:
+            out.write(json_format.MessageToJson(group, indent=None) + "\n")
+
+
+def read_groups(path: Path) -> list[trajectory_pb2.TrajectoryGroup]:
+    """The groups a stage wrote (``groups.jsonl``, one JSON object per line)."""
+    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+    return [json_format.Parse(line, trajectory_pb2.TrajectoryGroup()) for line in lines if line]
+
+
 # -- evaluate ------------------------------------------------------------------------------------
 
 
-@contextlib.asynccontextmanager
-async def student_endpoint(
-    folder: Path, version: str, temperature: float
-) -> AsyncIterator[tuple[ModelEndpoint, Any]]:
-    """The model in ``folder`` on the local engine behind a capture proxy: the endpoint the
-    harness talks to, and the capture source the runner collects calls from."""
-    from orchard.rollout.engines.local import LocalEngine, LocalEngineConfig  # noqa: PLC0415
-    from orchard.rollout.proxy.server import CaptureProxy, CaptureProxyConfig  # noqa: PLC0415
-    from orchard.rollout.runner import ProxyCapture  # noqa: PLC0415
-
-    config = LocalEngineConfig(
-        model_folder=str(folder), weight_version=version, follow_registry=False
-    )
-    async with (
-        LocalEngine(config) as engine,
-        CaptureProxy(engine, CaptureProxyConfig(default_max_tokens=MAX_TOKENS_PER_CALL)) as proxy,
-    ):
-        endpoint = ModelEndpoint(
-            proxy.url + "/v1",
-            STUDENT_MODEL,
-            temperature=temperature,
-            max_tokens_per_call=MAX_TOKENS_PER_CALL,
-        )
-        yield endpoint, ProxyCapture(proxy)
-
-
-def models_to_evaluate(ctx: StageContext) -> list[tuple[str, Path, str]]:
-    """(name, folder, weight version) of each model the run has produced, base first."""
-    out = [("base", base_model_folder(ctx), "base")]
+def models_to_evaluate(ctx: StageContext) -> list[tuple[str, str]]:
+    """(name, weight version) of each model the run has produced, base first."""
+    out = [("base", "base")]
     for name in ("sft", "rl"):
         done = ctx.run.done(name)
         if done and done.get("weights"):
-            weights = done["weights"]
-            if any(version == weights["version"] for _, _, version in out):
+            version = str(done["weights"]["version"])
+            if any(version == known for _, known in out):
                 continue  # the same weights (an RL stage that made no update): no new numbers
-            out.append((name, Path(weights["location"]), str(weights["version"])))
+            out.append((name, version))
     return out
 
 
 async def _evaluate_model(
     ctx: StageContext,
     name: str,
-    folder: Path,
     version: str,
     out: Path,
     *,
     split: str = "evaluate",
     attempts: int | None = None,
 ) -> dict[str, Any]:
-    """Run the model in ``folder`` on the tasks of ``split`` with the evaluation's settings;
-    rollouts go to ``out/<name>.rollouts.jsonl``."""
+    """A rollout job of ``version`` on the tasks of ``split`` with the evaluation's settings;
+    its groups go to ``out/<name>.groups.jsonl``."""
     stage = ctx.recipe.stages.evaluate
     tasks = ctx.tasks[split]
-    harnesses = harnesses_for(ctx.recipe)
-    keys = _attempts(tasks, harnesses, attempts or stage.attempts_per_task)
-    async with (
-        student_endpoint(folder, version, stage.temperature) as (endpoint, capture),
-        AsyncSandboxClient(ctx.stack.env, token=ctx.stack.env_token) as sandboxes,
-        RewardServiceScorer(ctx.stack.reward) as scorer,
-    ):
-        runner = RolloutRunner(
-            sandboxes=sandboxes,
-            endpoint=endpoint,
-            harnesses=harnesses,
-            tasks={t.id: task_spec(t) for t in tasks},
-            budget=_budget(ctx.recipe.stages.rl.budget),
-            capture=capture,
-            scorer=scorer,
-            seed=ctx.seed,
-            labels={"orchard-run": ctx.recipe.name, "orchard-stage": f"evaluate-{name}"},
-        )
-        desc = f"evaluate {name}" if split == "evaluate" else f"validate {name} on {split}"
-        with _bar(ctx, len(keys), desc) as bar:
-            await _run_all(runner, keys, workers=ctx.workers, bar=bar)
-    records = sorted(runner.records, key=lambda r: (r.task_id, r.started_at))
-    write_records(records, str(out / f"{name}.rollouts.jsonl"))
-    counts = _status_counts(records)
-    by_family: dict[str, list[int]] = {}
+    n = attempts or stage.attempts_per_task
+    spec = rollout_api.RolloutJobSpec(
+        tasks=_rollout_tasks(tasks),
+        harnesses=list(ctx.recipe.harnesses),
+        policy_spec=_student_policy(ctx, version, stage.temperature),
+        sampler=rollout_api.SamplerConfig(
+            kind=rollout_api.SAMPLER_KIND_FIXED_N, group_size=n, keep_uninformative_groups=True
+        ),
+        budget=_budget_proto(ctx.recipe.stages.rl.budget),
+        concurrency=ctx.workers,
+    )
+    desc = f"evaluate {name}" if split == "evaluate" else f"validate {name} on {split}"
+    total = len(tasks) * len(ctx.recipe.harnesses) * n
+    bar, progress = _rollout_bar(ctx, total, desc)
+    with bar:
+        async with RolloutJobs(ctx.stack.rollout) as rollouts:
+            job, groups = await rollouts.run(
+                spec, f"{ctx.recipe.name}-{desc}-{uuid.uuid4().hex}", progress=progress
+            )
+    path = out / f"{name}.groups.jsonl"
+    path.unlink(missing_ok=True)
+    _write_groups(path, groups)
+    counts = group_counts(groups)
     family = {t.id: t.family or "all" for t in tasks}
-    for r in records:
-        if r.status is RolloutStatus.ABORTED:
-            continue
-        entry = by_family.setdefault(family.get(r.task_id, "all"), [0, 0])
-        entry[0] += int(bool(r.reward and r.reward.value >= 0.5))
-        entry[1] += 1
+    by_family: dict[str, list[int]] = {}
+    for group in groups:
+        for trajectory in _main_line(group):
+            if _scored(trajectory):
+                entry = by_family.setdefault(family.get(group.task_id, "all"), [0, 0])
+                entry[0] += int(_resolved(trajectory))
+                entry[1] += 1
     return {
         "model": name,
         "weight_version": version,
+        "rollout_job": job.id,
         "resolved": counts["resolved"],
         "attempts": counts["resolved"] + counts["unresolved"],
         "excluded": counts["excluded"],
@@ -642,13 +701,14 @@ async def _evaluate_model(
 
 def run_evaluate(ctx: StageContext) -> dict[str, Any]:
     out = ctx.run.stage("evaluate")
+    _publish_base(ctx, base_model_folder(ctx))
     results = {}
-    for name, folder, version in models_to_evaluate(ctx):
+    for name, version in models_to_evaluate(ctx):
         cached = out / f"{name}.json"
         if cached.exists():
             results[name] = json.loads(cached.read_text(encoding="utf-8"))
             continue
-        results[name] = asyncio.run(_evaluate_model(ctx, name, folder, version, out))
+        results[name] = asyncio.run(_evaluate_model(ctx, name, version, out))
         write_json(cached, results[name])
     return {"models": results}
 
@@ -656,157 +716,137 @@ def run_evaluate(ctx: StageContext) -> dict[str, Any]:
 # -- rl ------------------------------------------------------------------------------------------
 
 
-def _sampler(ctx: StageContext) -> Any:
-    from orchard.rollout.samplers import BalancedAdaptiveSampler, FixedNSampler  # noqa: PLC0415
-
+def _sampler(ctx: StageContext) -> rollout_api.SamplerConfig:
     spec = ctx.recipe.stages.rl.sampler
     if spec.kind == "fixed":
-        return FixedNSampler(group_size=spec.n)
-    return BalancedAdaptiveSampler(
+        return rollout_api.SamplerConfig(
+            kind=rollout_api.SAMPLER_KIND_FIXED_N,
+            group_size=spec.n,
+            keep_uninformative_groups=True,
+        )
+    return rollout_api.SamplerConfig(
+        kind=rollout_api.SAMPLER_KIND_BAR,
         group_size=spec.n,
         max_rollouts=spec.n_max,
         stride=spec.stride,
         rho_min=spec.rho_min,
         rho_max=spec.rho_max,
+        keep_uninformative_groups=True,
     )
 
 
 async def _rl(
-    ctx: StageContext, trainer: TrainerJobs, job_id: str, tokenizer: Any, out: Path
+    ctx: StageContext, trainer: TrainerJobs, job_id: str, start: str, out: Path
 ) -> dict[str, Any]:
-    from orchard.rollout.batches import GroupFilter, fill_batch  # noqa: PLC0415
-    from orchard.rollout.engines.local import LocalEngine, LocalEngineConfig  # noqa: PLC0415
-    from orchard.rollout.proxy.server import CaptureProxy, CaptureProxyConfig  # noqa: PLC0415
-    from orchard.rollout.runner import ProxyCapture  # noqa: PLC0415
-
+    """Each step: a rollout job of the current version on part of the RL tasks, stopped once
+    it has emitted the step's groups with signal; those go to the training job, which takes
+    one optimizer step and publishes the version the next step samples."""
     stage = ctx.recipe.stages.rl
-    tasks = ctx.tasks["rl"]
-    harnesses = harnesses_for(ctx.recipe)
-    pairs = [GroupKey(t.id, h) for t in tasks for h in harnesses]
-    sampler = _sampler(ctx)
-    renderer = ChatRenderer(tokenizer)
+    tasks = {t.id: t for t in ctx.tasks["rl"]}
+    order_of = [t.id for t in ctx.tasks["rl"]]
+    pairs_per_task = len(ctx.recipe.harnesses)
     steps_log = out / "steps.jsonl"
     steps_log.unlink(missing_ok=True)
+    groups_log = out / "groups.jsonl"
+    groups_log.unlink(missing_ok=True)
     summary: dict[str, Any] = {"steps": [], "groups": [], "weights": None}
-    async with _registry(ctx) as registry:
-        engine_config = LocalEngineConfig(registry_model=ctx.registry_model, follow_registry=True)
-        async with (
-            LocalEngine(engine_config, registry=registry) as engine,
-            CaptureProxy(
-                engine, CaptureProxyConfig(default_max_tokens=MAX_TOKENS_PER_CALL)
-            ) as proxy,
-            AsyncSandboxClient(ctx.stack.env, token=ctx.stack.env_token) as sandboxes,
-            RewardServiceScorer(ctx.stack.reward) as scorer,
-        ):
-            runner = RolloutRunner(
-                sandboxes=sandboxes,
-                endpoint=ModelEndpoint(
-                    proxy.url + "/v1",
-                    STUDENT_MODEL,
-                    temperature=1.0,
-                    max_tokens_per_call=MAX_TOKENS_PER_CALL,
-                ),
-                harnesses=harnesses,
-                tasks={t.id: task_spec(t) for t in tasks},
-                budget=_budget(stage.budget),
-                capture=ProxyCapture(proxy),
-                scorer=scorer,
-                seed=ctx.seed,
-                labels={"orchard-run": ctx.recipe.name, "orchard-stage": "rl"},
-            )
-            rotation = random.Random(ctx.seed)
-            bar = tqdm(total=stage.steps, desc="rl", unit="step", disable=not ctx.progress)
-            with bar:
-                for step in range(stage.steps):
-                    order = list(pairs)
-                    rotation.shuffle(order)
-                    # A step samples at most twice the pairs it needs: a step whose pairs all
-                    # come out without signal costs a bounded number of rollouts.
-                    order = order[: 2 * stage.groups_per_step]
-                    started = time.monotonic()
-                    counted = _Counted(runner, bar)
-                    batch = await fill_batch(
-                        order,
-                        sampler,
-                        counted,
-                        batch_size=stage.groups_per_step,
-                        group_filter=GroupFilter(),
-                        parallel_pairs=max(1, min(len(order), ctx.workers // 2 or 1)),
-                    )
-                    groups = []
-                    for group in batch.kept:
-                        members = [
-                            trajectory
-                            for member in group.members
-                            for trajectory in student_trajectories(member.payload, renderer)
-                        ]
-                        groups.append(
-                            trajectory_pb2.TrajectoryGroup(
-                                id=f"rl-{step}-{group.key.task_id}", trajectories=members
-                            )
-                        )
-                    submitted = (
-                        await trainer.submit(job_id, groups)
-                        if groups
-                        else trainer_api.SubmitGroupsResponse()
-                    )
-                    every = [*batch.kept, *batch.surplus, *(d.group for d in batch.dropped)]
-                    entry: dict[str, Any] = {
-                        "step": step + 1,
-                        "groups_kept": len(batch.kept),
-                        "groups_dropped": len(batch.dropped),
-                        "rollouts": batch.rollouts_run,
-                        "samples": submitted.trajectories_trainable,
-                        "reward_mean": _mean(
-                            [r.reward for g in every for r in g.rollouts if r.reward is not None]
-                        ),
-                        "skipped": submitted.trajectories_skipped,
-                        "seconds_sampling": round(time.monotonic() - started, 2),
+    every_group: list[trajectory_pb2.TrajectoryGroup] = []
+    current = start
+    rotation = random.Random(ctx.seed)
+    async with _registry(ctx) as registry, RolloutJobs(ctx.stack.rollout) as rollouts:
+        bar = tqdm(total=stage.steps, desc="rl", unit="step", disable=not ctx.progress)
+        with bar:
+            for step in range(stage.steps):
+                order = list(order_of)
+                rotation.shuffle(order)
+                # A step samples at most twice the tasks it needs: a step whose groups all
+                # come out without signal costs a bounded number of rollouts.
+                chosen = order[: max(1, (2 * stage.groups_per_step) // pairs_per_task)]
+                spec = rollout_api.RolloutJobSpec(
+                    tasks=_rollout_tasks([tasks[i] for i in chosen]),
+                    harnesses=list(ctx.recipe.harnesses),
+                    policy_spec=_student_policy(ctx, current, 1.0),
+                    sampler=_sampler(ctx),
+                    budget=_budget_proto(stage.budget),
+                    concurrency=ctx.workers,
+                )
+                started = time.monotonic()
+
+                def progress(job: rollout_api.RolloutJob) -> None:
+                    bar.set_postfix(rollouts=job.rollouts_done, groups=job.groups_emitted)
+
+                def enough(groups: list[trajectory_pb2.TrajectoryGroup]) -> bool:
+                    return sum(map(has_signal, groups)) >= stage.groups_per_step
+
+                job, groups = await rollouts.run(
+                    spec,
+                    f"{ctx.recipe.name}-rl-{step}-{uuid.uuid4().hex}",
+                    progress=progress,
+                    enough=enough,
+                )
+                kept = [g for g in groups if has_signal(g)][: stage.groups_per_step]
+                every_group += groups
+                _write_groups(groups_log, groups)
+                submitted = (
+                    await trainer.submit(job_id, kept)
+                    if kept
+                    else trainer_api.SubmitGroupsResponse()
+                )
+                entry: dict[str, Any] = {
+                    "step": step + 1,
+                    "rollout_job": job.id,
+                    "sampled": current,
+                    "groups_kept": len(kept),
+                    "groups_dropped": sum(not has_signal(g) for g in groups),
+                    "rollouts": int(job.rollouts_done),
+                    "samples": submitted.trajectories_trainable,
+                    "reward_mean": _mean(
+                        [t.reward.value for g in groups for t in _main_line(g) if _scored(t)]
+                    ),
+                    "skipped": submitted.trajectories_skipped,
+                    "seconds_sampling": round(time.monotonic() - started, 2),
+                }
+                summary["groups"] += [
+                    {
+                        "task": g.task_id,
+                        "choice": g.sampler.partition(":")[2] or g.sampler,
+                        "members": len(_main_line(g)),
+                        "rollouts": g.rollouts_run,
+                        "positive_fraction": g.positive_fraction,
+                        "kept": g in kept,
                     }
-                    summary["groups"] += [
-                        {
-                            "task": g.key.task_id,
-                            "choice": g.choice.value,
-                            "members": len(g.members),
-                            "rollouts": len(g.rollouts),
-                            "positive_fraction": g.positive_fraction,
-                            "kept": g in batch.kept,
-                        }
-                        for g in every
-                    ]
-                    if submitted.trajectories_trainable:
-                        response = await trainer.step(job_id, 1, publish=True)
-                        metrics = step_entry(response.steps[-1])
-                        entry.update(loss=metrics.pop("loss"), metrics=metrics)
-                        published = await registry.get(response.weight_version)
-                        if published is None:
-                            raise RuntimeError(
-                                f"orchard-trainer reported version {response.weight_version!r}, "
-                                "not in the registry"
-                            )
-                        await engine.wait_for_weights(published.version)
-                        summary["weights"] = {
-                            "version": published.version,
-                            "number": published.number,
-                            "location": published.location,
-                        }
-                        entry["published"] = published.version
-                        entry["weights"] = summary["weights"]
-                    else:
-                        entry["published"] = None
-                        entry["note"] = "no group carried signal: no update this step"
-                    summary["steps"].append(entry)
-                    with steps_log.open("a", encoding="utf-8") as handle:
-                        handle.write(json.dumps(entry, sort_keys=True) + "\n")
-                    bar.update(1)
-                    reward = entry["reward_mean"]
-                    bar.set_postfix(
-                        reward="-" if reward is None else f"{reward:.2f}",
-                        groups=entry["groups_kept"],
-                    )
-    records = list(runner.records)
-    write_records(records, str(out / "rollouts.jsonl"))
-    summary.update(_status_counts(records))
+                    for g in groups
+                ]
+                if submitted.trajectories_trainable:
+                    response = await trainer.step(job_id, 1, publish=True)
+                    metrics = step_entry(response.steps[-1])
+                    entry.update(loss=metrics.pop("loss"), metrics=metrics)
+                    published = await registry.get(response.weight_version)
+                    if published is None:
+                        raise RuntimeError(
+                            f"orchard-trainer reported version {response.weight_version!r}, "
+                            "not in the registry"
+                        )
+                    current = published.version
+                    summary["weights"] = {
+                        "version": published.version,
+                        "number": published.number,
+                        "location": published.location,
+                    }
+                    entry["published"] = published.version
+                    entry["weights"] = summary["weights"]
+                else:
+                    entry["published"] = None
+                    entry["note"] = "no group carried signal: no update this step"
+                summary["steps"].append(entry)
+                with steps_log.open("a", encoding="utf-8") as handle:
+                    handle.write(json.dumps(entry, sort_keys=True) + "\n")
+                bar.update(1)
+                reward = entry["reward_mean"]
+                bar.set_postfix(
+                    reward="-" if reward is None else f"{reward:.2f}", groups=entry["groups_kept"]
+                )
+    summary.update(group_counts(every_group))
     if summary["weights"] is None:
         # No update happened: the RL model is the SFT model, said so in the report.
         summary["weights"] = (ctx.run.done("sft") or {}).get("weights")
@@ -814,31 +854,15 @@ async def _rl(
     return summary
 
 
-@dataclass
-class _Counted:
-    """The runner, counting rollouts on the stage's progress bar."""
-
-    runner: RolloutRunner
-    bar: tqdm[Any]
-    done: int = 0
-
-    async def __call__(self, key: GroupKey, index: int) -> RolloutResult:
-        result = await self.runner(key, index)
-        self.done += 1
-        self.bar.set_postfix(rollouts=self.done, refresh=True)
-        return result
-
-
 def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
 def run_rl(ctx: StageContext) -> dict[str, Any]:
-    from transformers import AutoTokenizer  # noqa: PLC0415
-
     stage = ctx.recipe.stages.rl
     sft = ctx.run.done("sft")
     start = Path(sft["weights"]["location"]) if sft else base_model_folder(ctx)
+    start_version = str(sft["weights"]["version"]) if sft else "base"
     if sft is None:
         _publish_base(ctx, start)
     out = ctx.run.stage("rl")
@@ -855,13 +879,12 @@ def run_rl(ctx: StageContext) -> dict[str, Any]:
         skip_stale=True,
         weight_model=ctx.registry_model,
     )
-    tokenizer = AutoTokenizer.from_pretrained(str(start), local_files_only=True)
 
     async def go() -> dict[str, Any]:
         async with TrainerJobs(ctx.stack.trainer) as trainer:
             job = await trainer.create(spec, request_id=f"{ctx.recipe.name}-rl-{time.time_ns()}")
             try:
-                summary = await _rl(ctx, trainer, job.id, tokenizer, out)
+                summary = await _rl(ctx, trainer, job.id, start_version, out)
             finally:
                 # Steps without signal leave steps unused: the job ends here, either way.
                 await trainer.cancel(job.id)
@@ -891,10 +914,8 @@ def _validate(ctx: StageContext, candidates: Sequence[dict[str, Any]], out: Path
     out.mkdir(parents=True, exist_ok=True)
     scores: dict[str, dict[str, Any]] = {}
     for weights in candidates:
-        version, folder = str(weights["version"]), Path(weights["location"])
-        result = asyncio.run(
-            _evaluate_model(ctx, version, folder, version, out, split="rl", attempts=1)
-        )
+        version = str(weights["version"])
+        result = asyncio.run(_evaluate_model(ctx, version, version, out, split="rl", attempts=1))
         write_json(out / f"{version}.json", result)
         scores[version] = {"resolved": result["resolved"], "attempts": result["attempts"]}
     chosen = candidates[pick_validated([s["resolved"] for s in scores.values()])]

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any
 
 import grpc
 
+from orchard.recipes.connection import ServiceConnection, ServiceError
 from orchard.trainer.v1 import trainer_service_pb2 as api
 from orchard.trainer.v1 import trainer_service_pb2_grpc as rpc
 from orchard.types.v1 import trajectory_pb2
@@ -23,7 +24,7 @@ __all__ = ["TrainerError", "TrainerJobs", "step_entry"]
 _RUNNING = api.TRAINING_JOB_STATE_RUNNING
 
 
-class TrainerError(RuntimeError):
+class TrainerError(ServiceError):
     """orchard-trainer refused or failed a call; the message is the service's, with the call."""
 
 
@@ -40,29 +41,14 @@ def step_entry(metrics: api.StepMetrics) -> dict[str, Any]:
 
 
 @dataclass
-class TrainerJobs:
+class TrainerJobs(ServiceConnection):
     """A connection to orchard-trainer at ``address`` (HOST:PORT)."""
 
-    address: str
-    _channel: grpc.aio.Channel | None = None
-    _stub: Any = None
+    service = "orchard-trainer"
+    error = TrainerError
 
-    async def __aenter__(self) -> Self:
-        self._channel = grpc.aio.insecure_channel(self.address)
-        self._stub = rpc.TrainerServiceStub(self._channel)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-
-    async def _call(self, what: str, call: Any) -> Any:
-        try:
-            return await call
-        except grpc.aio.AioRpcError as exc:
-            raise TrainerError(
-                f"orchard-trainer at {self.address}: {what}: {exc.code().name}: {exc.details()}"
-            ) from None
+    def stub(self, channel: grpc.aio.Channel) -> Any:
+        return rpc.TrainerServiceStub(channel)
 
     async def create(self, spec: api.TrainingJobSpec, request_id: str) -> api.TrainingJob:
         """Start a job (the same `request_id` returns the same job); raises TrainerError when

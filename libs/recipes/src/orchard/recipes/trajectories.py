@@ -1,16 +1,13 @@
 """Rollout records as training trajectories (`orchard.types.v1.Trajectory`).
 
-Two sources, one shape:
-
-- the student's own rollouts carry the calls the capture proxy recorded, with the exact token
-  ids it sampled and their logprobs; they become trajectories through the rollout's prefix
-  tree (`orchard.rollout.trajectory_tree`), never by re-tokenizing text;
-- a teacher behind an OpenAI-compatible API gives text only. Its conversation is rendered with
-  the *student's* tokenizer and chat template, turn by turn, exactly as the capture proxy would
-  have rendered it had the student written the same words: each turn's input is what the
-  prompt added since the previous turn, its output the assistant message up to and including
-  the end-of-turn token. Teacher turns have no logprobs (`output_logprobs` stays empty) and
-  the weight version ``teacher:<model>``.
+The student's own rollouts come back from orchard-rollout as trajectories already: the calls
+its capture proxy recorded, with the exact token ids sampled and their logprobs. A teacher
+behind an OpenAI-compatible API gives text only. Its conversation is rendered with the
+*student's* tokenizer and chat template, turn by turn, exactly as the capture proxy would have
+rendered it had the student written the same words: each turn's input is what the prompt added
+since the previous turn, its output the assistant message up to and including the end-of-turn
+token. Teacher turns have no logprobs (`output_logprobs` stays empty) and the weight version
+``teacher:<model>``.
 """
 
 from __future__ import annotations
@@ -21,13 +18,11 @@ from typing import Any
 from orchard.lm.chat import IM_END, ChatRenderer
 from orchard.rollout.provenance import RolloutRecord
 from orchard.rollout.results import RolloutStatus
-from orchard.rollout.trajectory_tree import TreeLimits, build_tree, tree_trajectories
 from orchard.types.v1 import reward_pb2, trajectory_pb2
 
 __all__ = [
     "TrajectoryBuildError",
     "record_reward",
-    "student_trajectories",
     "teacher_trajectory",
 ]
 
@@ -138,27 +133,3 @@ def teacher_trajectory(
     )
     trajectory.metadata["source"] = "teacher"
     return trajectory
-
-
-def student_trajectories(
-    record: RolloutRecord,
-    renderer: ChatRenderer | None = None,
-    limits: TreeLimits | None = None,
-) -> list[trajectory_pb2.Trajectory]:
-    """The student rollout's trajectories from its captured calls (exact tokens), each with
-    the rollout's reward; none when it made no call."""
-    if not record.calls:
-        return []
-    tree = build_tree(record.calls, limits)
-    decode = renderer.decode if renderer is not None else None
-    out = tree_trajectories(
-        tree,
-        task_id=record.task_id,
-        harness=record.harness,
-        outcome=_outcome(record),
-        decode=decode,
-    )
-    for trajectory in out:
-        trajectory.reward.CopyFrom(record_reward(record))
-        trajectory.metadata["source"] = "student"
-    return out

@@ -96,7 +96,7 @@ class RunDir:
         shutil.rmtree(self.root / name, ignore_errors=True)
 
 
-NEEDED = ("etcd", "orchard-reward", "orchard-trainer")
+NEEDED = ("etcd", "orchard-reward", "orchard-rollout", "orchard-trainer")
 """The components of `orchard up` a recipe talks to besides orchard-env."""
 
 
@@ -113,6 +113,8 @@ class StackEndpoints:
     """etcd's client URL (the weight registry lives there)."""
     trainer: str
     """orchard-trainer's gRPC address (SFT and RL train there)."""
+    rollout: str
+    """orchard-rollout's gRPC address (the student's rollouts run there)."""
     env_metrics: str = ""
     """HOST:PORT of orchard-env's /metrics, when it exports them (the report reads them)."""
 
@@ -146,5 +148,6 @@ class StackEndpoints:
             reward=components["orchard-reward"],
             etcd=components["etcd"],
             trainer=components["orchard-trainer"],
+            rollout=components["orchard-rollout"],
             env_metrics=os.environ.get("ORCHARD_ENV_METRICS", ""),
         )

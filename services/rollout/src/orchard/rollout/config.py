@@ -22,6 +22,7 @@ from orchard.rollout.proxy.server import CaptureProxyConfig
 __all__ = [
     "EnvServiceConfig",
     "EtcdConfig",
+    "JobPoliciesConfig",
     "PolicyConfig",
     "RewardServiceConfig",
     "RolloutConfig",
@@ -137,6 +138,27 @@ class PolicyConfig(ConfigModel):
         return key
 
 
+class JobPoliciesConfig(ConfigModel):
+    """Policies a job brings in its spec (`RolloutJobSpec.policy_spec`): a weight version of
+    any model in the registry, each on a local engine of its own behind a capture proxy,
+    started for the jobs that use it and closed when the last of them ends."""
+
+    allow: bool = Field(
+        default=True,
+        description="Accept jobs with a policy_spec; false: they are FAILED_PRECONDITION.",
+    )
+    max_engines: int = Field(
+        default=2,
+        ge=1,
+        description="Most engines job policies run at once; a job needing another waits until "
+        "one closes.",
+    )
+    engine: LocalEngineConfig = Field(
+        default_factory=LocalEngineConfig,
+        description="Batching settings of those engines (their weights come from the job).",
+    )
+
+
 class RunDefaults(ConfigModel):
     """What a job gets for the fields its spec leaves at 0."""
 
@@ -168,6 +190,10 @@ class RolloutConfig(ServiceConfig):
         description="Policies by name; a job names one in `policy` (empty: default_policy).",
     )
     default_policy: str = Field(default="local", description="The policy a job names none.")
+    job_policies: JobPoliciesConfig = Field(
+        default_factory=JobPoliciesConfig,
+        description="Policies given in job specs instead of named here.",
+    )
     proxy: CaptureProxyConfig = Field(
         default_factory=CaptureProxyConfig,
         description="The capture proxy in front of each local engine.",

@@ -84,7 +84,9 @@ class RolloutApplication:
                 )
             )
         registry = None
-        if any(p.kind == "local" and not p.engine.model_folder for p in config.policies.values()):
+        if config.job_policies.allow or any(
+            p.kind == "local" and not p.engine.model_folder for p in config.policies.values()
+        ):
             from orchard.lm.weights import WeightRegistry  # noqa: PLC0415
 
             weights = await stack.enter_async_context(
@@ -94,8 +96,8 @@ class RolloutApplication:
                     timeout=config.etcd.timeout_s,
                 )
             )
-            models = {p.engine.registry_model for p in config.policies.values()}
-            registry = WeightRegistry(weights, sorted(models)[0])
+            # One registry handle; each policy asks it for its own model's versions.
+            registry = WeightRegistry(weights, "policy")
         self.manager = RolloutManager(
             config=config,
             jobs=JobStore(store),

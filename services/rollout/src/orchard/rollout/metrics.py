@@ -14,7 +14,7 @@ _ROLLOUT_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200)
 class RolloutMetrics:
     """``orchard_rollout_*``: rollouts started, running and finished by status, groups emitted
     and dropped, the latency of agent steps (model calls and tool executions) and of whole
-    rollouts, jobs running.
+    rollouts, jobs running, engines of job policies running.
 
     Without a metrics address the server has no registry; these then go to a private one.
     """
@@ -51,6 +51,10 @@ class RolloutMetrics:
             buckets=_ROLLOUT_BUCKETS,
         )
         self.jobs_running = m.gauge("jobs_running", "Jobs this process is running now.")
+        self.job_engines = m.gauge(
+            "job_policy_engines",
+            "Local engines running now for policies that jobs brought in their specs.",
+        )
 
     def started(self) -> None:
         self.rollouts_started.inc()

@@ -125,6 +125,7 @@ class RolloutRunner:
         task = self.tasks.get(key.task_id)
         if harness is None or task is None:
             raise KeyError(f"no harness {key.harness!r} or no task {key.task_id!r} to run")
+        harness = harness.in_directory(task.workdir)
         rollout_id = f"{key.task_id}.{index}.{uuid.uuid4().hex[:10]}"
         memory = task.memory
         for attempt in range(2):

@@ -314,6 +314,7 @@ def group_proto(job_id: str, sampled: SampledGroup) -> trajectory_pb2.Trajectory
         harness=key.harness,
         sampler=f"{sampled.sampler}:{sampled.choice.value}",
         positive_fraction=sampled.positive_fraction,
+        rollouts_run=len(sampled.rollouts),
     )
     for member in sampled.members:
         record: RolloutRecord = member.payload
@@ -347,6 +348,8 @@ def group_proto(job_id: str, sampled: SampledGroup) -> trajectory_pb2.Trajectory
             trajectory.metadata["outcome"] = record.outcome
             trajectory.metadata["steps"] = str(record.steps)
             trajectory.metadata["sandbox_ids"] = ",".join(record.sandbox_ids)
+            if record.failure is not None:
+                trajectory.metadata["failure_layer"] = record.failure.layer.value
             if record.weight_versions:
                 trajectory.metadata["weight_versions"] = ",".join(record.weight_versions)
             group.trajectories.append(trajectory)

@@ -103,8 +103,10 @@ class FixedNSampler:
     name: str = "fixed_n"
 
     def __post_init__(self) -> None:
-        if self.group_size < 2:
-            raise ValueError(f"group_size must be at least 2, got {self.group_size}")
+        # One rollout per pair is an evaluation's group; training groups need two or more,
+        # which the group filter enforces.
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be at least 1, got {self.group_size}")
 
     async def sample(self, key: GroupKey, run: RunRollout) -> SampledGroup:
         results = tuple(await _run_stride(key, run, 0, self.group_size))

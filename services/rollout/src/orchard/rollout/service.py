@@ -28,6 +28,7 @@ import grpc
 
 from orchard.core.errors import ErrorReason, OrchardError, Reason
 from orchard.core.etcd import Lease
+from orchard.lm.weights import InvalidWeightVersion, check_model_name
 from orchard.rollout.batches import GroupFilter
 from orchard.rollout.budgets import LayeredRetries, RolloutBudget
 from orchard.rollout.config import PolicyConfig, RolloutConfig
@@ -93,20 +94,65 @@ class ValidSpec:
     tasks: dict[str, TaskSpec]
     harnesses: list[str]
     policy: str
+    """A configured policy's name; empty when the job brings its own (`job_policy`)."""
     sampler: Sampler
     group_filter: GroupFilter | None
     budget: RolloutBudget
     concurrency: int
+    job_policy: JobPolicyKey | None = None
 
     @property
     def pairs(self) -> list[GroupKey]:
         return [GroupKey(t, h) for t in self.tasks for h in self.harnesses]
 
 
+@dataclass(frozen=True, slots=True)
+class JobPolicyKey:
+    """A policy a job brought: jobs with equal keys share one engine."""
+
+    model: str
+    version: str
+    """Empty: the latest version, following new publications."""
+    temperature: float
+    max_tokens_per_call: int
+
+
+def _job_policy(spec: api.PolicySpec, config: RolloutConfig) -> JobPolicyKey:
+    if not config.job_policies.allow:
+        raise OrchardError(
+            Reason.FAILED_PRECONDITION,
+            "this rollout service does not take policies in job specs (job_policies.allow is "
+            "false): name one of its policies in spec.policy "
+            f"({', '.join(sorted(config.policies))})",
+        )
+    if spec.WhichOneof("source") != "weights":
+        raise _invalid("spec.policy_spec needs weights: {model, version} in the weight registry")
+    try:
+        check_model_name(spec.weights.model)
+    except ValueError as exc:
+        raise _invalid(f"spec.policy_spec.weights.model: {exc}") from None
+    temperature = spec.temperature if spec.HasField("temperature") else 1.0
+    if not 0 <= temperature <= 2:
+        raise _invalid(f"spec.policy_spec.temperature {temperature} must lie in [0, 2]")
+    if spec.max_tokens_per_call < 0:
+        raise _invalid("spec.policy_spec.max_tokens_per_call must not be negative")
+    return JobPolicyKey(
+        model=spec.weights.model,
+        version=spec.weights.version,
+        temperature=temperature,
+        max_tokens_per_call=spec.max_tokens_per_call or 1024,
+    )
+
+
 def _sampler(config: api.SamplerConfig) -> Sampler:
     threshold = config.positive_threshold or 0.5
     try:
         if config.kind == api.SAMPLER_KIND_FIXED_N:
+            if config.group_size == 1 and not config.keep_uninformative_groups:
+                raise ValueError(
+                    "group_size must be at least 2, got 1: a group of one rollout carries no "
+                    "signal for training (an evaluation job sets keep_uninformative_groups)"
+                )
             return FixedNSampler(group_size=config.group_size or 8, positive_threshold=threshold)
         if config.kind in (api.SAMPLER_KIND_BAR, api.SAMPLER_KIND_UNSPECIFIED):
             group_size = config.group_size or 8
@@ -158,11 +204,17 @@ def validate_spec(
             raise _invalid(
                 f"unknown harness {name!r}; known harnesses: {', '.join(sorted(harnesses))}"
             )
-    policy = spec.policy or config.default_policy
-    if policy not in config.policies:
-        raise _invalid(
-            f"unknown policy {policy!r}; configured policies: {', '.join(sorted(config.policies))}"
-        )
+    job_policy = None
+    if spec.HasField("policy_spec"):
+        if spec.policy:
+            raise _invalid("spec names a policy and brings a policy_spec: give one of them")
+        job_policy = _job_policy(spec.policy_spec, config)
+        policy = ""
+    else:
+        policy = spec.policy or config.default_policy
+        if policy not in config.policies:
+            known = ", ".join(sorted(config.policies))
+            raise _invalid(f"unknown policy {policy!r}; configured policies: {known}")
     b, d = spec.budget, config.defaults
     if b.max_steps < 0 or b.max_tokens < 0 or b.max_duration.ToNanoseconds() < 0:
         raise _invalid("spec.budget: max_steps, max_tokens and max_duration must not be negative")
@@ -187,6 +239,7 @@ def validate_spec(
         group_filter=None if keep_all else GroupFilter(),
         budget=budget,
         concurrency=spec.concurrency or d.concurrency,
+        job_policy=job_policy,
     )
 
 
@@ -198,6 +251,22 @@ class _Policy:
     capture: CaptureSource | None = None
     engine: LocalEngine | None = None
     proxy: CaptureProxy | None = None
+
+    async def close(self) -> None:
+        if self.proxy is not None:
+            with contextlib.suppress(Exception):
+                await self.proxy.close()
+        if self.engine is not None:
+            with contextlib.suppress(Exception):
+                await self.engine.close()
+
+
+@dataclass
+class _Shared:
+    """A job policy's engine and how many running jobs use it."""
+
+    policy: _Policy
+    users: int = 0
 
 
 @dataclass
@@ -215,6 +284,8 @@ class RolloutManager:
     _changed: dict[str, asyncio.Event] = field(default_factory=dict)
     _policies: dict[str, _Policy] = field(default_factory=dict)
     _policy_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _job_policies: dict[JobPolicyKey, _Shared] = field(default_factory=dict)
+    _job_policies_changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     _create_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     owner: str = field(default_factory=lambda: uuid.uuid4().hex)
     lease_ttl_s: int = 10
@@ -255,6 +326,120 @@ class RolloutManager:
             self._policies[name] = started
             return started
 
+    async def _check_published(self, key: JobPolicyKey) -> None:
+        """Raises OrchardError when the job's weights cannot be loaded here."""
+        if self.registry is None:
+            raise OrchardError(
+                Reason.FAILED_PRECONDITION,
+                "this rollout service has no weight registry (it needs etcd) to load "
+                "spec.policy_spec.weights from",
+            )
+        registry = self.registry.for_model(key.model)
+        try:
+            found = await (registry.get(key.version) if key.version else registry.latest())
+        except InvalidWeightVersion as exc:
+            raise _invalid(f"spec.policy_spec.weights.version: {exc}") from None
+        if found is None:
+            which = f"version {key.version!r}" if key.version else "any version"
+            raise OrchardError(
+                Reason.NOT_FOUND,
+                f"{which} of model {key.model!r} is not published in the weight registry; "
+                "publish it (orchard-trainer does) or name a published one",
+            )
+
+    async def _acquire_job_policy(self, key: JobPolicyKey) -> _Policy:
+        """The engine of `key`, started when no running job uses it; waits while
+        `job_policies.max_engines` others run. Give it back with `_release_job_policy`."""
+        async with self._job_policies_changed:
+            await self._job_policies_changed.wait_for(
+                lambda: (
+                    key in self._job_policies
+                    or len(self._job_policies) < self.config.job_policies.max_engines
+                )
+            )
+            shared = self._job_policies.get(key)
+            if shared is None:
+                # Started under the lock: a second job of the same key waits for this one.
+                shared = _Shared(await self._start_job_policy(key))
+                self._job_policies[key] = shared
+                self.metrics.job_engines.inc()
+            shared.users += 1
+            return shared.policy
+
+    async def _release_job_policy(self, key: JobPolicyKey) -> None:
+        async with self._job_policies_changed:
+            shared = self._job_policies.get(key)
+            if shared is None:
+                return
+            shared.users -= 1
+            if shared.users <= 0:
+                del self._job_policies[key]
+                self.metrics.job_engines.dec()
+                await shared.policy.close()
+                log.info("job policy %s@%s closed", key.model, key.version or "latest")
+            self._job_policies_changed.notify_all()
+
+    async def _start_job_policy(self, key: JobPolicyKey) -> _Policy:
+        from orchard.rollout.engines.local import LocalEngine  # noqa: PLC0415 - loads torch
+
+        if self.registry is None:
+            raise RuntimeError("this rollout service has no weight registry to load weights from")
+        registry = self.registry.for_model(key.model)
+        template = self.config.job_policies.engine
+        if key.version:
+            published = await registry.get(key.version)
+            if published is None:
+                raise LookupError(f"version {key.version!r} of {key.model!r} is not published")
+            engine = LocalEngine(
+                template.model_copy(
+                    update={
+                        "model_folder": published.location,
+                        "weight_version": published.version,
+                        "follow_registry": False,
+                    }
+                )
+            )
+        else:
+            engine = LocalEngine(
+                template.model_copy(update={"model_folder": None, "registry_model": key.model}),
+                registry=registry,
+            )
+        name = f"{key.model}@{key.version or 'latest'}"
+        return await self._behind_proxy(
+            name, engine, key.model, key.temperature, key.max_tokens_per_call
+        )
+
+    async def _behind_proxy(
+        self,
+        name: str,
+        engine: LocalEngine,
+        model: str,
+        temperature: float,
+        max_tokens_per_call: int,
+    ) -> _Policy:
+        """Starts `engine` and a capture proxy in front of it."""
+        from orchard.rollout.proxy.server import CaptureProxy  # noqa: PLC0415
+
+        await engine.start()
+        proxy = CaptureProxy(engine, self.config.proxy)
+        try:
+            await proxy.start()
+        except BaseException:
+            await engine.close()
+            raise
+        log.info("policy %s: local engine %s behind %s", name, engine.weight_version, proxy.url)
+        return _Policy(
+            ModelEndpoint(
+                base_url=proxy.url + "/v1",
+                model=model,
+                temperature=temperature,
+                max_tokens_per_call=max_tokens_per_call,
+            ),
+            capture=ProxyCapture(proxy, self.config.settle_timeout_s),
+            engine=engine,
+            proxy=proxy,
+        )
+
     async def _start_policy(self, name: str, policy: PolicyConfig) -> _Policy:
         if policy.kind == "openai":
             return _Policy(
@@ -267,27 +452,13 @@ class RolloutManager:
                 )
             )
         from orchard.rollout.engines.local import LocalEngine  # noqa: PLC0415 - loads torch
-        from orchard.rollout.proxy.server import CaptureProxy  # noqa: PLC0415
 
-        engine = LocalEngine(policy.engine, registry=self.registry)
-        await engine.start()
-        proxy = CaptureProxy(engine, self.config.proxy)
-        try:
-            await proxy.start()
-        except BaseException:
-            await engine.close()
-            raise
-        log.info("policy %s: local engine %s behind %s", name, engine.weight_version, proxy.url)
-        return _Policy(
-            ModelEndpoint(
-                base_url=proxy.url + "/v1",
-                model=policy.model,
-                temperature=policy.temperature,
-                max_tokens_per_call=policy.max_tokens_per_call,
-            ),
-            capture=ProxyCapture(proxy, self.config.settle_timeout_s),
-            engine=engine,
-            proxy=proxy,
+        registry = self.registry
+        if registry is not None:
+            registry = registry.for_model(policy.engine.registry_model)
+        engine = LocalEngine(policy.engine, registry=registry)
+        return await self._behind_proxy(
+            name, engine, policy.model, policy.temperature, policy.max_tokens_per_call
         )
 
     # -- jobs ----------------------------------------------------------------------------
@@ -302,6 +473,8 @@ class RolloutManager:
 
     async def create(self, spec: api.RolloutJobSpec, request_id: str) -> JobState:
         valid = validate_spec(spec, self.config, self.harnesses)
+        if valid.job_policy is not None:
+            await self._check_published(valid.job_policy)
         async with self._create_lock:
             job = JobState(
                 id=new_job_id(),
@@ -326,41 +499,53 @@ class RolloutManager:
     async def _run(self, job: JobState, valid: ValidSpec) -> None:
         self.metrics.jobs_running.inc()
         try:
+            key = valid.job_policy
             try:
-                policy = await self._policy(valid.policy)
+                if key is not None:
+                    policy = await self._acquire_job_policy(key)
+                else:
+                    policy = await self._policy(valid.policy)
             except Exception as exc:
+                name = f"{key.model}@{key.version or 'latest'}" if key else valid.policy
                 job.state = api.ROLLOUT_JOB_STATE_FAILED
-                job.error = f"policy {valid.policy!r} did not start: {type(exc).__name__}: {exc}"
+                job.error = f"policy {name!r} did not start: {type(exc).__name__}: {exc}"
                 await self.jobs.put(job)
                 self._notify(job.id)
                 return
-            runner = RolloutRunner(
-                sandboxes=self.sandboxes,
-                endpoint=policy.endpoint,
-                harnesses=self.harnesses,
-                tasks=valid.tasks,
-                budget=valid.budget,
-                retries=LayeredRetries(create_spread_s=self.config.defaults.create_spread_s),
-                capture=policy.capture,
-                scorer=self.scorer,
-                labels={JOB_LABEL: job.id},
-            )
-            run = JobRun(
-                job=job,
-                jobs=self.jobs,
-                sampler=valid.sampler,
-                pairs=valid.pairs,
-                run_rollout=runner,
-                concurrency=valid.concurrency,
-                metrics=self.metrics,
-                group_filter=valid.group_filter,
-                on_change=lambda: self._notify(job.id),
-            )
-            # The runner keeps every record; the groups carry them, so drop them as pairs end.
-            runner.records = _Discard()
-            await run.run()
+            try:
+                await self._run_with(job, valid, policy)
+            finally:
+                if key is not None:
+                    await self._release_job_policy(key)
         finally:
             self.metrics.jobs_running.dec()
+
+    async def _run_with(self, job: JobState, valid: ValidSpec, policy: _Policy) -> None:
+        runner = RolloutRunner(
+            sandboxes=self.sandboxes,
+            endpoint=policy.endpoint,
+            harnesses=self.harnesses,
+            tasks=valid.tasks,
+            budget=valid.budget,
+            retries=LayeredRetries(create_spread_s=self.config.defaults.create_spread_s),
+            capture=policy.capture,
+            scorer=self.scorer,
+            labels={JOB_LABEL: job.id},
+        )
+        run = JobRun(
+            job=job,
+            jobs=self.jobs,
+            sampler=valid.sampler,
+            pairs=valid.pairs,
+            run_rollout=runner,
+            concurrency=valid.concurrency,
+            metrics=self.metrics,
+            group_filter=valid.group_filter,
+            on_change=lambda: self._notify(job.id),
+        )
+        # The runner keeps every record; the groups carry them, so drop them as pairs end.
+        runner.records = _Discard()
+        await run.run()
 
     async def _adopt_orphans(self) -> None:
         """Jobs left RUNNING by a process that is gone: resumed here (or marked FAILED); and
@@ -479,13 +664,11 @@ class RolloutManager:
                 await self.jobs.store.revoke_lease(self._lease)
             self._lease = None
         for policy in self._policies.values():
-            if policy.proxy is not None:
-                with contextlib.suppress(Exception):
-                    await policy.proxy.close()
-            if policy.engine is not None:
-                with contextlib.suppress(Exception):
-                    await policy.engine.close()
+            await policy.close()
         self._policies.clear()
+        for shared in self._job_policies.values():
+            await shared.policy.close()
+        self._job_policies.clear()
 
 
 class _Discard(list):  # type: ignore[type-arg]

@@ -13,7 +13,8 @@ a JSON object with
   checks in the sandbox,
 - `tools`: tool declarations for the generic loop ({"name", "description", "parameters",
   "command": argv, "timeout_s"?}),
-- `memory`: the sandbox's memory limit ("512M"); doubled once when setup runs out of memory.
+- `memory`: the sandbox's memory limit ("512M"); doubled once when setup runs out of memory,
+- `workdir`: an absolute directory the harness's shell commands run in (e.g. "/testbed").
 """
 
 from __future__ import annotations
@@ -90,6 +91,35 @@ class TaskSpec:
     setup: tuple[str, ...] = ()
     tools: tuple[CommandTool, ...] = ()
     memory: str = ""
+    workdir: str = ""
+    """Where the harness's shell commands run; empty: the sandbox's working directory."""
+
+    def to_proto(self) -> rollout_service_pb2.RolloutTask:
+        """The task as a rollout job takes it (`from_proto` gives it back)."""
+        settings: dict[str, Any] = {}
+        check = self.check
+        if isinstance(check, CommandCheck):
+            settings["check"] = {"command": check.command, "timeout_s": check.timeout_s}
+        elif isinstance(check, TestsCheck):
+            tests = json_format.MessageToDict(check.task, preserving_proto_field_name=True)
+            paths = {"repo_path": check.repo_path, "timeout_s": check.timeout_s}
+            settings["tests"] = {**tests, **paths}
+        else:
+            settings["score_task"] = check.task_id
+        if self.setup:
+            settings["setup"] = list(self.setup)
+        if self.tools:
+            settings["tools"] = [tool.declaration() for tool in self.tools]
+        if self.memory:
+            settings["memory"] = self.memory
+        if self.workdir:
+            settings["workdir"] = self.workdir
+        return rollout_service_pb2.RolloutTask(
+            id=self.id,
+            image=self.image,
+            instruction=self.instruction,
+            scorer_json=json.dumps(settings, sort_keys=True),
+        )
 
     @classmethod
     def from_proto(cls, task: rollout_service_pb2.RolloutTask) -> TaskSpec:
@@ -125,6 +155,9 @@ class TaskSpec:
             tools = tuple(CommandTool.from_declaration(d) for d in settings.get("tools", []))
         except (ValueError, TypeError, AttributeError) as exc:
             raise ValueError(f"task {task_id!r}: {exc}") from exc
+        workdir = settings.get("workdir", "")
+        if not isinstance(workdir, str) or (workdir and not workdir.startswith("/")):
+            raise ValueError(f'task {task_id!r}: "workdir" must be an absolute path')
         return cls(
             id=task_id,
             instruction=instruction,
@@ -133,6 +166,7 @@ class TaskSpec:
             setup=tuple(setup),
             tools=tools,
             memory=str(settings.get("memory", "")),
+            workdir=workdir,
         )
 
 

@@ -212,8 +212,11 @@ class RolloutJobSpec(_message.Message):
     SAMPLER_FIELD_NUMBER: _builtins.int
     BUDGET_FIELD_NUMBER: _builtins.int
     CONCURRENCY_FIELD_NUMBER: _builtins.int
+    POLICY_SPEC_FIELD_NUMBER: _builtins.int
     policy: _builtins.str
-    """Model endpoint or engine name the harnesses talk to through the capture proxy."""
+    """Name of a policy configured in the service (a local engine behind the capture proxy, or
+    an OpenAI-compatible endpoint); empty: the service's default policy, or `policy_spec`.
+    """
     concurrency: _builtins.int
     """Most rollouts running at once."""
     @_builtins.property
@@ -232,6 +235,13 @@ class RolloutJobSpec(_message.Message):
     def budget(self) -> Global___RolloutBudget:
         """Per-rollout limits."""
 
+    @_builtins.property
+    def policy_spec(self) -> Global___PolicySpec:
+        """A policy the job brings instead of a configured one (then `policy` is empty): e.g. one
+        weight version to evaluate. Refused with FAILED_PRECONDITION where the service does not
+        allow job policies.
+        """
+
     def __init__(
         self,
         *,
@@ -241,14 +251,84 @@ class RolloutJobSpec(_message.Message):
         sampler: Global___SamplerConfig | None = ...,
         budget: Global___RolloutBudget | None = ...,
         concurrency: _builtins.int = ...,
+        policy_spec: Global___PolicySpec | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "sampler", b"sampler"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "policy_spec", b"policy_spec", "sampler", b"sampler"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "concurrency", b"concurrency", "harnesses", b"harnesses", "policy", b"policy", "sampler", b"sampler", "tasks", b"tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "concurrency", b"concurrency", "harnesses", b"harnesses", "policy", b"policy", "policy_spec", b"policy_spec", "sampler", b"sampler", "tasks", b"tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RolloutJobSpec: _TypeAlias = RolloutJobSpec  # noqa: Y015
+
+@_typing.final
+class RegistryWeights(_message.Message):
+    """Weights from the weight registry, served by the rollout service's local engine behind its
+    capture proxy: every call is captured with its exact tokens and weight version.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The registry model, e.g. "policy" or a training run's own."""
+    version: _builtins.str
+    """The version to load and keep for the whole job; empty: the latest, and each version
+    published while the job runs.
+    """
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        version: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegistryWeights: _TypeAlias = RegistryWeights  # noqa: Y015
+
+@_typing.final
+class PolicySpec(_message.Message):
+    """A job's own policy."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WEIGHTS_FIELD_NUMBER: _builtins.int
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_PER_CALL_FIELD_NUMBER: _builtins.int
+    temperature: _builtins.float
+    """Sampling temperature in [0, 2]; 0 samples greedily. Unset: 1."""
+    max_tokens_per_call: _builtins.int
+    """Most tokens one call samples (0: the service's default, 1024)."""
+    @_builtins.property
+    def weights(self) -> Global___RegistryWeights:
+        """A weight version in the registry."""
+
+    def __init__(
+        self,
+        *,
+        weights: Global___RegistryWeights | None = ...,
+        temperature: _builtins.float | None = ...,
+        max_tokens_per_call: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "source", b"source", "temperature", b"temperature", "weights", b"weights"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "max_tokens_per_call", b"max_tokens_per_call", "source", b"source", "temperature", b"temperature", "weights", b"weights"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
+    _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["weights"]  # noqa: Y015
+    _WhichOneofArgType_source: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_source) -> _WhichOneofReturnType_source | None: ...
+
+Global___PolicySpec: _TypeAlias = PolicySpec  # noqa: Y015
 
 @_typing.final
 class RolloutJob(_message.Message):

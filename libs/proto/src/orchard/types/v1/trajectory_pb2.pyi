@@ -307,6 +307,7 @@ class TrajectoryGroup(_message.Message):
     TRAJECTORIES_FIELD_NUMBER: _builtins.int
     SAMPLER_FIELD_NUMBER: _builtins.int
     POSITIVE_FRACTION_FIELD_NUMBER: _builtins.int
+    ROLLOUTS_RUN_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Unique id."""
     task_id: _builtins.str
@@ -317,6 +318,8 @@ class TrajectoryGroup(_message.Message):
     """The sampler that assembled it, e.g. "fixed_n" or "bar"."""
     positive_fraction: _builtins.float
     """Fraction of scored trajectories with a positive reward."""
+    rollouts_run: _builtins.int
+    """Rollouts the sampler ran to assemble it: its members and those it left out."""
     @_builtins.property
     def trajectories(self) -> _containers.RepeatedCompositeFieldContainer[Global___Trajectory]:
         """The trajectories; excluded ones are kept for the record but carry no advantage."""
@@ -330,10 +333,11 @@ class TrajectoryGroup(_message.Message):
         trajectories: _abc.Iterable[Global___Trajectory] | None = ...,
         sampler: _builtins.str = ...,
         positive_fraction: _builtins.float = ...,
+        rollouts_run: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["harness", b"harness", "id", b"id", "positive_fraction", b"positive_fraction", "sampler", b"sampler", "task_id", b"task_id", "trajectories", b"trajectories"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["harness", b"harness", "id", b"id", "positive_fraction", b"positive_fraction", "rollouts_run", b"rollouts_run", "sampler", b"sampler", "task_id", b"task_id", "trajectories", b"trajectories"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -12,6 +12,7 @@ retried per layer and then raised as `InfrastructureError`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -25,6 +26,7 @@ from orchard.rollout.budgets import InfrastructureError, LayeredRetries, Rollout
 from orchard.rollout.harnesses.tools import (
     INFRASTRUCTURE_ERRORS,
     POLICY_ERRORS,
+    BashTool,
     Tool,
     ToolOutput,
     tools_by_name,
@@ -87,6 +89,19 @@ class ToolCallingHarness:
     tools: tuple[Tool, ...] = ()
     observation_limit: int = 8000
     """Most characters of one tool output the model is shown."""
+
+    def in_directory(self, workdir: str) -> ToolCallingHarness:
+        """This harness with its shell running in `workdir` (a task's), unless its shell has
+        a directory of its own; itself when `workdir` is empty."""
+        if not workdir:
+            return self
+        tools = tuple(
+            dataclasses.replace(tool, cwd=workdir)
+            if isinstance(tool, BashTool) and not tool.cwd
+            else tool
+            for tool in self.tools
+        )
+        return dataclasses.replace(self, tools=tools)
 
     async def run(self, ctx: HarnessContext) -> HarnessOutcome:
         table = tools_by_name([*self.tools, *ctx.tools])

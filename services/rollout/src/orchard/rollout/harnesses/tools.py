@@ -238,6 +238,16 @@ class CommandTool:
             timeout_s=float(declaration.get("timeout_s", 60.0)),
         )
 
+    def declaration(self) -> dict[str, Any]:
+        """What `from_declaration` reads back."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "parameters": self.parameters,
+            "command": list(self.argv),
+            "timeout_s": self.timeout_s,
+        }
+
     def schema(self) -> dict[str, Any]:
         return {
             "type": "function",
