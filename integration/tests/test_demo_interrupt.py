@@ -1,6 +1,6 @@
 """`make demo` stopped by SIGTERM while sandboxes run: it exits at once with 143 and leaves no
-process of its stack (etcd, orchard-env, orchard-reward, orchard-trainer, sandboxes) and no
-cgroup behind."""
+process of its stack (etcd, orchard-env, orchard-reward, orchard-rollout, orchard-trainer,
+sandboxes) and no cgroup behind."""
 
 from __future__ import annotations
 

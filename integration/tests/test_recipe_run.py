@@ -1,12 +1,12 @@
 """A reduced recipe end to end against real services: etcd, orchard-env (local runtime),
-orchard-reward, orchard-rollout and orchard-trainer as processes. The scripted teacher runs in
-this process (the collect stage drives it with the rollout library); the student's rollouts (RL
-sampling, validation, evaluation) are orchard-rollout jobs on its local engine behind its
-capture proxy, and SFT and RL train in orchard-trainer. Checks the artifacts each stage leaves:
-teacher trajectories in the student's tokens with loss masks, credit on failed ones, a published
-weight version, RL groups with captured tokens of the version that sampled them, evaluation
-numbers in the report; then that a second run resumes (runs nothing again) and that one stage
-runs alone on request."""
+orchard-reward, orchard-rollout and orchard-trainer as processes. Every rollout is an
+orchard-rollout job: the scripted teacher's (an endpoint served from this process) and the
+student's (RL sampling, validation, evaluation: a weight version on the service's local engine
+behind its capture proxy); SFT and RL train in orchard-trainer. Checks the artifacts each stage
+leaves: teacher trajectories in the student's tokens with loss masks, credit on failed ones, a
+published weight version, RL groups with captured tokens of the version that sampled them,
+evaluation numbers in the report; then that a second run resumes (runs nothing again) and that
+one stage runs alone on request."""
 
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ from orchard.recipes.pipeline import run_recipe
 from orchard.recipes.recipe_tasks import prepare_tasks
 from orchard.recipes.stages import REGISTRY_NAMESPACE, read_groups
 from orchard.recipes.workspace import RunDir, StackEndpoints
-from orchard.rollout.provenance import read_records
 from orchard.sdk.recipe import Recipe, load_recipe
 from orchard.trainer.datasets import read_trajectories
 from orchard.types.v1 import reward_pb2
@@ -110,9 +109,18 @@ def test_collect_scores_the_teacher_and_tokenizes_its_conversations(
     collect = _done(recipe, "collect")
     assert collect["rollouts"] == 10  # 5 SFT tasks x 2 attempts
     assert collect["resolved"] + collect["unresolved"] == 10
-    records = read_records(str(recipe.output_dir / "collect" / "rollouts.jsonl"))
-    rewards = {r.reward.value for r in records if r.reward is not None}
+    assert collect["rollout_job"]
+    # The teacher ran as an orchard-rollout job of an endpoint policy: groups of two per task,
+    # each rollout with its reward and its conversation (the calls were not captured).
+    groups = read_groups(recipe.output_dir / "collect" / "groups.jsonl")
+    assert len(groups) == 5 and all(len(g.trajectories) == 2 for g in groups)
+    rewards = {t.reward.value for g in groups for t in g.trajectories}
     assert rewards <= {1.0, -1.0} and 1.0 in rewards  # ScoreTests: resolved or not
+    for trajectory in (t for g in groups for t in g.trajectories):
+        assert not trajectory.turns
+        conversation = json.loads(trajectory.conversation_json)
+        assert [m["role"] for m in conversation[:2]] == ["system", "user"]
+        assert any(m["role"] == "assistant" for m in conversation)
     rows = list(read_trajectories(recipe.output_dir / "collect" / "trajectories.jsonl"))
     assert len(rows) == 10
     for row in rows:

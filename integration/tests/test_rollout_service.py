@@ -462,6 +462,51 @@ def test_a_job_brings_a_weight_version_from_the_registry_and_its_engine_closes_a
     assert "'step-9'" in info.value.details() and model in info.value.details()
 
 
+def test_a_job_brings_an_endpoint_and_its_trajectories_carry_the_conversation(
+    services: Services, stub: rollout_service_pb2_grpc.RolloutServiceStub
+) -> None:
+    def spec(**endpoint: str) -> api.RolloutJobSpec:
+        return api.RolloutJobSpec(
+            tasks=[calc_task("quick")],
+            harnesses=["builtin:bash"],
+            policy_spec=api.PolicySpec(endpoint=api.ChatEndpoint(**endpoint)),
+            sampler=fixed_n(2),
+            budget=api.RolloutBudget(max_steps=6),
+        )
+
+    job = stub.CreateRolloutJob(
+        api.CreateRolloutJobRequest(spec=spec(base_url=services.policy_url, model="teacher"))
+    ).job
+    streamed = list(stub.StreamGroups(api.StreamGroupsRequest(job_id=job.id), timeout=300))
+    job = stub.GetRolloutJob(api.GetRolloutJobRequest(job_id=job.id)).job
+    assert job.state == api.ROLLOUT_JOB_STATE_SUCCEEDED, job.error
+    (message,) = streamed
+    assert len(message.group.trajectories) == 2
+    for trajectory in message.group.trajectories:
+        assert trajectory.reward.status == reward_pb2.REWARD_STATUS_SCORED
+        # Not captured: no turns, and the conversation the harness held instead.
+        assert not trajectory.turns
+        conversation = json.loads(trajectory.conversation_json)
+        assert [m["role"] for m in conversation[:3]] == ["system", "user", "assistant"]
+        assert "Mark job quick as fixed" in conversation[1]["content"]
+        calls = [c for m in conversation for c in m.get("tool_calls") or []]
+        assert calls and all(c["function"]["name"] for c in calls)
+        assert any(m["role"] == "tool" for m in conversation)
+    # A key variable the service does not have, and a URL that is not http(s), are refused.
+    variable = f"ORCHARD_TEST_UNSET_{uuid.uuid4().hex[:6].upper()}"
+    url = services.policy_url
+    refused = [
+        ({"base_url": url, "model": "t", "api_key_env": variable}, "FAILED_PRECONDITION", variable),
+        ({"base_url": "ftp://127.0.0.1/v1", "model": "t"}, "INVALID_ARGUMENT", "http(s) URL"),
+        ({"base_url": url}, "INVALID_ARGUMENT", "endpoint.model is empty"),
+    ]
+    for endpoint, code, words in refused:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.CreateRolloutJob(api.CreateRolloutJobRequest(spec=spec(**endpoint)))
+        assert info.value.code().name == code
+        assert words in info.value.details()
+
+
 @pytest.mark.parametrize(
     ("change", "code", "words"),
     [

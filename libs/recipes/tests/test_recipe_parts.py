@@ -9,22 +9,21 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from orchard.lm.chat import ChatRenderer
 from orchard.lm.tokenizer import build_tokenizer
 from orchard.recipes.scripted_judge import judge_reply
-from orchard.recipes.stages import pick_validated
-from orchard.recipes.trajectories import teacher_trajectory
+from orchard.recipes.stages import group_counts, has_signal, pick_validated
+from orchard.recipes.trajectories import TrajectoryBuildError, teacher_trajectory
 from orchard.recipes.workspace import RecipeMismatch, RunDir, StackEndpoints
 from orchard.reward.credit import credit_curve
 from orchard.rollout.harnesses.bash_react import shell_harness
-from orchard.rollout.provenance import RewardRecord, RolloutRecord
-from orchard.rollout.results import RolloutStatus
 from orchard.sdk.connection import Profile, write_profile
 from orchard.sdk.recipe import Recipe
-from orchard.types.v1 import reward_pb2
+from orchard.types.v1 import reward_pb2, trajectory_pb2
 
 
 def _call(index: int, name: str, arguments: dict[str, str]) -> dict[str, object]:
@@ -48,27 +47,41 @@ def _conversation() -> list[dict[str, object]]:
     ]  # fmt: skip
 
 
+def _teacher_rollout(**fields: Any) -> trajectory_pb2.Trajectory:
+    """A teacher's trajectory as orchard-rollout streams it: reward, outcome, conversation."""
+    given: dict[str, Any] = {
+        "id": "r1/0",
+        "rollout_id": "r1",
+        "task_id": "t1",
+        "harness": "builtin:swe",
+        "group_id": "job/t1/builtin:swe",
+        "outcome": trajectory_pb2.TRAJECTORY_OUTCOME_COMPLETED,
+        "reward": reward_pb2.Reward(
+            status=reward_pb2.REWARD_STATUS_SCORED, value=1.0, scorer="tests"
+        ),
+        "conversation_json": json.dumps(_conversation()),
+    }
+    return trajectory_pb2.Trajectory(**(given | fields))
+
+
 def test_a_teacher_conversation_becomes_the_students_exact_tokens() -> None:
     tokenizer = build_tokenizer()
     renderer = ChatRenderer(tokenizer)
     tools = [t.schema() for t in shell_harness().tools]
-    record = RolloutRecord(
-        rollout_id="r1",
-        task_id="t1",
-        harness="builtin:swe",
-        status=RolloutStatus.COMPLETED,
-        outcome="submitted",
-        messages=_conversation(),
-        reward=RewardRecord(value=1.0, scorer="tests"),
-    )
-    trajectory = teacher_trajectory(record, renderer, tools, teacher_model="teacher")
+    source = _teacher_rollout(metadata={"status": "completed"})
+    trajectory = teacher_trajectory(source, renderer, tools, teacher_model="teacher")
     assert len(trajectory.turns) == 2
-    assert trajectory.reward.status == reward_pb2.REWARD_STATUS_SCORED
+    # What the rollout service said about it stays: reward, outcome, ids, metadata.
+    assert trajectory.reward == source.reward and trajectory.outcome == source.outcome
+    assert (trajectory.rollout_id, trajectory.group_id) == ("r1", "job/t1/builtin:swe")
+    assert trajectory.metadata["status"] == "completed"
+    assert trajectory.metadata["source"] == "teacher" and not trajectory.conversation_json
     tokens: list[int] = []
     for turn in trajectory.turns:
         tokens += [*turn.input_token_ids, *turn.output_token_ids]
         assert all(turn.output_loss_mask) and not turn.output_logprobs
         assert turn.output_token_ids[-1] in renderer.stop_token_ids  # ends its turn
+        assert turn.weight_version == "teacher:teacher"
     # Inputs and outputs in order are the student's rendering of the conversation up to the
     # last answer: nothing re-tokenized differently, nothing lost between turns.
     whole = renderer.render(_conversation()[:5], tools, add_generation_prompt=False).token_ids
@@ -80,13 +93,12 @@ def test_a_teacher_conversation_becomes_the_students_exact_tokens() -> None:
     assert trajectory.turns[1].input_text == "exit code 0\ndef f(x):\n    return x > 3\n"
 
 
-def test_an_aborted_rollout_is_excluded_not_failed() -> None:
+def test_a_rollout_without_a_conversation_is_refused_by_name() -> None:
     renderer = ChatRenderer(build_tokenizer())
-    record = RolloutRecord(
-        rollout_id="r2", task_id="t1", harness="builtin:swe", messages=_conversation()
-    )
-    trajectory = teacher_trajectory(record, renderer, [], teacher_model="teacher")
-    assert trajectory.reward.status == reward_pb2.REWARD_STATUS_EXCLUDED
+    with pytest.raises(TrajectoryBuildError, match="rollout r1: no conversation"):
+        teacher_trajectory(
+            _teacher_rollout(conversation_json=""), renderer, [], teacher_model="teacher"
+        )
 
 
 def _transcript(actions: list[str]) -> str:
@@ -187,3 +199,47 @@ def test_the_stack_is_read_from_orchard_up_and_needs_rollout_and_trainer(tmp_pat
         "127.0.0.1:7100", "t0ken", "127.0.0.1:7200", "127.0.0.1:7300", "127.0.0.1:7400",
         "http://127.0.0.1:2379",
     )  # fmt: skip
+
+
+def _group(
+    *rewards: float | None, branch_of: int | None = None, fork_of: int | None = None
+) -> trajectory_pb2.TrajectoryGroup:
+    """A group as orchard-rollout streams it: None is an aborted (excluded) rollout."""
+    group = trajectory_pb2.TrajectoryGroup(task_id="t1", harness="builtin:swe")
+    for i, value in enumerate(rewards):
+        trajectory = group.trajectories.add(id=f"r{i}/0", rollout_id=f"r{i}")
+        if value is None:
+            trajectory.reward.status = reward_pb2.REWARD_STATUS_EXCLUDED
+            trajectory.metadata["failure_layer"] = "sandbox_create"
+        else:
+            trajectory.reward.status = reward_pb2.REWARD_STATUS_SCORED
+            trajectory.reward.value = value
+    if branch_of is not None:
+        # A branch of a rewritten history is not a rollout of its own.
+        branch = group.trajectories.add()
+        branch.CopyFrom(group.trajectories[branch_of])
+        branch.metadata["branch"] = "compaction"
+    if fork_of is not None:
+        # A second main-line path of one rollout (its history forked): the same rollout.
+        fork = group.trajectories.add()
+        fork.CopyFrom(group.trajectories[fork_of])
+        fork.id = f"{fork.rollout_id}/1"
+    return group
+
+
+def test_groups_count_rollouts_once_and_excluded_ones_by_layer() -> None:
+    groups = [_group(1.0, -1.0, None, branch_of=0), _group(-1.0, -1.0, fork_of=1)]
+    assert group_counts(groups) == {
+        "rollouts": 5,
+        "resolved": 1,
+        "unresolved": 3,
+        "excluded": {"sandbox_create": 1},
+    }
+
+
+def test_a_group_has_signal_when_two_scored_rollouts_differ() -> None:
+    assert has_signal(_group(1.0, -1.0))
+    assert not has_signal(_group(1.0, 1.0))  # all equal: no advantage
+    assert not has_signal(_group(1.0, None))  # one scored
+    assert not has_signal(_group(-1.0, -1.0, branch_of=0))
+    assert not has_signal(_group(1.0, fork_of=0))  # one rollout, two paths

@@ -139,11 +139,34 @@ def test_a_job_brings_its_own_weight_version() -> None:
     )
 
 
+def test_a_job_brings_an_endpoint_with_its_key_named_not_given() -> None:
+    endpoint = api.ChatEndpoint(
+        base_url="https://api.example.com/v1", model="big", api_key_env="TEACHER_KEY"
+    )
+    key = validate(spec(policy_spec=api.PolicySpec(endpoint=endpoint))).job_policy
+    assert key is not None
+    assert (key.base_url, key.model, key.api_key_env) == (
+        "https://api.example.com/v1",
+        "big",
+        "TEACHER_KEY",
+    )
+    assert key.name == "big at https://api.example.com/v1"
+    bad = api.ChatEndpoint(base_url="https://api.example.com/v1", model="m", api_key_env="A-B")
+    with pytest.raises(OrchardError, match="not an environment variable name"):
+        validate(spec(policy_spec=api.PolicySpec(endpoint=bad)))
+
+
 @pytest.mark.parametrize(
     ("s", "config", "reason", "words"),
     [
         (spec(policy="local", policy_spec=weights()), {}, Reason.INVALID_ARGUMENT, "one of them"),
         (spec(policy_spec=api.PolicySpec()), {}, Reason.INVALID_ARGUMENT, "needs weights"),
+        (
+            spec(policy_spec=api.PolicySpec(endpoint=api.ChatEndpoint(base_url="127.0.0.1:80"))),
+            {},
+            Reason.INVALID_ARGUMENT,
+            "http(s) URL",
+        ),
         (spec(policy_spec=weights(model="a/b")), {}, Reason.INVALID_ARGUMENT, "model name"),
         (
             spec(policy_spec=weights(temperature=2.5)),

@@ -1,8 +1,9 @@
 """The stages of a recipe run, each reading the outputs of the ones before it from the run folder.
 
-- **collect**: the teacher attempts every SFT task ``attempts_per_task`` times through the
-  harness, in sandboxes of the environment service, scored by the reward service's ScoreTests;
-  its conversations become trajectories in the student's tokens.
+- **collect**: a rollout job in orchard-rollout of the teacher (an endpoint policy) on every
+  SFT task ``attempts_per_task`` times through the harness, in sandboxes of the environment
+  service, scored by the reward service's ScoreTests; its conversations become trajectories in
+  the student's tokens.
 - **curate**: successful trajectories (and failed ones with credit, when the credit stage gave
   some) filtered for SFT.
 - **sft**: an SFT job in orchard-trainer (DeepSpeed engine) on the curated trajectories, stepped
@@ -27,12 +28,11 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import random
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,15 +47,9 @@ from orchard.recipes.swe_suite import teacher_script
 from orchard.recipes.trainer_client import TrainerJobs, step_entry
 from orchard.recipes.trajectories import teacher_trajectory
 from orchard.recipes.workspace import RunDir, StackEndpoints, write_json
-from orchard.rollout.budgets import RolloutBudget
 from orchard.rollout.harnesses.bash_react import bash_react_harness, shell_harness
-from orchard.rollout.harnesses.tool_loop import ModelEndpoint, ToolCallingHarness
-from orchard.rollout.provenance import RolloutRecord, write_records
-from orchard.rollout.results import GroupKey, RolloutResult, RolloutStatus
-from orchard.rollout.runner import RolloutRunner
-from orchard.rollout.scoring import RewardServiceScorer
+from orchard.rollout.harnesses.tool_loop import ToolCallingHarness
 from orchard.rollout.v1 import rollout_service_pb2 as rollout_api
-from orchard.sdk import AsyncSandboxClient
 from orchard.sdk.recipe import Budget, Recipe
 from orchard.trainer.v1 import trainer_service_pb2 as trainer_api
 from orchard.types.v1 import reward_pb2, trajectory_pb2
@@ -98,13 +92,14 @@ class StageContext:
 
 
 def harnesses_for(recipe: Recipe) -> dict[str, ToolCallingHarness]:
-    """The recipe's harnesses by name; raises ValueError for one that is not built in."""
+    """The recipe's harnesses by name, as orchard-rollout runs them (the tasks say where their
+    shell runs); raises ValueError for one that is not built in."""
     out: dict[str, ToolCallingHarness] = {}
     for name in recipe.harnesses:
         if name == "builtin:swe":
-            out[name] = shell_harness(name=name, cwd=WORKDIR)
+            out[name] = shell_harness(name=name)
         elif name == "builtin:bash":
-            out[name] = bash_react_harness(name=name, cwd=WORKDIR)
+            out[name] = bash_react_harness(name=name)
         else:
             raise ValueError(
                 f"harness {name!r} is not one this recipe runner drives; use builtin:swe or "
@@ -113,76 +108,114 @@ def harnesses_for(recipe: Recipe) -> dict[str, ToolCallingHarness]:
     return out
 
 
-def _budget(budget: Budget) -> RolloutBudget:
-    return RolloutBudget(
-        max_steps=budget.max_steps,
-        max_tokens=budget.max_tokens,
-        max_duration_s=budget.wall_clock_s,
-    )
-
-
 def _bar(ctx: StageContext, total: int, desc: str) -> tqdm[Any]:
     return tqdm(total=total, desc=desc, unit="rollout", disable=not ctx.progress, leave=True)
-
-
-async def _run_all(
-    runner: RolloutRunner,
-    keys: Sequence[tuple[GroupKey, int]],
-    *,
-    workers: int,
-    bar: tqdm[Any],
-) -> list[RolloutResult]:
-    """Every (pair, index) rollout, ``workers`` at a time, in input order."""
-    gate = asyncio.Semaphore(workers)
-    resolved = 0
-
-    async def one(key: GroupKey, index: int) -> RolloutResult:
-        nonlocal resolved
-        async with gate:
-            result = await runner(key, index)
-        resolved += result.reward is not None and result.reward >= 0.5
-        bar.update(1)
-        bar.set_postfix(resolved=resolved)
-        return result
-
-    return list(await asyncio.gather(*(one(k, i) for k, i in keys)))
-
-
-def _attempts(
-    tasks: Sequence[RecipeTask], harnesses: Mapping[str, object], attempts: int
-) -> list[tuple[GroupKey, int]]:
-    """Every (task, harness) pair ``attempts`` times, in task order."""
-    return [(GroupKey(t.id, h), i) for t in tasks for h in harnesses for i in range(attempts)]
-
-
-def _status_counts(records: Sequence[RolloutRecord]) -> dict[str, Any]:
-    resolved = sum(
-        1
-        for r in records
-        if r.status is not RolloutStatus.ABORTED and r.reward and r.reward.value >= 0.5
-    )
-    excluded: Counter[str] = Counter()
-    for r in records:
-        if r.status is RolloutStatus.ABORTED:
-            layer = r.failure.layer.value if r.failure is not None else "unknown"
-            excluded[layer] += 1
-    return {
-        "rollouts": len(records),
-        "resolved": resolved,
-        "unresolved": len(records) - resolved - sum(excluded.values()),
-        "excluded": dict(excluded),
-    }
 
 
 def _tools_of(harness: ToolCallingHarness) -> list[dict[str, Any]]:
     return [tool.schema() for tool in harness.tools]
 
 
+# -- rollout jobs in orchard-rollout ------------------------------------------------------------
+
+
+def _rollout_tasks(tasks: Sequence[RecipeTask]) -> list[rollout_api.RolloutTask]:
+    """The tasks as a rollout job takes them: the harness's shell runs in the repository."""
+    return [dataclasses.replace(task_spec(t), workdir=WORKDIR).to_proto() for t in tasks]
+
+
+def _budget_proto(budget: Budget) -> rollout_api.RolloutBudget:
+    proto = rollout_api.RolloutBudget(max_steps=budget.max_steps, max_tokens=budget.max_tokens)
+    proto.max_duration.FromNanoseconds(int(budget.wall_clock_s * 1e9))
+    return proto
+
+
+def _student_policy(ctx: StageContext, version: str, temperature: float) -> rollout_api.PolicySpec:
+    """The run's student at ``version`` of its registry model, on orchard-rollout's engine."""
+    return rollout_api.PolicySpec(
+        weights=rollout_api.RegistryWeights(model=ctx.registry_model, version=version),
+        temperature=temperature,
+        max_tokens_per_call=MAX_TOKENS_PER_CALL,
+    )
+
+
+def _rollout_bar(ctx: StageContext, total: int, desc: str) -> tuple[tqdm[Any], Any]:
+    """A progress bar and the callback that moves it from a job's counters."""
+    bar = _bar(ctx, total, desc)
+
+    def progress(job: rollout_api.RolloutJob) -> None:
+        bar.n = min(total, int(job.rollouts_done)) if total else int(job.rollouts_done)
+        bar.set_postfix(groups=job.groups_emitted, excluded=job.rollouts_excluded, refresh=True)
+
+    return bar, progress
+
+
+def _main_line(group: trajectory_pb2.TrajectoryGroup) -> list[trajectory_pb2.Trajectory]:
+    """One trajectory per rollout, its first main-line path: auxiliary branches are left out,
+    and so are further paths of a rollout whose history forked (a re-tokenized turn), which
+    all carry the rollout's one reward."""
+    seen: set[str] = set()
+    out = []
+    for trajectory in group.trajectories:
+        if "branch" in trajectory.metadata or trajectory.rollout_id in seen:
+            continue
+        seen.add(trajectory.rollout_id)
+        out.append(trajectory)
+    return out
+
+
+def _scored(trajectory: trajectory_pb2.Trajectory) -> bool:
+    return trajectory.reward.status == reward_pb2.REWARD_STATUS_SCORED
+
+
+def _resolved(trajectory: trajectory_pb2.Trajectory) -> bool:
+    return _scored(trajectory) and trajectory.reward.value >= 0.5
+
+
+def group_counts(groups: Sequence[trajectory_pb2.TrajectoryGroup]) -> dict[str, Any]:
+    """Rollouts of the groups, resolved, unresolved and excluded (by the layer that failed)."""
+    rollouts = [t for g in groups for t in _main_line(g)]
+    excluded: Counter[str] = Counter(
+        t.metadata.get("failure_layer", "scoring") for t in rollouts if not _scored(t)
+    )
+    resolved = sum(_resolved(t) for t in rollouts)
+    return {
+        "rollouts": len(rollouts),
+        "resolved": resolved,
+        "unresolved": len(rollouts) - resolved - sum(excluded.values()),
+        "excluded": dict(excluded),
+    }
+
+
+def has_signal(group: trajectory_pb2.TrajectoryGroup) -> bool:
+    """Whether a group can move the policy: two or more scored rollouts, not all rewarded the
+    same (the rollout service's group filter, applied here to groups it streams unfiltered)."""
+    rewards = [t.reward.value for t in _main_line(group) if _scored(t)]
+    return len(rewards) >= 2 and len(set(rewards)) > 1
+
+
+def _write_groups(path: Path, groups: Sequence[trajectory_pb2.TrajectoryGroup]) -> None:
+    with path.open("a", encoding="utf-8") as out:
+        for group in groups:
+            out.write(json_format.MessageToJson(group, indent=None) + "\n")
+
+
+def read_groups(path: Path) -> list[trajectory_pb2.TrajectoryGroup]:
+    """The groups a stage wrote (``groups.jsonl``, one JSON object per line)."""
+    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+    return [json_format.Parse(line, trajectory_pb2.TrajectoryGroup()) for line in lines if line]
+
+
 # -- collect -------------------------------------------------------------------------------------
 
 
 @contextlib.asynccontextmanager
-async def _teacher(ctx: StageContext, tasks: Sequence[RecipeTask]) -> AsyncIterator[ModelEndpoint]:
+async def _teacher(
+    ctx: StageContext, tasks: Sequence[RecipeTask]
+) -> AsyncIterator[rollout_api.ChatEndpoint]:
+    """The teacher as orchard-rollout calls it: the recipe's endpoint (its key in the variable
+    `teacher.api_key_env` of the rollout service's environment), or the scripted teacher
+    served from this process on loopback for the run's tasks."""
     teacher = ctx.recipe.teacher
     if teacher.endpoint == "builtin:scripted":
         from orchard.recipes.swe_suite import generate_suite  # noqa: PLC0415
@@ -198,52 +231,56 @@ async def _teacher(ctx: StageContext, tasks: Sequence[RecipeTask]) -> AsyncItera
         suite = [t for t in generate_suite(spec.count, seed=spec.seed) if t.instance_id in wanted]
         script = PolicyScript.from_json(teacher_script(suite, model=teacher.model))
         async with ScriptedPolicyServer(script, seed=ctx.seed) as server:
-            yield ModelEndpoint(server.base_url, teacher.model, temperature=1.0)
+            yield rollout_api.ChatEndpoint(base_url=server.base_url, model=teacher.model)
         return
-    key = os.environ.get(teacher.api_key_env, "") if teacher.api_key_env else "orchard"
-    if teacher.api_key_env and not key:
-        raise ValueError(f"teacher.api_key_env names {teacher.api_key_env}, which is not set")
-    yield ModelEndpoint(teacher.endpoint, teacher.model, api_key=key, temperature=1.0)
+    yield rollout_api.ChatEndpoint(
+        base_url=teacher.endpoint, model=teacher.model, api_key_env=teacher.api_key_env or ""
+    )
 
 
 async def _collect(ctx: StageContext, out: Path) -> dict[str, Any]:
+    """A rollout job of the teacher on the SFT tasks; each scored conversation rendered in the
+    student's tokens."""
     stage = ctx.recipe.stages.collect
     tasks = ctx.tasks["sft"]
-    harnesses = harnesses_for(ctx.recipe)
-    keys = _attempts(tasks, harnesses, stage.attempts_per_task)
-    async with (
-        _teacher(ctx, tasks) as endpoint,
-        AsyncSandboxClient(ctx.stack.env, token=ctx.stack.env_token) as sandboxes,
-        RewardServiceScorer(ctx.stack.reward) as scorer,
-    ):
-        runner = RolloutRunner(
-            sandboxes=sandboxes,
-            endpoint=endpoint,
-            harnesses=harnesses,
-            tasks={t.id: task_spec(t) for t in tasks},
-            budget=_budget(stage.budget),
-            scorer=scorer,
-            seed=ctx.seed,
-            labels={"orchard-run": ctx.recipe.name, "orchard-stage": "collect"},
+    total = len(tasks) * len(ctx.recipe.harnesses) * stage.attempts_per_task
+    async with _teacher(ctx, tasks) as endpoint:
+        spec = rollout_api.RolloutJobSpec(
+            tasks=_rollout_tasks(tasks),
+            harnesses=list(ctx.recipe.harnesses),
+            policy_spec=rollout_api.PolicySpec(endpoint=endpoint, temperature=1.0),
+            sampler=rollout_api.SamplerConfig(
+                kind=rollout_api.SAMPLER_KIND_FIXED_N,
+                group_size=stage.attempts_per_task,
+                keep_uninformative_groups=True,
+            ),
+            budget=_budget_proto(stage.budget),
+            concurrency=ctx.workers,
         )
-        with _bar(ctx, len(keys), "collect") as bar:
-            await _run_all(runner, keys, workers=ctx.workers, bar=bar)
-    records = sorted(runner.records, key=lambda r: (r.task_id, r.started_at))
-    write_records(records, str(out / "rollouts.jsonl"))
+        bar, progress = _rollout_bar(ctx, total, "collect")
+        with bar:
+            async with RolloutJobs(ctx.stack.rollout) as rollouts:
+                job, groups = await rollouts.run(
+                    spec, f"{ctx.recipe.name}-collect-{uuid.uuid4().hex}", progress=progress
+                )
+    path = out / "groups.jsonl"
+    path.unlink(missing_ok=True)
+    _write_groups(path, groups)
     renderer = _student_renderer(ctx)
+    tools = {name: _tools_of(h) for name, h in harnesses_for(ctx.recipe).items()}
     repository = {t.id: t.instance.repo for t in tasks}
     rows = []
-    for record in records:
-        harness = harnesses[record.harness]
-        if record.status is RolloutStatus.ABORTED or not record.messages:
-            continue
-        row = teacher_trajectory(
-            record, renderer, _tools_of(harness), teacher_model=ctx.recipe.teacher.model
-        )
-        row.metadata["repository"] = repository.get(record.task_id, "")
-        rows.append(row)
+    for group in groups:
+        for source in _main_line(group):
+            if not _scored(source) or not source.conversation_json:
+                continue
+            row = teacher_trajectory(
+                source, renderer, tools[group.harness], teacher_model=ctx.recipe.teacher.model
+            )
+            row.metadata["repository"] = repository.get(group.task_id, "")
+            rows.append(row)
     _write_trajectories(out / "trajectories.jsonl", rows)
-    return {**_status_counts(records), "trajectories": len(rows)}
+    return {**group_counts(groups), "trajectories": len(rows), "rollout_job": job.id}
 
 
 def _student_renderer(ctx: StageContext) -> ChatRenderer:
@@ -488,7 +525,7 @@ def run_sft(ctx: StageContext) -> dict[str, Any]:
     if not samples:
         raise RuntimeError(
             "curation kept no trajectory to train on: the teacher resolved nothing; look at "
-            f"{ctx.run.root / 'collect' / 'rollouts.jsonl'}"
+            f"{ctx.run.root / 'collect' / 'groups.jsonl'}"
         )
     steps = max(1, stage.epochs * samples // (stage.batch_size * stage.gradient_accumulation))
     out = ctx.run.stage("sft")
@@ -543,87 +580,6 @@ def run_sft(ctx: StageContext) -> dict[str, Any]:
         }
 
     return asyncio.run(go())
-
-
-# -- student rollouts in orchard-rollout ----------------------------------------------------------
-
-
-def _rollout_tasks(tasks: Sequence[RecipeTask]) -> list[rollout_api.RolloutTask]:
-    """The tasks as a rollout job takes them: the harness's shell runs in the repository."""
-    return [dataclasses.replace(task_spec(t), workdir=WORKDIR).to_proto() for t in tasks]
-
-
-def _budget_proto(budget: Budget) -> rollout_api.RolloutBudget:
-    proto = rollout_api.RolloutBudget(max_steps=budget.max_steps, max_tokens=budget.max_tokens)
-    proto.max_duration.FromNanoseconds(int(budget.wall_clock_s * 1e9))
-    return proto
-
-
-def _student_policy(ctx: StageContext, version: str, temperature: float) -> rollout_api.PolicySpec:
-    """The run's student at ``version`` of its registry model, on orchard-rollout's engine."""
-    return rollout_api.PolicySpec(
-        weights=rollout_api.RegistryWeights(model=ctx.registry_model, version=version),
-        temperature=temperature,
-        max_tokens_per_call=MAX_TOKENS_PER_CALL,
-    )
-
-
-def _rollout_bar(ctx: StageContext, total: int, desc: str) -> tuple[tqdm[Any], Any]:
-    """A progress bar and the callback that moves it from a job's counters."""
-    bar = _bar(ctx, total, desc)
-
-    def progress(job: rollout_api.RolloutJob) -> None:
-        bar.n = min(total, int(job.rollouts_done)) if total else int(job.rollouts_done)
-        bar.set_postfix(groups=job.groups_emitted, excluded=job.rollouts_excluded, refresh=True)
-
-    return bar, progress
-
-
-def _main_line(group: trajectory_pb2.TrajectoryGroup) -> list[trajectory_pb2.Trajectory]:
-    """One trajectory per rollout: the main line (branches of a rewritten history left out)."""
-    return [t for t in group.trajectories if "branch" not in t.metadata]
-
-
-def _scored(trajectory: trajectory_pb2.Trajectory) -> bool:
-    return trajectory.reward.status == reward_pb2.REWARD_STATUS_SCORED
-
-
-def _resolved(trajectory: trajectory_pb2.Trajectory) -> bool:
-    return _scored(trajectory) and trajectory.reward.value >= 0.5
-
-
-def group_counts(groups: Sequence[trajectory_pb2.TrajectoryGroup]) -> dict[str, Any]:
-    """Rollouts of the groups, resolved, unresolved and excluded (by the layer that failed)."""
-    rollouts = [t for g in groups for t in _main_line(g)]
-    excluded: Counter[str] = Counter(
-        t.metadata.get("failure_layer", "scoring") for t in rollouts if not _scored(t)
-    )
-    resolved = sum(_resolved(t) for t in rollouts)
-    return {
-        "rollouts": len(rollouts),
-        "resolved": resolved,
-        "unresolved": len(rollouts) - resolved - sum(excluded.values()),
-        "excluded": dict(excluded),
-    }
-
-
-def has_signal(group: trajectory_pb2.TrajectoryGroup) -> bool:
-    """Whether a group can move the policy: two or more scored rollouts, not all rewarded the
-    same (the rollout service's group filter, applied here to groups it streams unfiltered)."""
-    rewards = [t.reward.value for t in _main_line(group) if _scored(t)]
-    return len(rewards) >= 2 and len(set(rewards)) > 1
-
-
-def _write_groups(path: Path, groups: Sequence[trajectory_pb2.TrajectoryGroup]) -> None:
-    with path.open("a", encoding="utf-8") as out:
-        for group in groups:
-            out.write(json_format.MessageToJson(group, indent=None) + "\n")
-
-
-def read_groups(path: Path) -> list[trajectory_pb2.TrajectoryGroup]:
-    """The groups a stage wrote (``groups.jsonl``, one JSON object per line)."""
-    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
-    return [json_format.Parse(line, trajectory_pb2.TrajectoryGroup()) for line in lines if line]
 
 
 # -- evaluate ------------------------------------------------------------------------------------

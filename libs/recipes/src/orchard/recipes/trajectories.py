@@ -12,51 +12,21 @@ token. Teacher turns have no logprobs (`output_logprobs` stays empty) and the we
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from orchard.lm.chat import IM_END, ChatRenderer
-from orchard.rollout.provenance import RolloutRecord
-from orchard.rollout.results import RolloutStatus
-from orchard.types.v1 import reward_pb2, trajectory_pb2
+from orchard.types.v1 import trajectory_pb2
 
 __all__ = [
     "TrajectoryBuildError",
-    "record_reward",
     "teacher_trajectory",
 ]
-
-_OUTCOMES = {
-    "submitted": trajectory_pb2.TRAJECTORY_OUTCOME_COMPLETED,
-    "stopped": trajectory_pb2.TRAJECTORY_OUTCOME_COMPLETED,
-    "step_limit": trajectory_pb2.TRAJECTORY_OUTCOME_STEP_LIMIT,
-    "token_limit": trajectory_pb2.TRAJECTORY_OUTCOME_TOKEN_LIMIT,
-    "time_limit": trajectory_pb2.TRAJECTORY_OUTCOME_TIME_LIMIT,
-}
 
 
 class TrajectoryBuildError(ValueError):
     """A conversation the student's chat template cannot render turn by turn."""
-
-
-def _outcome(record: RolloutRecord) -> trajectory_pb2.TrajectoryOutcome.ValueType:
-    if record.status is RolloutStatus.ABORTED:
-        return trajectory_pb2.TRAJECTORY_OUTCOME_ABORTED
-    return _OUTCOMES.get(record.outcome, trajectory_pb2.TRAJECTORY_OUTCOME_COMPLETED)
-
-
-def record_reward(record: RolloutRecord) -> reward_pb2.Reward:
-    """The record's reward as the contracts carry it: SCORED with its value, or EXCLUDED with
-    the failure that kept it from being scored."""
-    if record.reward is None or record.status is RolloutStatus.ABORTED:
-        detail = record.failure.error if record.failure is not None else "no reward"
-        return reward_pb2.Reward(status=reward_pb2.REWARD_STATUS_EXCLUDED, detail=detail[:2000])
-    return reward_pb2.Reward(
-        status=reward_pb2.REWARD_STATUS_SCORED,
-        value=record.reward.value,
-        scorer=record.reward.scorer,
-        detail=record.reward.detail[:2000],
-    )
 
 
 def _assistant_end(renderer: ChatRenderer, ids: list[int]) -> int:
@@ -69,15 +39,18 @@ def _assistant_end(renderer: ChatRenderer, ids: list[int]) -> int:
 
 
 def teacher_trajectory(
-    record: RolloutRecord,
+    source: trajectory_pb2.Trajectory,
     renderer: ChatRenderer,
     tools: Sequence[Mapping[str, Any]],
     *,
     teacher_model: str,
 ) -> trajectory_pb2.Trajectory:
-    """The teacher's conversation in ``record.messages`` as a trajectory in the student's
-    tokens; raises `TrajectoryBuildError` when the template does not extend turn by turn."""
-    messages = list(record.messages)
+    """The teacher's trajectory as orchard-rollout gave it (its reward, outcome and
+    conversation, no turns) with turns in the student's tokens; raises `TrajectoryBuildError`
+    when it has no conversation or the template does not extend turn by turn."""
+    if not source.conversation_json:
+        raise TrajectoryBuildError(f"rollout {source.rollout_id}: no conversation to render")
+    messages: list[dict[str, Any]] = json.loads(source.conversation_json)
     schemas = [dict(t) for t in tools]
     turns: list[trajectory_pb2.Turn] = []
     consumed: list[int] = []
@@ -95,7 +68,7 @@ def teacher_trajectory(
         )
         if prompt[: len(consumed)] != consumed or with_answer[: len(prompt)] != prompt:
             raise TrajectoryBuildError(
-                f"rollout {record.rollout_id}: turn {len(turns)} does not extend the tokens "
+                f"rollout {source.rollout_id}: turn {len(turns)} does not extend the tokens "
                 "before it under the student's chat template"
             )
         output = with_answer[len(prompt) : _assistant_end(renderer, with_answer)]
@@ -122,14 +95,10 @@ def teacher_trajectory(
             )
         )
         consumed = prompt + output
-    trajectory = trajectory_pb2.Trajectory(
-        id=f"{record.rollout_id}/0",
-        rollout_id=record.rollout_id,
-        task_id=record.task_id,
-        harness=record.harness,
-        turns=turns,
-        outcome=_outcome(record),
-        reward=record_reward(record),
-    )
+    trajectory = trajectory_pb2.Trajectory()
+    trajectory.CopyFrom(source)
+    trajectory.conversation_json = ""
+    del trajectory.turns[:]
+    trajectory.turns.extend(turns)
     trajectory.metadata["source"] = "teacher"
     return trajectory

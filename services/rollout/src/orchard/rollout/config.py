@@ -20,6 +20,7 @@ from orchard.rollout.engines.local import LocalEngineConfig
 from orchard.rollout.proxy.server import CaptureProxyConfig
 
 __all__ = [
+    "ENV_NAME",
     "EnvServiceConfig",
     "EtcdConfig",
     "JobPoliciesConfig",
@@ -29,11 +30,12 @@ __all__ = [
     "RunDefaults",
 ]
 
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+"""What an environment variable's name may be."""
 
 
 def _env_name(value: str) -> str:
-    if value and not _ENV_NAME.match(value):
+    if value and not ENV_NAME.match(value):
         raise ValueError(f"expected an environment variable name, got {value!r}")
     return value
 

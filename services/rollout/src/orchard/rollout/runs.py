@@ -326,6 +326,7 @@ def group_proto(job_id: str, sampled: SampledGroup) -> trajectory_pb2.Trajectory
                 tree, task_id=key.task_id, harness=key.harness, outcome=_outcome(record)
             )
         else:
+            # Not captured (an endpoint policy): the conversation stands in for the turns.
             trajectories = [
                 trajectory_pb2.Trajectory(
                     id=f"{record.rollout_id}/0",
@@ -333,6 +334,7 @@ def group_proto(job_id: str, sampled: SampledGroup) -> trajectory_pb2.Trajectory
                     task_id=key.task_id,
                     harness=key.harness,
                     outcome=_outcome(record),
+                    conversation_json=json.dumps(record.messages) if record.messages else "",
                 )
             ]
         reward = _reward(record, discard)

@@ -18,7 +18,9 @@ import asyncio
 import contextlib
 import enum
 import logging
+import os
 import re
+import urllib.parse
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -31,7 +33,7 @@ from orchard.core.etcd import Lease
 from orchard.lm.weights import InvalidWeightVersion, check_model_name
 from orchard.rollout.batches import GroupFilter
 from orchard.rollout.budgets import LayeredRetries, RolloutBudget
-from orchard.rollout.config import PolicyConfig, RolloutConfig
+from orchard.rollout.config import ENV_NAME, PolicyConfig, RolloutConfig
 from orchard.rollout.harnesses.bash_react import (
     bash_react_harness,
     generic_tool_harness,
@@ -108,13 +110,22 @@ class ValidSpec:
 
 @dataclass(frozen=True, slots=True)
 class JobPolicyKey:
-    """A policy a job brought: jobs with equal keys share one engine."""
+    """A policy a job brought: registry weights (jobs with equal keys share one engine) or an
+    endpoint (`base_url` set; nothing to start)."""
 
     model: str
     version: str
     """Empty: the latest version, following new publications."""
     temperature: float
     max_tokens_per_call: int
+    base_url: str = ""
+    api_key_env: str = ""
+
+    @property
+    def name(self) -> str:
+        if self.base_url:
+            return f"{self.model} at {self.base_url}"
+        return f"{self.model}@{self.version or 'latest'}"
 
 
 def _job_policy(spec: api.PolicySpec, config: RolloutConfig) -> JobPolicyKey:
@@ -125,22 +136,50 @@ def _job_policy(spec: api.PolicySpec, config: RolloutConfig) -> JobPolicyKey:
             "false): name one of its policies in spec.policy "
             f"({', '.join(sorted(config.policies))})",
         )
-    if spec.WhichOneof("source") != "weights":
-        raise _invalid("spec.policy_spec needs weights: {model, version} in the weight registry")
-    try:
-        check_model_name(spec.weights.model)
-    except ValueError as exc:
-        raise _invalid(f"spec.policy_spec.weights.model: {exc}") from None
     temperature = spec.temperature if spec.HasField("temperature") else 1.0
     if not 0 <= temperature <= 2:
         raise _invalid(f"spec.policy_spec.temperature {temperature} must lie in [0, 2]")
     if spec.max_tokens_per_call < 0:
         raise _invalid("spec.policy_spec.max_tokens_per_call must not be negative")
+    max_tokens = spec.max_tokens_per_call or 1024
+    source = spec.WhichOneof("source")
+    if source == "endpoint":
+        endpoint = spec.endpoint
+        url = urllib.parse.urlsplit(endpoint.base_url)
+        if url.scheme not in ("http", "https") or not url.netloc:
+            raise _invalid(
+                f"spec.policy_spec.endpoint.base_url {endpoint.base_url!r} must be an http(s) "
+                "URL of an OpenAI-compatible API root, e.g. https://api.example.com/v1"
+            )
+        if not endpoint.model:
+            raise _invalid("spec.policy_spec.endpoint.model is empty: name the model to call")
+        if endpoint.api_key_env and not ENV_NAME.match(endpoint.api_key_env):
+            raise _invalid(
+                f"spec.policy_spec.endpoint.api_key_env {endpoint.api_key_env!r} is not an "
+                "environment variable name"
+            )
+        return JobPolicyKey(
+            model=endpoint.model,
+            version="",
+            temperature=temperature,
+            max_tokens_per_call=max_tokens,
+            base_url=endpoint.base_url,
+            api_key_env=endpoint.api_key_env,
+        )
+    if source != "weights":
+        raise _invalid(
+            "spec.policy_spec needs weights ({model, version} in the weight registry) or an "
+            "endpoint ({base_url, model})"
+        )
+    try:
+        check_model_name(spec.weights.model)
+    except ValueError as exc:
+        raise _invalid(f"spec.policy_spec.weights.model: {exc}") from None
     return JobPolicyKey(
         model=spec.weights.model,
         version=spec.weights.version,
         temperature=temperature,
-        max_tokens_per_call=spec.max_tokens_per_call or 1024,
+        max_tokens_per_call=max_tokens,
     )
 
 
@@ -261,6 +300,22 @@ class _Policy:
                 await self.engine.close()
 
 
+def _endpoint_policy(key: JobPolicyKey) -> _Policy:
+    """A job's endpoint: calls go straight there, uncaptured."""
+    api_key = os.environ.get(key.api_key_env, "") if key.api_key_env else "orchard"
+    if not api_key:
+        raise RuntimeError(f"the API key variable {key.api_key_env} is unset")
+    return _Policy(
+        ModelEndpoint(
+            base_url=key.base_url,
+            model=key.model,
+            api_key=api_key,
+            temperature=key.temperature,
+            max_tokens_per_call=key.max_tokens_per_call,
+        )
+    )
+
+
 @dataclass
 class _Shared:
     """A job policy's engine and how many running jobs use it."""
@@ -327,7 +382,17 @@ class RolloutManager:
             return started
 
     async def _check_published(self, key: JobPolicyKey) -> None:
-        """Raises OrchardError when the job's weights cannot be loaded here."""
+        """Raises OrchardError when the job's weights cannot be loaded here (or, for an
+        endpoint, when its API key variable is unset here)."""
+        if key.base_url:
+            if key.api_key_env and not os.environ.get(key.api_key_env):
+                raise OrchardError(
+                    Reason.FAILED_PRECONDITION,
+                    f"spec.policy_spec.endpoint.api_key_env names {key.api_key_env}, which is "
+                    "not set in the rollout service's environment: set it there (the key never "
+                    "travels in a spec)",
+                )
+            return
         if self.registry is None:
             raise OrchardError(
                 Reason.FAILED_PRECONDITION,
@@ -376,7 +441,7 @@ class RolloutManager:
                 del self._job_policies[key]
                 self.metrics.job_engines.dec()
                 await shared.policy.close()
-                log.info("job policy %s@%s closed", key.model, key.version or "latest")
+                log.info("job policy %s closed", key.name)
             self._job_policies_changed.notify_all()
 
     async def _start_job_policy(self, key: JobPolicyKey) -> _Policy:
@@ -404,9 +469,8 @@ class RolloutManager:
                 template.model_copy(update={"model_folder": None, "registry_model": key.model}),
                 registry=registry,
             )
-        name = f"{key.model}@{key.version or 'latest'}"
         return await self._behind_proxy(
-            name, engine, key.model, key.temperature, key.max_tokens_per_call
+            key.name, engine, key.model, key.temperature, key.max_tokens_per_call
         )
 
     async def _behind_proxy(
@@ -500,13 +564,16 @@ class RolloutManager:
         self.metrics.jobs_running.inc()
         try:
             key = valid.job_policy
+            pooled = key is not None and not key.base_url
             try:
-                if key is not None:
-                    policy = await self._acquire_job_policy(key)
-                else:
+                if key is None:
                     policy = await self._policy(valid.policy)
+                elif key.base_url:
+                    policy = _endpoint_policy(key)
+                else:
+                    policy = await self._acquire_job_policy(key)
             except Exception as exc:
-                name = f"{key.model}@{key.version or 'latest'}" if key else valid.policy
+                name = key.name if key else valid.policy
                 job.state = api.ROLLOUT_JOB_STATE_FAILED
                 job.error = f"policy {name!r} did not start: {type(exc).__name__}: {exc}"
                 await self.jobs.put(job)
@@ -515,7 +582,7 @@ class RolloutManager:
             try:
                 await self._run_with(job, valid, policy)
             finally:
-                if key is not None:
+                if pooled and key is not None:
                     await self._release_job_policy(key)
         finally:
             self.metrics.jobs_running.dec()

@@ -292,12 +292,45 @@ class RegistryWeights(_message.Message):
 Global___RegistryWeights: _TypeAlias = RegistryWeights  # noqa: Y015
 
 @_typing.final
+class ChatEndpoint(_message.Message):
+    """An OpenAI-compatible chat completions endpoint that the rollout service can reach."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BASE_URL_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    API_KEY_ENV_FIELD_NUMBER: _builtins.int
+    base_url: _builtins.str
+    """API root, e.g. "https://api.example.com/v1" (http or https)."""
+    model: _builtins.str
+    """Model name sent in calls."""
+    api_key_env: _builtins.str
+    """Name of the variable in the rollout service's environment that holds the API key: the key
+    itself never travels in a spec, which the service stores. Empty: no key.
+    """
+    def __init__(
+        self,
+        *,
+        base_url: _builtins.str = ...,
+        model: _builtins.str = ...,
+        api_key_env: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_key_env", b"api_key_env", "base_url", b"base_url", "model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatEndpoint: _TypeAlias = ChatEndpoint  # noqa: Y015
+
+@_typing.final
 class PolicySpec(_message.Message):
     """A job's own policy."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     WEIGHTS_FIELD_NUMBER: _builtins.int
+    ENDPOINT_FIELD_NUMBER: _builtins.int
     TEMPERATURE_FIELD_NUMBER: _builtins.int
     MAX_TOKENS_PER_CALL_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
@@ -308,20 +341,27 @@ class PolicySpec(_message.Message):
     def weights(self) -> Global___RegistryWeights:
         """A weight version in the registry."""
 
+    @_builtins.property
+    def endpoint(self) -> Global___ChatEndpoint:
+        """An endpoint (a hosted model, a teacher): its calls are not captured, so trajectories
+        carry their conversation (`Trajectory.conversation_json`) and no turns.
+        """
+
     def __init__(
         self,
         *,
         weights: Global___RegistryWeights | None = ...,
+        endpoint: Global___ChatEndpoint | None = ...,
         temperature: _builtins.float | None = ...,
         max_tokens_per_call: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "source", b"source", "temperature", b"temperature", "weights", b"weights"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "endpoint", b"endpoint", "source", b"source", "temperature", b"temperature", "weights", b"weights"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "max_tokens_per_call", b"max_tokens_per_call", "source", b"source", "temperature", b"temperature", "weights", b"weights"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "endpoint", b"endpoint", "max_tokens_per_call", b"max_tokens_per_call", "source", b"source", "temperature", b"temperature", "weights", b"weights"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
     _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
-    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["weights"]  # noqa: Y015
+    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["weights", "endpoint"]  # noqa: Y015
     _WhichOneofArgType_source: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...

@@ -27,7 +27,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from orchard.types.v1 import reward_pb2 as orchard_dot_types_dot_v1_dot_reward__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!orchard/types/v1/trajectory.proto\x12\x10orchard.types.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1dorchard/types/v1/reward.proto\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\x89\x03\n\x04Turn\x12\r\n\x05index\x18\x01 \x01(\x05\x12(\n\x04kind\x18\x02 \x01(\x0e\x32\x1a.orchard.types.v1.TurnKind\x12\x17\n\x0finput_token_ids\x18\x03 \x03(\r\x12\x18\n\x10output_token_ids\x18\x04 \x03(\r\x12\x17\n\x0foutput_logprobs\x18\x05 \x03(\x02\x12\x18\n\x10output_loss_mask\x18\x06 \x03(\x08\x12\x16\n\x0eweight_version\x18\x07 \x01(\t\x12\x15\n\rfinish_reason\x18\x08 \x01(\t\x12\x13\n\x0boutput_text\x18\t \x01(\t\x12.\n\ntool_calls\x18\n \x03(\x0b\x32\x1a.orchard.types.v1.ToolCall\x12.\n\nstart_time\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12*\n\x07latency\x18\x0c \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\ninput_text\x18\r \x01(\t\"\x9d\x03\n\nTrajectory\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nrollout_id\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x0f\n\x07harness\x18\x04 \x01(\t\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12%\n\x05turns\x18\x06 \x03(\x0b\x32\x16.orchard.types.v1.Turn\x12\x34\n\x07outcome\x18\x07 \x01(\x0e\x32#.orchard.types.v1.TrajectoryOutcome\x12(\n\x06reward\x18\x08 \x01(\x0b\x32\x18.orchard.types.v1.Reward\x12\x32\n\x06\x63redit\x18\t \x01(\x0b\x32\".orchard.types.v1.CreditAssignment\x12\x11\n\tadvantage\x18\n \x01(\x01\x12<\n\x08metadata\x18\x0b \x03(\x0b\x32*.orchard.types.v1.Trajectory.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb5\x01\n\x0fTrajectoryGroup\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x0f\n\x07harness\x18\x03 \x01(\t\x12\x32\n\x0ctrajectories\x18\x04 \x03(\x0b\x32\x1c.orchard.types.v1.Trajectory\x12\x0f\n\x07sampler\x18\x05 \x01(\t\x12\x19\n\x11positive_fraction\x18\x06 \x01(\x01\x12\x14\n\x0crollouts_run\x18\x07 \x01(\x05*\xe3\x01\n\x11TrajectoryOutcome\x12\"\n\x1eTRAJECTORY_OUTCOME_UNSPECIFIED\x10\x00\x12 \n\x1cTRAJECTORY_OUTCOME_COMPLETED\x10\x01\x12!\n\x1dTRAJECTORY_OUTCOME_STEP_LIMIT\x10\x02\x12\"\n\x1eTRAJECTORY_OUTCOME_TOKEN_LIMIT\x10\x03\x12!\n\x1dTRAJECTORY_OUTCOME_TIME_LIMIT\x10\x04\x12\x1e\n\x1aTRAJECTORY_OUTCOME_ABORTED\x10\x05*T\n\x08TurnKind\x12\x19\n\x15TURN_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10TURN_KIND_POLICY\x10\x01\x12\x17\n\x13TURN_KIND_AUXILIARY\x10\x02\x42\x18\n\x14\x64\x65v.orchard.types.v1P\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!orchard/types/v1/trajectory.proto\x12\x10orchard.types.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1dorchard/types/v1/reward.proto\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\x89\x03\n\x04Turn\x12\r\n\x05index\x18\x01 \x01(\x05\x12(\n\x04kind\x18\x02 \x01(\x0e\x32\x1a.orchard.types.v1.TurnKind\x12\x17\n\x0finput_token_ids\x18\x03 \x03(\r\x12\x18\n\x10output_token_ids\x18\x04 \x03(\r\x12\x17\n\x0foutput_logprobs\x18\x05 \x03(\x02\x12\x18\n\x10output_loss_mask\x18\x06 \x03(\x08\x12\x16\n\x0eweight_version\x18\x07 \x01(\t\x12\x15\n\rfinish_reason\x18\x08 \x01(\t\x12\x13\n\x0boutput_text\x18\t \x01(\t\x12.\n\ntool_calls\x18\n \x03(\x0b\x32\x1a.orchard.types.v1.ToolCall\x12.\n\nstart_time\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12*\n\x07latency\x18\x0c \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\ninput_text\x18\r \x01(\t\"\xb8\x03\n\nTrajectory\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nrollout_id\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x0f\n\x07harness\x18\x04 \x01(\t\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12%\n\x05turns\x18\x06 \x03(\x0b\x32\x16.orchard.types.v1.Turn\x12\x34\n\x07outcome\x18\x07 \x01(\x0e\x32#.orchard.types.v1.TrajectoryOutcome\x12(\n\x06reward\x18\x08 \x01(\x0b\x32\x18.orchard.types.v1.Reward\x12\x32\n\x06\x63redit\x18\t \x01(\x0b\x32\".orchard.types.v1.CreditAssignment\x12\x11\n\tadvantage\x18\n \x01(\x01\x12<\n\x08metadata\x18\x0b \x03(\x0b\x32*.orchard.types.v1.Trajectory.MetadataEntry\x12\x19\n\x11\x63onversation_json\x18\x0c \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb5\x01\n\x0fTrajectoryGroup\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x0f\n\x07harness\x18\x03 \x01(\t\x12\x32\n\x0ctrajectories\x18\x04 \x03(\x0b\x32\x1c.orchard.types.v1.Trajectory\x12\x0f\n\x07sampler\x18\x05 \x01(\t\x12\x19\n\x11positive_fraction\x18\x06 \x01(\x01\x12\x14\n\x0crollouts_run\x18\x07 \x01(\x05*\xe3\x01\n\x11TrajectoryOutcome\x12\"\n\x1eTRAJECTORY_OUTCOME_UNSPECIFIED\x10\x00\x12 \n\x1cTRAJECTORY_OUTCOME_COMPLETED\x10\x01\x12!\n\x1dTRAJECTORY_OUTCOME_STEP_LIMIT\x10\x02\x12\"\n\x1eTRAJECTORY_OUTCOME_TOKEN_LIMIT\x10\x03\x12!\n\x1dTRAJECTORY_OUTCOME_TIME_LIMIT\x10\x04\x12\x1e\n\x1aTRAJECTORY_OUTCOME_ABORTED\x10\x05*T\n\x08TurnKind\x12\x19\n\x15TURN_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10TURN_KIND_POLICY\x10\x01\x12\x17\n\x13TURN_KIND_AUXILIARY\x10\x02\x42\x18\n\x14\x64\x65v.orchard.types.v1P\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,18 +37,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'\n\024dev.orchard.types.v1P\001'
   _globals['_TRAJECTORY_METADATAENTRY']._loaded_options = None
   _globals['_TRAJECTORY_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_TRAJECTORYOUTCOME']._serialized_start=1210
-  _globals['_TRAJECTORYOUTCOME']._serialized_end=1437
-  _globals['_TURNKIND']._serialized_start=1439
-  _globals['_TURNKIND']._serialized_end=1523
+  _globals['_TRAJECTORYOUTCOME']._serialized_start=1237
+  _globals['_TRAJECTORYOUTCOME']._serialized_end=1464
+  _globals['_TURNKIND']._serialized_start=1466
+  _globals['_TURNKIND']._serialized_end=1550
   _globals['_TOOLCALL']._serialized_start=151
   _globals['_TOOLCALL']._serialized_end=211
   _globals['_TURN']._serialized_start=214
   _globals['_TURN']._serialized_end=607
   _globals['_TRAJECTORY']._serialized_start=610
-  _globals['_TRAJECTORY']._serialized_end=1023
-  _globals['_TRAJECTORY_METADATAENTRY']._serialized_start=976
-  _globals['_TRAJECTORY_METADATAENTRY']._serialized_end=1023
-  _globals['_TRAJECTORYGROUP']._serialized_start=1026
-  _globals['_TRAJECTORYGROUP']._serialized_end=1207
+  _globals['_TRAJECTORY']._serialized_end=1050
+  _globals['_TRAJECTORY_METADATAENTRY']._serialized_start=1003
+  _globals['_TRAJECTORY_METADATAENTRY']._serialized_end=1050
+  _globals['_TRAJECTORYGROUP']._serialized_start=1053
+  _globals['_TRAJECTORYGROUP']._serialized_end=1234
 # @@protoc_insertion_point(module_scope)

@@ -242,6 +242,7 @@ class Trajectory(_message.Message):
     CREDIT_FIELD_NUMBER: _builtins.int
     ADVANTAGE_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
+    CONVERSATION_JSON_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Unique id."""
     rollout_id: _builtins.str
@@ -256,6 +257,11 @@ class Trajectory(_message.Message):
     """How it ended."""
     advantage: _builtins.float
     """Its advantage within its group, once computed."""
+    conversation_json: _builtins.str
+    """The conversation as the harness held it (OpenAI chat messages, a JSON array), for a rollout
+    whose model calls were not captured (an endpoint policy, e.g. a teacher): what distillation
+    renders in a student's tokens. Empty when the turns carry the calls.
+    """
     @_builtins.property
     def turns(self) -> _containers.RepeatedCompositeFieldContainer[Global___Turn]:
         """The model calls, in order."""
@@ -286,10 +292,11 @@ class Trajectory(_message.Message):
         credit: _reward_pb2.CreditAssignment | None = ...,
         advantage: _builtins.float = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        conversation_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["credit", b"credit", "reward", b"reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advantage", b"advantage", "credit", b"credit", "group_id", b"group_id", "harness", b"harness", "id", b"id", "metadata", b"metadata", "outcome", b"outcome", "reward", b"reward", "rollout_id", b"rollout_id", "task_id", b"task_id", "turns", b"turns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advantage", b"advantage", "conversation_json", b"conversation_json", "credit", b"credit", "group_id", b"group_id", "harness", b"harness", "id", b"id", "metadata", b"metadata", "outcome", b"outcome", "reward", b"reward", "rollout_id", b"rollout_id", "task_id", b"task_id", "turns", b"turns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
