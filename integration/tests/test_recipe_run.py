@@ -199,14 +199,21 @@ def test_rl_samples_the_student_in_rollout_jobs_with_captured_tokens(
 def test_the_report_has_every_model_and_the_services_numbers(report: Path, recipe: Recipe) -> None:
     data = json.loads((report.parent / "report.json").read_text())
     models = {e["model"]: e for e in data["evaluations"]}
-    assert {"base", "sft"} <= set(models)
+    assert set(models) == {"base", "sft", "rl"}
     evaluate = _done(recipe, "evaluate")["models"]
     held_out = {t.id for t in prepare_tasks(recipe, RunDir.open(recipe))["evaluate"]}
     assert recipe.output_dir is not None
+    # The RL model is its own version, or the SFT model's weights handed on (and said so).
+    rl_weights = _done(recipe, "rl")["weights"]["version"]
+    assert evaluate["rl"]["weight_version"] == rl_weights
+    if rl_weights == evaluate["sft"]["weight_version"]:
+        assert evaluate["rl"]["same_weights_as"] == "sft"
+        assert "the sft model's" in models["rl"]["weight_version"]
     for name, evaluation in models.items():
         assert evaluation["attempts"] == 5
         # Each model's held-out rollouts ran as a rollout job of its weight version.
-        groups = read_groups(recipe.output_dir / "evaluate" / f"{name}.groups.jsonl")
+        sampled = evaluate[name].get("same_weights_as", name)
+        groups = read_groups(recipe.output_dir / "evaluate" / f"{sampled}.groups.jsonl")
         assert {g.task_id for g in groups} == held_out
         versions = {t.weight_version for g in groups for r in g.trajectories for t in r.turns}
         assert versions == {evaluate[name]["weight_version"]}

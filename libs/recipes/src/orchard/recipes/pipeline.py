@@ -156,12 +156,13 @@ def build_report(ctx: StageContext) -> RunReport:
     run = ctx.run
     evaluations = []
     evaluate = run.done("evaluate")
-    for name, result in (evaluate or {}).get("models", {}).items():
-        evaluations.append(
-            ModelEvaluation(
-                name, result["resolved"], result["attempts"], result.get("weight_version", "")
-            )
-        )
+    order = {"base": 0, "sft": 1, "rl": 2}  # done.json keeps its keys sorted
+    found = (evaluate or {}).get("models", {})
+    for name, result in sorted(found.items(), key=lambda item: order.get(item[0], 3)):
+        weights = result.get("weight_version", "")
+        if result.get("same_weights_as"):
+            weights = f"{weights} (the {result['same_weights_as']} model's)"
+        evaluations.append(ModelEvaluation(name, result["resolved"], result["attempts"], weights))
     curves = []
     sft_log = _jsonl(run.root / "sft" / "run.jsonl")
     curve = _curve("sft loss", [(float(r["step"]), float(r["loss"])) for r in sft_log])

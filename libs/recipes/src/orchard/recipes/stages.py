@@ -586,15 +586,13 @@ def run_sft(ctx: StageContext) -> dict[str, Any]:
 
 
 def models_to_evaluate(ctx: StageContext) -> list[tuple[str, str]]:
-    """(name, weight version) of each model the run has produced, base first."""
+    """(name, weight version) of each model the run has produced, base first; two names may
+    share a version (an RL stage that handed on the SFT weights)."""
     out = [("base", "base")]
     for name in ("sft", "rl"):
         done = ctx.run.done(name)
         if done and done.get("weights"):
-            version = str(done["weights"]["version"])
-            if any(version == known for _, known in out):
-                continue  # the same weights (an RL stage that made no update): no new numbers
-            out.append((name, version))
+            out.append((name, str(done["weights"]["version"])))
     return out
 
 
@@ -660,6 +658,11 @@ def run_evaluate(ctx: StageContext) -> dict[str, Any]:
     _publish_base(ctx, base_model_folder(ctx))
     results = {}
     for name, version in models_to_evaluate(ctx):
+        earlier = next((n for n, r in results.items() if r["weight_version"] == version), None)
+        if earlier is not None:
+            # The same weights: the same numbers, said so rather than sampled again.
+            results[name] = {**results[earlier], "model": name, "same_weights_as": earlier}
+            continue
         cached = out / f"{name}.json"
         if cached.exists():
             results[name] = json.loads(cached.read_text(encoding="utf-8"))
