@@ -656,7 +656,7 @@ async def _evaluate_model(
 def run_evaluate(ctx: StageContext) -> dict[str, Any]:
     out = ctx.run.stage("evaluate")
     _publish_base(ctx, base_model_folder(ctx))
-    results = {}
+    results: dict[str, dict[str, Any]] = {}
     for name, version in models_to_evaluate(ctx):
         earlier = next((n for n, r in results.items() if r["weight_version"] == version), None)
         if earlier is not None:
