@@ -48,7 +48,8 @@ def add_recipe_commands(subparsers: Any, formatter: type[argparse.HelpFormatter]
         help="run a recipe against the running services",
         description=(
             "Run FILE's stages in order against the services `orchard up` runs (etcd, "
-            "orchard-env, orchard-reward), with a progress bar per stage, and write the report "
+            "orchard-env, orchard-reward, orchard-rollout, which runs every rollout, and "
+            "orchard-trainer, which trains), with a progress bar per stage, and write the report "
             "(report/report.md with plots) into the recipe's output folder. A stage that "
             "finished is not run again: after an interruption the same command resumes at the "
             "first unfinished stage. --stage runs the named stages alone, again. Without FILE, "
