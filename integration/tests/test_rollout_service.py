@@ -336,6 +336,8 @@ def test_a_job_runs_to_its_end_and_streams_its_scored_groups(
         ]
         positives = sum(r >= 0.5 for r in rewards)
         assert group.positive_fraction == pytest.approx(positives / 4)
+        # Streamed although the job keeps every group: it says whether it carries signal.
+        assert bool(group.no_signal_reason) == (len(set(rewards)) == 1)
         # The scripted policy is not captured: outcomes and rewards, no turns.
         assert all(not t.turns for t in group.trajectories)
     # A consumer that reconnects resumes at its index; past the end of an ended job is refused.

@@ -16,7 +16,7 @@ import pytest
 from orchard.lm.chat import ChatRenderer
 from orchard.lm.tokenizer import build_tokenizer
 from orchard.recipes.scripted_judge import judge_reply
-from orchard.recipes.stages import group_counts, has_signal, pick_validated
+from orchard.recipes.stages import group_counts, pick_validated
 from orchard.recipes.trajectories import TrajectoryBuildError, teacher_trajectory
 from orchard.recipes.workspace import RecipeMismatch, RunDir, StackEndpoints
 from orchard.reward.credit import credit_curve
@@ -235,11 +235,3 @@ def test_groups_count_rollouts_once_and_excluded_ones_by_layer() -> None:
         "unresolved": 3,
         "excluded": {"sandbox_create": 1},
     }
-
-
-def test_a_group_has_signal_when_two_scored_rollouts_differ() -> None:
-    assert has_signal(_group(1.0, -1.0))
-    assert not has_signal(_group(1.0, 1.0))  # all equal: no advantage
-    assert not has_signal(_group(1.0, None))  # one scored
-    assert not has_signal(_group(-1.0, -1.0, branch_of=0))
-    assert not has_signal(_group(1.0, fork_of=0))  # one rollout, two paths

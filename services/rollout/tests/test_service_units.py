@@ -328,6 +328,14 @@ def test_a_group_carries_the_captured_tokens_rewards_and_advantages() -> None:
     assert aborted.advantage == 0.0 and not aborted.turns
     assert aborted.outcome == trajectory_pb2.TRAJECTORY_OUTCOME_ABORTED
     assert {t.group_id for t in group.trajectories} == {group.id}
+    assert group.no_signal_reason == ""  # two scored members, rewarded differently
+    # A group whose scored members all got one reward says why it carries no signal.
+    same = (_member(0, RolloutStatus.COMPLETED, 1.0), _member(1, RolloutStatus.COMPLETED, 1.0))
+    sampled = SampledGroup(GroupKey("t", "builtin:bash"), same, GroupChoice.ALL, same, "fixed_n", 1)
+    assert "no variance" in group_proto("job1", sampled).no_signal_reason
+    one = (_member(0, RolloutStatus.COMPLETED, 1.0), _member(1, RolloutStatus.ABORTED, None))
+    sampled = SampledGroup(GroupKey("t", "builtin:bash"), one, GroupChoice.ALL, one, "fixed_n", 1)
+    assert "fewer than 2" in group_proto("job1", sampled).no_signal_reason
 
 
 async def test_job_policies_share_an_engine_and_wait_for_a_free_one() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -423,13 +424,24 @@ def test_serve_needs_etcd_and_says_how_to_give_it() -> None:
 @pytest.mark.slow
 def test_serve_runs_the_service_and_drains_on_sigterm(etcd, tmp_path: Path) -> None:
     socket_path = tmp_path / "trainer.sock"
+    # Launcher variables left by whoever started it, MASTER_PORT on a port another process
+    # holds: a job is a world of its own on a port of its own, so they cannot break it.
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    environ = _clean_env() | {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(held.getsockname()[1]),
+    }
     process = subprocess.Popen(
         [
             TRAINER, "serve", "--listen", f"unix:{socket_path}", "--etcd", etcd.endpoint,
             "--checkpoint-dir", str(tmp_path / "checkpoints"), "--grace-period-s", "1",
             "--set", f"etcd.prefix=test/{uuid.uuid4().hex}/",
         ],
-        stderr=subprocess.PIPE, env=_clean_env(),
+        stderr=subprocess.PIPE, env=environ,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
@@ -450,9 +462,15 @@ def test_serve_runs_the_service_and_drains_on_sigterm(etcd, tmp_path: Path) -> N
             with pytest.raises(grpc.RpcError) as caught:
                 stub.GetTrainingJob(api.GetTrainingJobRequest(job_id="job-none"), timeout=10)
             assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+            spec = api.TrainingJobSpec(mode=api.TRAINING_MODE_RL, model="builtin:tiny")
+            request = api.CreateTrainingJobRequest(spec=spec)
+            job = stub.CreateTrainingJob(request, timeout=120).job
+            assert job.state == api.TRAINING_JOB_STATE_RUNNING, job.error
+            stub.CancelTrainingJob(api.CancelTrainingJobRequest(job_id=job.id), timeout=30)
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 0
     finally:
+        held.close()
         if process.poll() is None:
             process.kill()
             process.wait()

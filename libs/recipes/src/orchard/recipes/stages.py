@@ -119,9 +119,30 @@ def _tools_of(harness: ToolCallingHarness) -> list[dict[str, Any]]:
 # -- rollout jobs in orchard-rollout ------------------------------------------------------------
 
 
-def _rollout_tasks(tasks: Sequence[RecipeTask]) -> list[rollout_api.RolloutTask]:
-    """The tasks as a rollout job takes them: the harness's shell runs in the repository."""
-    return [dataclasses.replace(task_spec(t), workdir=WORKDIR).to_proto() for t in tasks]
+def _job_spec(
+    ctx: StageContext,
+    tasks: Sequence[RecipeTask],
+    policy: rollout_api.PolicySpec,
+    sampler: rollout_api.SamplerConfig,
+    budget: Budget,
+) -> rollout_api.RolloutJobSpec:
+    """A rollout job of the recipe's harnesses on ``tasks`` (the harness's shell runs in the
+    repository), ``ctx.workers`` rollouts at once."""
+    return rollout_api.RolloutJobSpec(
+        tasks=[dataclasses.replace(task_spec(t), workdir=WORKDIR).to_proto() for t in tasks],
+        harnesses=list(ctx.recipe.harnesses),
+        policy_spec=policy,
+        sampler=sampler,
+        budget=_budget_proto(budget),
+        concurrency=ctx.workers,
+    )
+
+
+def _every_group(n: int) -> rollout_api.SamplerConfig:
+    """``n`` rollouts per task, every group streamed (collect and evaluation runs)."""
+    return rollout_api.SamplerConfig(
+        kind=rollout_api.SAMPLER_KIND_FIXED_N, group_size=n, keep_uninformative_groups=True
+    )
 
 
 def _budget_proto(budget: Budget) -> rollout_api.RolloutBudget:
@@ -187,13 +208,6 @@ def group_counts(groups: Sequence[trajectory_pb2.TrajectoryGroup]) -> dict[str, 
     }
 
 
-def has_signal(group: trajectory_pb2.TrajectoryGroup) -> bool:
-    """Whether a group can move the policy: two or more scored rollouts, not all rewarded the
-    same (the rollout service's group filter, applied here to groups it streams unfiltered)."""
-    rewards = [t.reward.value for t in _main_line(group) if _scored(t)]
-    return len(rewards) >= 2 and len(set(rewards)) > 1
-
-
 def _write_groups(path: Path, groups: Sequence[trajectory_pb2.TrajectoryGroup]) -> None:
     with path.open("a", encoding="utf-8") as out:
         for group in groups:
@@ -245,18 +259,9 @@ async def _collect(ctx: StageContext, out: Path) -> dict[str, Any]:
     tasks = ctx.tasks["sft"]
     total = len(tasks) * len(ctx.recipe.harnesses) * stage.attempts_per_task
     async with _teacher(ctx, tasks) as endpoint:
-        spec = rollout_api.RolloutJobSpec(
-            tasks=_rollout_tasks(tasks),
-            harnesses=list(ctx.recipe.harnesses),
-            policy_spec=rollout_api.PolicySpec(endpoint=endpoint, temperature=1.0),
-            sampler=rollout_api.SamplerConfig(
-                kind=rollout_api.SAMPLER_KIND_FIXED_N,
-                group_size=stage.attempts_per_task,
-                keep_uninformative_groups=True,
-            ),
-            budget=_budget_proto(stage.budget),
-            concurrency=ctx.workers,
-        )
+        policy = rollout_api.PolicySpec(endpoint=endpoint, temperature=1.0)
+        sampler = _every_group(stage.attempts_per_task)
+        spec = _job_spec(ctx, tasks, policy, sampler, stage.budget)
         bar, progress = _rollout_bar(ctx, total, "collect")
         with bar:
             async with RolloutJobs(ctx.stack.rollout) as rollouts:
@@ -610,16 +615,8 @@ async def _evaluate_model(
     stage = ctx.recipe.stages.evaluate
     tasks = ctx.tasks[split]
     n = attempts or stage.attempts_per_task
-    spec = rollout_api.RolloutJobSpec(
-        tasks=_rollout_tasks(tasks),
-        harnesses=list(ctx.recipe.harnesses),
-        policy_spec=_student_policy(ctx, version, stage.temperature),
-        sampler=rollout_api.SamplerConfig(
-            kind=rollout_api.SAMPLER_KIND_FIXED_N, group_size=n, keep_uninformative_groups=True
-        ),
-        budget=_budget_proto(ctx.recipe.stages.rl.budget),
-        concurrency=ctx.workers,
-    )
+    policy = _student_policy(ctx, version, stage.temperature)
+    spec = _job_spec(ctx, tasks, policy, _every_group(n), ctx.recipe.stages.rl.budget)
     desc = f"evaluate {name}" if split == "evaluate" else f"validate {name} on {split}"
     total = len(tasks) * len(ctx.recipe.harnesses) * n
     bar, progress = _rollout_bar(ctx, total, desc)
@@ -678,11 +675,7 @@ def run_evaluate(ctx: StageContext) -> dict[str, Any]:
 def _sampler(ctx: StageContext) -> rollout_api.SamplerConfig:
     spec = ctx.recipe.stages.rl.sampler
     if spec.kind == "fixed":
-        return rollout_api.SamplerConfig(
-            kind=rollout_api.SAMPLER_KIND_FIXED_N,
-            group_size=spec.n,
-            keep_uninformative_groups=True,
-        )
+        return _every_group(spec.n)
     return rollout_api.SamplerConfig(
         kind=rollout_api.SAMPLER_KIND_BAR,
         group_size=spec.n,
@@ -721,13 +714,12 @@ async def _rl(
                 # A step samples at most twice the tasks it needs: a step whose groups all
                 # come out without signal costs a bounded number of rollouts.
                 chosen = order[: max(1, (2 * stage.groups_per_step) // pairs_per_task)]
-                spec = rollout_api.RolloutJobSpec(
-                    tasks=_rollout_tasks([tasks[i] for i in chosen]),
-                    harnesses=list(ctx.recipe.harnesses),
-                    policy_spec=_student_policy(ctx, current, 1.0),
-                    sampler=_sampler(ctx),
-                    budget=_budget_proto(stage.budget),
-                    concurrency=ctx.workers,
+                spec = _job_spec(
+                    ctx,
+                    [tasks[i] for i in chosen],
+                    _student_policy(ctx, current, 1.0),
+                    _sampler(ctx),
+                    stage.budget,
                 )
                 started = time.monotonic()
 
@@ -735,7 +727,8 @@ async def _rl(
                     bar.set_postfix(rollouts=job.rollouts_done, groups=job.groups_emitted)
 
                 def enough(groups: list[trajectory_pb2.TrajectoryGroup]) -> bool:
-                    return sum(map(has_signal, groups)) >= stage.groups_per_step
+                    with_signal = [g for g in groups if not g.no_signal_reason]
+                    return len(with_signal) >= stage.groups_per_step
 
                 job, groups = await rollouts.run(
                     spec,
@@ -743,7 +736,8 @@ async def _rl(
                     progress=progress,
                     enough=enough,
                 )
-                kept = [g for g in groups if has_signal(g)][: stage.groups_per_step]
+                # The service streams every group and says which carry no signal.
+                kept = [g for g in groups if not g.no_signal_reason][: stage.groups_per_step]
                 every_group += groups
                 _write_groups(groups_log, groups)
                 submitted = (
@@ -756,7 +750,7 @@ async def _rl(
                     "rollout_job": job.id,
                     "sampled": current,
                     "groups_kept": len(kept),
-                    "groups_dropped": sum(not has_signal(g) for g in groups),
+                    "groups_dropped": sum(bool(g.no_signal_reason) for g in groups),
                     "rollouts": int(job.rollouts_done),
                     "samples": submitted.trajectories_trainable,
                     "reward_mean": _mean(

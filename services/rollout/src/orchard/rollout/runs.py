@@ -315,6 +315,7 @@ def group_proto(job_id: str, sampled: SampledGroup) -> trajectory_pb2.Trajectory
         sampler=f"{sampled.sampler}:{sampled.choice.value}",
         positive_fraction=sampled.positive_fraction,
         rollouts_run=len(sampled.rollouts),
+        no_signal_reason=GroupFilter().drop_reason(sampled),
     )
     for member in sampled.members:
         record: RolloutRecord = member.payload

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import enum
 import logging
-import os
 import re
 import urllib.parse
 import uuid
@@ -34,6 +33,7 @@ from orchard.lm.weights import InvalidWeightVersion, check_model_name
 from orchard.rollout.batches import GroupFilter
 from orchard.rollout.budgets import LayeredRetries, RolloutBudget
 from orchard.rollout.config import ENV_NAME, PolicyConfig, RolloutConfig
+from orchard.rollout.engines.local import LocalEngineConfig
 from orchard.rollout.harnesses.bash_react import (
     bash_react_harness,
     generic_tool_harness,
@@ -126,6 +126,26 @@ class JobPolicyKey:
         if self.base_url:
             return f"{self.model} at {self.base_url}"
         return f"{self.model}@{self.version or 'latest'}"
+
+    def as_config(self, engine: LocalEngineConfig | None = None) -> PolicyConfig:
+        """The policy as if configured: an endpoint (kind openai), or a local engine with
+        `engine`'s settings (its weights resolved by the caller)."""
+        if self.base_url:
+            return PolicyConfig(
+                kind="openai",
+                base_url=self.base_url,
+                model=self.model,
+                api_key_env=self.api_key_env,
+                temperature=self.temperature,
+                max_tokens_per_call=self.max_tokens_per_call,
+            )
+        return PolicyConfig(
+            kind="local",
+            engine=engine or LocalEngineConfig(),
+            model=self.model,
+            temperature=self.temperature,
+            max_tokens_per_call=self.max_tokens_per_call,
+        )
 
 
 def _job_policy(spec: api.PolicySpec, config: RolloutConfig) -> JobPolicyKey:
@@ -300,22 +320,6 @@ class _Policy:
                 await self.engine.close()
 
 
-def _endpoint_policy(key: JobPolicyKey) -> _Policy:
-    """A job's endpoint: calls go straight there, uncaptured."""
-    api_key = os.environ.get(key.api_key_env, "") if key.api_key_env else "orchard"
-    if not api_key:
-        raise RuntimeError(f"the API key variable {key.api_key_env} is unset")
-    return _Policy(
-        ModelEndpoint(
-            base_url=key.base_url,
-            model=key.model,
-            api_key=api_key,
-            temperature=key.temperature,
-            max_tokens_per_call=key.max_tokens_per_call,
-        )
-    )
-
-
 @dataclass
 class _Shared:
     """A job policy's engine and how many running jobs use it."""
@@ -381,17 +385,19 @@ class RolloutManager:
             self._policies[name] = started
             return started
 
-    async def _check_published(self, key: JobPolicyKey) -> None:
+    async def _check_job_policy(self, key: JobPolicyKey) -> None:
         """Raises OrchardError when the job's weights cannot be loaded here (or, for an
         endpoint, when its API key variable is unset here)."""
         if key.base_url:
-            if key.api_key_env and not os.environ.get(key.api_key_env):
+            try:
+                key.as_config().api_key()
+            except ValueError:
                 raise OrchardError(
                     Reason.FAILED_PRECONDITION,
                     f"spec.policy_spec.endpoint.api_key_env names {key.api_key_env}, which is "
                     "not set in the rollout service's environment: set it there (the key never "
                     "travels in a spec)",
-                )
+                ) from None
             return
         if self.registry is None:
             raise OrchardError(
@@ -445,64 +451,23 @@ class RolloutManager:
             self._job_policies_changed.notify_all()
 
     async def _start_job_policy(self, key: JobPolicyKey) -> _Policy:
-        from orchard.rollout.engines.local import LocalEngine  # noqa: PLC0415 - loads torch
-
+        """A job's registry weights on a local engine with `job_policies.engine`'s settings:
+        the pinned version's folder, or the model's latest version, followed."""
         if self.registry is None:
             raise RuntimeError("this rollout service has no weight registry to load weights from")
-        registry = self.registry.for_model(key.model)
         template = self.config.job_policies.engine
         if key.version:
-            published = await registry.get(key.version)
+            published = await self.registry.for_model(key.model).get(key.version)
             if published is None:
                 raise LookupError(f"version {key.version!r} of {key.model!r} is not published")
-            engine = LocalEngine(
-                template.model_copy(
-                    update={
-                        "model_folder": published.location,
-                        "weight_version": published.version,
-                        "follow_registry": False,
-                    }
-                )
-            )
+            update = {
+                "model_folder": published.location,
+                "weight_version": published.version,
+                "follow_registry": False,
+            }
         else:
-            engine = LocalEngine(
-                template.model_copy(update={"model_folder": None, "registry_model": key.model}),
-                registry=registry,
-            )
-        return await self._behind_proxy(
-            key.name, engine, key.model, key.temperature, key.max_tokens_per_call
-        )
-
-    async def _behind_proxy(
-        self,
-        name: str,
-        engine: LocalEngine,
-        model: str,
-        temperature: float,
-        max_tokens_per_call: int,
-    ) -> _Policy:
-        """Starts `engine` and a capture proxy in front of it."""
-        from orchard.rollout.proxy.server import CaptureProxy  # noqa: PLC0415
-
-        await engine.start()
-        proxy = CaptureProxy(engine, self.config.proxy)
-        try:
-            await proxy.start()
-        except BaseException:
-            await engine.close()
-            raise
-        log.info("policy %s: local engine %s behind %s", name, engine.weight_version, proxy.url)
-        return _Policy(
-            ModelEndpoint(
-                base_url=proxy.url + "/v1",
-                model=model,
-                temperature=temperature,
-                max_tokens_per_call=max_tokens_per_call,
-            ),
-            capture=ProxyCapture(proxy, self.config.settle_timeout_s),
-            engine=engine,
-            proxy=proxy,
-        )
+            update = {"model_folder": None, "registry_model": key.model, "follow_registry": True}
+        return await self._start_policy(key.name, key.as_config(template.model_copy(update=update)))
 
     async def _start_policy(self, name: str, policy: PolicyConfig) -> _Policy:
         if policy.kind == "openai":
@@ -516,13 +481,30 @@ class RolloutManager:
                 )
             )
         from orchard.rollout.engines.local import LocalEngine  # noqa: PLC0415 - loads torch
+        from orchard.rollout.proxy.server import CaptureProxy  # noqa: PLC0415
 
         registry = self.registry
         if registry is not None:
             registry = registry.for_model(policy.engine.registry_model)
         engine = LocalEngine(policy.engine, registry=registry)
-        return await self._behind_proxy(
-            name, engine, policy.model, policy.temperature, policy.max_tokens_per_call
+        await engine.start()
+        proxy = CaptureProxy(engine, self.config.proxy)
+        try:
+            await proxy.start()
+        except BaseException:
+            await engine.close()
+            raise
+        log.info("policy %s: local engine %s behind %s", name, engine.weight_version, proxy.url)
+        return _Policy(
+            ModelEndpoint(
+                base_url=proxy.url + "/v1",
+                model=policy.model,
+                temperature=policy.temperature,
+                max_tokens_per_call=policy.max_tokens_per_call,
+            ),
+            capture=ProxyCapture(proxy, self.config.settle_timeout_s),
+            engine=engine,
+            proxy=proxy,
         )
 
     # -- jobs ----------------------------------------------------------------------------
@@ -538,7 +520,7 @@ class RolloutManager:
     async def create(self, spec: api.RolloutJobSpec, request_id: str) -> JobState:
         valid = validate_spec(spec, self.config, self.harnesses)
         if valid.job_policy is not None:
-            await self._check_published(valid.job_policy)
+            await self._check_job_policy(valid.job_policy)
         async with self._create_lock:
             job = JobState(
                 id=new_job_id(),
@@ -569,7 +551,7 @@ class RolloutManager:
                 if key is None:
                     policy = await self._policy(valid.policy)
                 elif key.base_url:
-                    policy = _endpoint_policy(key)
+                    policy = await self._start_policy(key.name, key.as_config())
                 else:
                     policy = await self._acquire_job_policy(key)
             except Exception as exc:

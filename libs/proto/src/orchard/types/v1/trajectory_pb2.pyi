@@ -315,6 +315,7 @@ class TrajectoryGroup(_message.Message):
     SAMPLER_FIELD_NUMBER: _builtins.int
     POSITIVE_FRACTION_FIELD_NUMBER: _builtins.int
     ROLLOUTS_RUN_FIELD_NUMBER: _builtins.int
+    NO_SIGNAL_REASON_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Unique id."""
     task_id: _builtins.str
@@ -327,6 +328,10 @@ class TrajectoryGroup(_message.Message):
     """Fraction of scored trajectories with a positive reward."""
     rollouts_run: _builtins.int
     """Rollouts the sampler ran to assemble it: its members and those it left out."""
+    no_signal_reason: _builtins.str
+    """Why it carries no signal for training (fewer than two scored members, or every one
+    rewarded the same), for a job that streams such groups too; empty: it carries signal.
+    """
     @_builtins.property
     def trajectories(self) -> _containers.RepeatedCompositeFieldContainer[Global___Trajectory]:
         """The trajectories; excluded ones are kept for the record but carry no advantage."""
@@ -341,10 +346,11 @@ class TrajectoryGroup(_message.Message):
         sampler: _builtins.str = ...,
         positive_fraction: _builtins.float = ...,
         rollouts_run: _builtins.int = ...,
+        no_signal_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["harness", b"harness", "id", b"id", "positive_fraction", b"positive_fraction", "rollouts_run", b"rollouts_run", "sampler", b"sampler", "task_id", b"task_id", "trajectories", b"trajectories"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["harness", b"harness", "id", b"id", "no_signal_reason", b"no_signal_reason", "positive_fraction", b"positive_fraction", "rollouts_run", b"rollouts_run", "sampler", b"sampler", "task_id", b"task_id", "trajectories", b"trajectories"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -247,9 +247,6 @@ SERVICES: dict[str, Callable[[LocalStack, str], dict[str, Any]]] = {
 """Services a stack can run beside orchard-env, by name: how to configure each for it (in
 start order: rollout after reward, whose address it is given)."""
 
-LAUNCHER_VARIABLES = frozenset({"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"})
-"""torch.distributed's launcher variables, never passed on to a service of the stack."""
-
 SUBCOMMANDS: dict[str, tuple[str, ...]] = {"trainer": ("serve",)}
 """Arguments a service's command takes before its flags (``orchard-trainer serve``)."""
 
@@ -299,15 +296,8 @@ class ServiceProcess:
         for setting in settings:
             command += ["--set", setting]
         # Its settings come from its config file only, not from this shell's ORCHARD_<NAME>_*.
-        # Nor the torch.distributed launcher variables of this process (a test that trained
-        # in-process leaves MASTER_PORT set to a port it still holds): each service is its own
-        # world.
         prefix = f"ORCHARD_{self.name.upper()}_"
-        environ = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(prefix) and k not in LAUNCHER_VARIABLES
-        }
+        environ = {k: v for k, v in os.environ.items() if not k.startswith(prefix)}
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(
                 command,
