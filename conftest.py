@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -12,6 +13,13 @@ import pytest
 from orchard.core.etcd import EmbeddedEtcd, find_etcd_binary
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Tests marked ``root`` fail without root: the machines that run them (every developer's,
+    CI) are root, so a missing privilege is a broken setup, never a reason to skip."""
+    if item.get_closest_marker("root") is not None and os.geteuid() != 0:
+        pytest.fail("this test needs root (namespaces, mounts, cgroups): run the tests as root")
+
+
 @pytest.fixture(scope="session")
 def etcd() -> Iterator[EmbeddedEtcd]:
     """One real etcd server for the whole session; tests isolate themselves by key namespace
@@ -19,7 +27,7 @@ def etcd() -> Iterator[EmbeddedEtcd]:
     try:
         find_etcd_binary()
     except FileNotFoundError as e:
-        pytest.skip(str(e))
+        pytest.fail(f"{e} (`make setup` installs etcd)")
     with EmbeddedEtcd() as server:
         yield server
 
@@ -48,12 +56,12 @@ extendedKeyUsage = clientAuth
 
 @pytest.fixture(scope="session")
 def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Test certificates made now with the ``openssl`` command (skips without it), keyed by
+    """Test certificates made now with the ``openssl`` command (`make setup` installs it), keyed by
     file name: ``ca.crt``; ``server.crt``/``server.key`` (127.0.0.1, ::1, localhost) and
     ``client.crt``/``client.key``, both signed by that CA; ``other-ca.crt``, an unrelated CA."""
     openssl = shutil.which("openssl")
     if openssl is None:
-        pytest.skip("the openssl command is needed to make test certificates")
+        pytest.fail("the openssl command is needed to make test certificates: `make setup`")
     folder = tmp_path_factory.mktemp("tls")
     config = folder / "openssl.cnf"
     config.write_text(_OPENSSL_CONFIG)

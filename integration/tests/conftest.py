@@ -51,7 +51,7 @@ def private_stack(
     """etcd, orchard-env and ``services`` (name -> listen address; ``service_settings`` merged
     into their configs) with their own cgroup parent and run dir, all removed at the end."""
     if os.geteuid() != 0:
-        pytest.skip("the local runtime needs root")
+        pytest.fail("the local runtime needs root: run the tests as root")
     state = tmp_path_factory.mktemp("stack")
     run_dir = Path(tempfile.mkdtemp(prefix="oi-"))  # sandbox socket paths must stay short
     cgroup_parent = f"orchard-test-{uuid.uuid4().hex[:8]}"

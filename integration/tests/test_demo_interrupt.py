@@ -43,7 +43,7 @@ def _demo_cgroups() -> set[str]:
 
 def test_sigterm_mid_collect_stops_the_whole_stack(tmp_path: Path) -> None:
     if os.geteuid() != 0:
-        pytest.skip("the demo's local runtime needs root")
+        pytest.fail("the demo's local runtime needs root: run the tests as root")
     out = tmp_path / "demo"
     before = _demo_cgroups()
     log = (tmp_path / "demo.log").open("w+")

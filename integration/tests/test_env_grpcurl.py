@@ -56,7 +56,7 @@ class Grpcurl:
 def grpcurl(env_stack: Any) -> Grpcurl:
     binary = _grpcurl()
     if binary is None:
-        pytest.skip("grpcurl not found beside the interpreter or on PATH (make setup installs it)")
+        pytest.fail("grpcurl not found beside the interpreter or on PATH (make setup installs it)")
     return Grpcurl(binary, env_stack.endpoint, env_stack.token)
 
 

@@ -196,8 +196,8 @@ def test_a_release_needs_a_dated_entry_a_new_version_and_a_clean_tree(tree: Path
     ]
 
 
-@pytest.mark.skipif(not BUF.is_file(), reason="buf is installed by `make setup`")
 def test_buf_breaking_compares_against_the_last_tag(tree: Path) -> None:
+    assert BUF.is_file(), f"{BUF} is missing: `make setup` installs buf"
     assert "no env/v* tag yet" in release.buf_breaking(tree, "env", None, BUF)
     git(tree, "tag", "env/v0.1.0")
 

@@ -10,6 +10,11 @@ shares one template namespace across its subcharts. */}}
 {{- end -}}
 {{- end -}}
 
+{{- /* The Secret holding the secrets key: the operator's, or the one the chart makes. */ -}}
+{{- define "env.secretsName" -}}
+{{- .Values.secrets.existingSecret | default (printf "%s-secrets" (include "env.fullname" . | trunc 55 | trimSuffix "-")) -}}
+{{- end -}}
+
 {{- define "env.selectorLabels" -}}
 app.kubernetes.io/name: {{ .Chart.Name }}
 app.kubernetes.io/instance: {{ .Release.Name }}

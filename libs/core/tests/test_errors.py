@@ -227,7 +227,9 @@ def test_error_info_absent_for_plain_status() -> None:
         (errno.ENOTDIR, Reason.NOT_A_DIRECTORY),
         (errno.EINVAL, Reason.INVALID_ARGUMENT),
         (errno.EEXIST, Reason.ALREADY_EXISTS),
-        (errno.EIO, Reason.INTERNAL),
+        (errno.EIO, Reason.FAILED_PRECONDITION),
+        (errno.ENOLINK, Reason.FAILED_PRECONDITION),  # not in the table: never INTERNAL
+        (errno.ESPIPE, Reason.INVALID_ARGUMENT),
     ],
 )
 def test_errno_table(number: int, reason: Reason) -> None:
@@ -249,3 +251,23 @@ def test_os_error_with_a_bytes_path_reads_as_text() -> None:
     assert error.metadata["path"] == "/data/caf\\xe9/x"
     assert "b'" not in str(error)
     assert "/data/caf\\xe9/x" in str(error)
+
+
+def test_statuses_quoting_huge_input_fit_in_the_trailers() -> None:
+    from grpc_status import rpc_status
+
+    key = "k" * 100_000
+    error = OrchardError(
+        Reason.INVALID_ARGUMENT, f"spec.labels[{key!r}]: bad", metadata={"field": key}
+    )
+    status = error.to_status()
+    details = dict(status.trailing_metadata)["grpc-status-details-bin"]
+    assert len(status.details) < 1200 and len(details) < 2000
+    parsed = rpc_status.status_pb2.Status.FromString(details)
+    assert parsed.message.endswith("characters)") and "100020 characters" in parsed.message
+
+
+def test_os_error_paths_are_quoted_short() -> None:
+    error = from_os_error(OSError(errno.ENAMETOOLONG, "File name too long", "/a" * 40_000))
+    assert error.reason is Reason.INVALID_PATH
+    assert len(error.message) < 400 and len(error.metadata["path"]) < 300

@@ -12,8 +12,10 @@ import pytest
 from orchard.core.etcd import (
     BINARY_ENV,
     EmbeddedEtcd,
+    EmbeddedEtcdCluster,
     EmbeddedEtcdError,
     EtcdStore,
+    EtcdUnavailable,
     find_etcd_binary,
 )
 from orchard.core.etcd import embedded as embedded_module
@@ -99,3 +101,28 @@ def test_binary_lookup_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     monkeypatch.setenv(BINARY_ENV, str(tmp_path / "missing"))
     with pytest.raises(FileNotFoundError, match=BINARY_ENV):
         find_etcd_binary()
+
+
+async def test_a_cluster_survives_its_leader_and_leaves_nothing_behind() -> None:
+    cluster = EmbeddedEtcdCluster(3)
+    async with cluster:
+        pids, workdir = cluster.pids, cluster.workdir
+        assert len(pids) == 3 and workdir is not None and workdir.is_dir()
+        async with EtcdStore(cluster.endpoints, timeout=2.0) as store:
+            await store.put("k", "before")
+            leader = cluster.leader()
+            cluster.kill_member(leader)
+            assert cluster.leader() != leader  # the other two elect a new one
+            for _ in range(10):
+                try:
+                    await store.put("k", "after")
+                    break
+                except EtcdUnavailable:
+                    continue
+            cluster.start_member(leader)  # back on its own data
+            assert len(cluster.running()) == 3
+            kv = await store.get("k")
+            assert kv is not None and kv.value == b"after"
+    assert all(_gone(pid) for pid in pids)
+    assert not workdir.exists()
+    cluster.stop()  # idempotent

@@ -58,3 +58,29 @@ def test_level_and_reconfigure(stream: io.StringIO) -> None:
     logging.getLogger("x").info("hidden")
     logging.getLogger("x").warning("shown")
     assert [e["msg"] for e in lines(stream)] == ["shown"]  # one handler, not two
+
+
+def test_rate_limited_log_lets_a_burst_through_then_counts() -> None:
+    import logging
+
+    from orchard.core.logging import RateLimitedLog
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("test.rate_limited")
+    logger.propagate = False
+    logger.addHandler(Collect())
+    logger.setLevel(logging.INFO)
+    now = [0.0]
+    limited = RateLimitedLog(logger, burst=3, interval_s=30.0, clock=lambda: now[0])
+    passed = [limited.log(logging.INFO, "a", "line %d", i) for i in range(1000)]
+    assert passed.count(True) == 3 and lines == ["line 0", "line 1", "line 2"]
+    assert limited.log(logging.INFO, "b", "other key")  # buckets are per key
+    now[0] += 10.0  # one token back (3 per 30 s)
+    assert limited.log(logging.INFO, "a", "again")
+    assert lines[-2:] == ["suppressed 997 similar lines", "again"]
+    assert not limited.log(logging.INFO, "a", "too soon")

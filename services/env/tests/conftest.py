@@ -12,6 +12,7 @@ import importlib.util
 import os
 import secrets
 import shutil
+import subprocess
 import sys
 import tempfile
 import uuid
@@ -31,6 +32,8 @@ from orchard.env.config import (
     AuthConfig,
     EnvConfig,
     EtcdConfig,
+    ImagesConfig,
+    SecretsConfig,
     TenantConfig,
     token_digest,
 )
@@ -63,6 +66,9 @@ def _load_double() -> Any:
 
 
 unisolated = _load_double()
+
+
+DOUBLE_IMAGE_PATHS = ["/broken", "/nowhere", "/srv/root", "/i.tar"]
 
 
 def bearer(token: str) -> tuple[tuple[str, str], ...]:
@@ -141,6 +147,10 @@ def env_config(etcd: EmbeddedEtcd, prefix: str, tmp_path: Path, **overrides: Any
             "factory": "unisolated_runtime:make",
             "state_dir": str(tmp_path / "runtime"),
         },
+        # The tests are the operator: every tenant may use the host image, and the paths the
+        # runtime double takes for images (none exist; it fails some on purpose).
+        "images": ImagesConfig(allow_host=True, allowed_paths=DOUBLE_IMAGE_PATHS),
+        "secrets": SecretsConfig(key_file=str(tmp_path / "secrets.key")),
     }
     values.update(overrides)
     return EnvConfig(**values)
@@ -176,7 +186,8 @@ async def env(env_factory: EnvFactory) -> EnvHandle:
 
 @pytest.fixture
 async def local_runtime(tmp_path: Path) -> AsyncIterator[Any]:
-    """The real ``local`` runtime on private directories and cgroups (skips without root)."""
+    """The real ``local`` runtime on private directories and cgroups; a machine that cannot run
+    it (no root, no agent bundle) fails the test: `make setup` and `make inagent-binary`."""
     from orchard.env.runtime.local import LocalRuntime, LocalRuntimeConfig
 
     run_dir = tempfile.mkdtemp(prefix="orc-")
@@ -191,7 +202,7 @@ async def local_runtime(tmp_path: Path) -> AsyncIterator[Any]:
         await runtime.start()
     except RuntimeUnavailable as exc:
         shutil.rmtree(run_dir, ignore_errors=True)
-        pytest.skip(str(exc))
+        pytest.fail(f"the local runtime cannot run here: {exc}")
     try:
         yield runtime
     finally:
@@ -203,3 +214,27 @@ async def local_runtime(tmp_path: Path) -> AsyncIterator[Any]:
             if os.path.isdir(parent):
                 os.rmdir(parent)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+BUSYBOX = "/bin/busybox"
+
+
+@pytest.fixture(scope="session")
+def busybox_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A root file system with nothing but a static busybox: no libc, no Python."""
+    if not os.path.exists(BUSYBOX):
+        pytest.fail(f"{BUSYBOX} is missing: `make setup` installs busybox-static")
+    # In a folder of its own, which a service's configuration may allow as an image source.
+    root = tmp_path_factory.mktemp("images") / "busybox"
+    (root / "bin").mkdir(parents=True)
+    shutil.copy2(BUSYBOX, root / "bin" / "busybox")
+    applets = subprocess.run(
+        [BUSYBOX, "--list"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    for applet in applets:
+        if applet != "busybox":
+            (root / "bin" / applet).symlink_to("busybox")
+    for directory in ("etc", "root", "tmp", "usr/bin"):
+        (root / directory).mkdir(parents=True)
+    (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+    return root

@@ -35,8 +35,6 @@ Member, directory, symlink, hard_link = (
     build.symlink,
     build.hard_link,
 )
-needs_tools = pytest.mark.skipif(bool(build.TOOLS_MISSING), reason=build.TOOLS_REASON)
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (file owners)")
 
 
 def failure(resolver: ImageResolver, image: str) -> RuntimeFailure:
@@ -86,9 +84,7 @@ OPAQUE_LAYER = [
 def layered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """One three-layer image as an oci-archive and a docker-archive (built once)."""
     if build.TOOLS_MISSING:
-        pytest.skip(build.TOOLS_REASON)
-    if os.geteuid() != 0:
-        pytest.skip("umoci keeps file owners only as root")
+        pytest.fail(f"{build.TOOLS_REASON} (`make setup` installs them)")
     base = tmp_path_factory.mktemp("layered")
     layout = build.OciLayout(base / "oci", "v1")
     layout.layer(lower_layer)
@@ -100,8 +96,7 @@ def layered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     }
 
 
-@needs_tools
-@needs_root
+@pytest.mark.root
 def test_layers_apply_in_order_with_whiteouts(layered: dict[str, str], tmp_path: Path) -> None:
     resolver = ImageResolver(str(tmp_path / "cache"))
     resolved = resolver.resolve(layered["oci"])
@@ -121,8 +116,7 @@ def test_layers_apply_in_order_with_whiteouts(layered: dict[str, str], tmp_path:
     assert resolver.cache is not None and resolver.cache.unpacked == 1
 
 
-@needs_tools
-@needs_root
+@pytest.mark.root
 def test_both_formats_and_new_resolvers_reuse_one_unpack(
     layered: dict[str, str], tmp_path: Path
 ) -> None:
@@ -140,8 +134,7 @@ def test_both_formats_and_new_resolvers_reuse_one_unpack(
     assert os.stat(path[0]).st_ino == marker
 
 
-@needs_tools
-@needs_root
+@pytest.mark.root
 def test_concurrent_resolves_unpack_once(layered: dict[str, str], tmp_path: Path) -> None:
     cache = str(tmp_path / "cache")
     resolvers = [ImageResolver(cache) for _ in range(2)]

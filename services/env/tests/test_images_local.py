@@ -51,11 +51,15 @@ def _unavailable() -> str | None:
     return None
 
 
-pytestmark = [
-    pytest.mark.root,
-    pytest.mark.slow,
-    pytest.mark.skipif(_unavailable() is not None, reason=_unavailable() or ""),
-]
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+
+@pytest.fixture(autouse=True)
+def _prerequisites() -> None:
+    """What `make setup` and `make inagent-binary` provide: missing, the tests fail."""
+    reason = _unavailable()
+    if reason is not None:
+        pytest.fail(reason)
 
 
 def busybox_layer(root: Path) -> None:

@@ -3,6 +3,7 @@ start failures and their cleanup."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -31,7 +32,7 @@ from orchard.env.runtime.local.cgroups import CgroupV1, select_cgroup_driver
 from orchard.env.runtime.local.config import default_agent_bundle
 
 BUNDLE_READY = os.access(os.path.join(default_agent_bundle(), "orchard-inagent"), os.X_OK)
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+NOBODY = 65534
 
 
 @pytest.fixture
@@ -81,13 +82,38 @@ async def test_a_long_run_dir_is_unavailable(config: LocalRuntimeConfig) -> None
         await runtime.start()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="checks the refusal of a non-root user")
-async def test_not_root_is_unavailable(config: LocalRuntimeConfig) -> None:
-    with pytest.raises(RuntimeUnavailable, match="needs root"):
-        await LocalRuntime(config).start()
+def _start_exit_code(config: LocalRuntimeConfig) -> int:
+    """3 when the runtime refuses to start with "needs root", another code otherwise."""
+    try:
+        asyncio.run(LocalRuntime(config).start())
+    except RuntimeUnavailable as exc:
+        return 3 if "needs root" in str(exc) else 4
+    except BaseException:
+        return 5
+    return 0
 
 
-@needs_root
+def test_not_root_is_unavailable(config: LocalRuntimeConfig) -> None:
+    if os.geteuid() != 0:
+        assert _start_exit_code(config) == 3
+        return
+    # As root: the same start in a forked child that became nobody (the interpreter is loaded
+    # already, so nobody needs no access to it).
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 6
+        try:
+            os.setgroups([])
+            os.setresgid(NOBODY, NOBODY, NOBODY)
+            os.setresuid(NOBODY, NOBODY, NOBODY)
+            code = _start_exit_code(config)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 3
+
+
+@pytest.mark.root
 def test_cgroup_driver_matches_the_host(config: LocalRuntimeConfig) -> None:
     driver = select_cgroup_driver(config.cgroup_parent, "auto")
     with open("/proc/self/mountinfo", encoding="utf-8") as file:
@@ -97,10 +123,13 @@ def test_cgroup_driver_matches_the_host(config: LocalRuntimeConfig) -> None:
         assert all(p.endswith(f"/{config.cgroup_parent}") for p in driver.parents)
 
 
-@needs_root
 @pytest.mark.root
-@pytest.mark.skipif(not BUNDLE_READY, reason="needs the agent bundle (make inagent-binary)")
 class TestWithTheAgent:
+    @pytest.fixture(autouse=True)
+    def _bundle(self) -> None:
+        if not BUNDLE_READY:
+            pytest.fail("needs the agent bundle: make inagent-binary")
+
     async def test_limits_land_in_the_cgroup(self, config: LocalRuntimeConfig) -> None:
         runtime = LocalRuntime(config)
         await runtime.start()

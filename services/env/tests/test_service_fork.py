@@ -4,7 +4,6 @@ system semantics over the real ``local`` runtime (root)."""
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import Any
 
 import grpc
@@ -63,7 +62,6 @@ async def test_forks_go_through_admission(env_factory: Any) -> None:
 
 
 @pytest.mark.root
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 async def test_forks_start_from_the_source_files_and_diverge(
     env_factory: Any, local_runtime: Any
 ) -> None:

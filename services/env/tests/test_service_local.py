@@ -4,7 +4,6 @@ the agent bundle)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from typing import Any
 
@@ -13,7 +12,7 @@ import pytest
 from orchard.env.v1 import env_pb2
 from orchard.env.v1 import env_service_pb2 as api
 
-pytestmark = [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]
+pytestmark = [pytest.mark.root]
 
 
 async def test_local_sandbox_through_the_service(env_factory: Any, local_runtime: Any) -> None:

@@ -47,6 +47,8 @@ class EnvProcess:
                 "state_dir": str(tmp_path / "runtime"),
             },
             "replica_ttl_s": 2,
+            "images": {"allow_host": True},
+            "secrets": {"key_file": str(tmp_path / "secrets.key")},
         }
         self.config_path = tmp_path / "env.json"
         self.config_path.write_text(json.dumps(config))  # JSON is YAML

@@ -80,7 +80,7 @@ async def test_reconcile_deletes_leftovers_and_fails_dead_sandboxes(env: Any, ru
     os.killpg(runtime._pid(exited.id), signal.SIGKILL)
     await asyncio.sleep(0.2)
     done = await env.app.controller.reconcile()
-    assert done == {"leftovers": 1, "failed": 2, "taken_over": 0}
+    assert done == {"leftovers": 1, "failed": 2, "taken_over": 0, "repaired": 0}
     assert (await get(env, vanished.id)).failure.reason == "RUNTIME_DIED"
     assert (await get(env, exited.id)).failure.reason == "AGENT_EXITED"
     assert (await get(env, alive.id)).state == READY

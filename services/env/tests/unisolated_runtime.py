@@ -66,6 +66,7 @@ class UnisolatedProcessRuntime(Runtime):
         self._watchers: set[asyncio.Task[None]] = set()
         self._exits: asyncio.Queue[SandboxExit] = asyncio.Queue()
         self._deleting: set[str] = set()
+        self._adopted: dict[str, int] = {}  # sandbox id → pidfd of an agent another process started
 
     async def start(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -73,6 +74,11 @@ class UnisolatedProcessRuntime(Runtime):
     async def close(self) -> None:
         for task in self._watchers:
             task.cancel()
+        loop = asyncio.get_running_loop()
+        for pidfd in self._adopted.values():
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+        self._adopted.clear()
         await asyncio.gather(*self._watchers, return_exceptions=True)
 
     def _dir(self, sandbox_id: str) -> Path:
@@ -140,6 +146,32 @@ class UnisolatedProcessRuntime(Runtime):
                     sandbox_id, FailureReason.AGENT_EXITED, f"the agent exited with status {code}"
                 )
             )
+
+    async def adopt(self, sandbox_id: str) -> None:
+        """Watch an agent another service process started, through a pidfd."""
+        if sandbox_id in self._children or sandbox_id in self._adopted:
+            return
+        pid = self._pid(sandbox_id)
+        if pid is None:
+            return
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._report_exit(sandbox_id, "the agent is gone")
+            return
+        self._adopted[sandbox_id] = pidfd
+        asyncio.get_running_loop().add_reader(pidfd, self._adopted_exited, sandbox_id)
+
+    def _adopted_exited(self, sandbox_id: str) -> None:
+        pidfd = self._adopted.pop(sandbox_id, None)
+        if pidfd is not None:
+            asyncio.get_running_loop().remove_reader(pidfd)
+            os.close(pidfd)
+        self._report_exit(sandbox_id, "the agent exited")
+
+    def _report_exit(self, sandbox_id: str, message: str) -> None:
+        if sandbox_id not in self._deleting and self._dir(sandbox_id).exists():
+            self._exits.put_nowait(SandboxExit(sandbox_id, FailureReason.AGENT_EXITED, message))
 
     def _pid(self, sandbox_id: str) -> int | None:
         try:

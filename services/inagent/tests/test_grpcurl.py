@@ -14,7 +14,9 @@ import pytest
 def grpcurl(procs: Any, agent: Any) -> Any:
     binary = procs.grpcurl()
     if binary is None:
-        pytest.skip("grpcurl not found beside the interpreter or on PATH")
+        pytest.fail(
+            "grpcurl not found beside the interpreter or on PATH (`make setup` installs it)"
+        )
     socket = agent.address.removeprefix("unix:")
 
     def call(*args: str, data: str | None = None) -> str:

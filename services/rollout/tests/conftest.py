@@ -26,6 +26,14 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _log_tails(state: Path, chars: int = 3000) -> str:
+    """The end of every log in an ``orchard up`` state folder."""
+    return "\n".join(
+        f"--- {log}:\n{log.read_text(errors='replace')[-chars:]}"
+        for log in sorted((state / "logs").glob("*.log"))
+    )
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -40,14 +48,14 @@ def env_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
     dir; yields the JSON it printed (``profile``, ``components``) and stops and removes
     everything at the end."""
     if os.geteuid() != 0:
-        pytest.skip("the local runtime needs root")
+        pytest.fail("the local runtime needs root: run the tests as root")
     from orchard.core.etcd import find_etcd_binary
     from orchard.sdk.cli.host_probe import remove_cgroup_parent
 
     try:
         find_etcd_binary()
     except FileNotFoundError as exc:
-        pytest.skip(str(exc))
+        pytest.fail(f"{exc} (`make setup` installs etcd)")
     state = tmp_path_factory.mktemp("env-state")
     env = {
         k: v
@@ -67,9 +75,10 @@ def env_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
         ],
         env=env, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
-    if up.returncode != 0 and "orchard-env exited" in up.stderr:
-        pytest.skip(f"orchard-env cannot run here: {up.stderr.strip().splitlines()[0]}")
-    assert up.returncode == 0, up.stderr
+    # A service that dies is a failure, with what `orchard up` printed and its logs' tails.
+    assert up.returncode == 0, (
+        f"orchard up failed (status {up.returncode}):\n{up.stderr[-4000:]}\n{_log_tails(state)}"
+    )
     started = json.loads(up.stdout)
     try:
         yield {"env": env, "state": state, "profile": Path(started["profile"]), **started}

@@ -15,6 +15,9 @@ import openai
 import pytest
 import torch
 
+# The mini-swe-agent extra of orchard-rollout (`make setup` installs it).
+from minisweagent.models.utils.actions_toolcall import BASH_TOOL
+
 from orchard.lm.chat import IM_END, ChatRenderer, ToolCall, format_assistant_text
 from orchard.lm.model_folder import save_model_folder
 from orchard.lm.models import tiny_causal_lm_for
@@ -26,9 +29,6 @@ from orchard.rollout.harnesses.tool_loop import HarnessContext, ModelEndpoint
 from orchard.rollout.provenance import RolloutRecord
 from orchard.rollout.proxy.server import CaptureProxy, CaptureProxyConfig
 from orchard.sdk import AsyncSandboxClient, RetryPolicy
-
-pytest.importorskip("minisweagent", reason="needs the mini-swe-agent extra of orchard-rollout")
-from minisweagent.models.utils.actions_toolcall import BASH_TOOL
 
 pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(900)]
 

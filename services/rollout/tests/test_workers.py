@@ -119,7 +119,8 @@ def test_the_default_is_in_process() -> None:
 
 
 async def test_ray_actors_give_the_same_results_as_in_process(env_service: dict[str, Any]) -> None:
-    pytest.importorskip("ray", reason="needs the ray extra of orchard-rollout")
+    import ray  # noqa: F401  (the ray extra of orchard-rollout; `make setup` installs it)
+
     profile = str(env_service["profile"])
     async with ScriptedPolicyServer(SCRIPT) as policy:
         local = await run_all(InProcessWorkers(spec(profile, policy.base_url), concurrency=4))

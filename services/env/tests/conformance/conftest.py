@@ -4,7 +4,8 @@ Each runtime provides a :class:`RuntimeHarness` (how to build it, what images it
 kill a sandbox's agent from outside, how to check nothing leaked); the ``harness`` fixture is
 parametrized by runtime name. ``kubernetes`` runs against the Kubernetes API test double
 (``services/env/tests/kube/kube_api_double.py``); what a harness cannot check is listed in its
-``unchecked`` with the reason, and only those tests skip for it.
+``unchecked`` with the reason, and only those tests skip for it. A machine that lacks what
+the local runtime needs (root, busybox-static, the agent bundle) fails the suite.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import importlib.util
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import uuid
@@ -200,32 +200,12 @@ def local_unavailable() -> str | None:
 
 
 @pytest.fixture(scope="session")
-def busybox_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A root file system with nothing but a static busybox: no libc, no Python."""
-    if not os.path.exists(BUSYBOX):
-        pytest.skip("needs busybox-static")
-    root = tmp_path_factory.mktemp("busybox-root")
-    (root / "bin").mkdir()
-    shutil.copy2(BUSYBOX, root / "bin" / "busybox")
-    applets = subprocess.run(
-        [BUSYBOX, "--list"], capture_output=True, text=True, check=True
-    ).stdout.split()
-    for applet in applets:
-        if applet != "busybox":
-            (root / "bin" / applet).symlink_to("busybox")
-    for directory in ("etc", "root", "tmp", "usr/bin"):
-        (root / directory).mkdir(parents=True)
-    (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
-    return root
-
-
-@pytest.fixture(scope="session")
 def kube_image_catalog(tmp_path_factory: pytest.TempPathFactory, busybox_root: Path) -> Any:
     _kube_module("kube_api_double")
     kube = _kube_module("kube_harness")
     reason = kube.unavailable()
     if reason:
-        pytest.skip(reason)
+        pytest.fail(reason)
     return kube.catalog(busybox_root, kube.build_bundle_layer(tmp_path_factory.mktemp("inagent")))
 
 
@@ -238,7 +218,7 @@ async def harness(
         if request.param.startswith("local-"):
             reason = local_unavailable()
             if reason:
-                pytest.skip(reason)
+                pytest.fail(reason)
             made = LocalHarness(tmp_path, busybox_root, request.param.removeprefix("local-"))
         elif request.param == "kubernetes":
             images = request.getfixturevalue("kube_image_catalog")

@@ -34,7 +34,7 @@ kube = load_module("kube_harness")
 def kube_images(tmp_path_factory: pytest.TempPathFactory) -> Any:
     reason = kube.unavailable()
     if reason:
-        pytest.skip(reason)
+        pytest.fail(reason)
     busybox = kube.build_busybox_root(tmp_path_factory.mktemp("kube-busybox"))
     bundle = kube.build_bundle_layer(tmp_path_factory.mktemp("kube-inagent"))
     return kube.catalog(busybox, bundle)

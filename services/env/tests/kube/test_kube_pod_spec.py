@@ -8,7 +8,13 @@ from typing import Any
 
 import pytest
 
-from orchard.env.runtime.base import EgressRule, FailureReason, RuntimeResources, RuntimeSandboxSpec
+from orchard.env.runtime.base import (
+    EgressRule,
+    FailureReason,
+    RuntimeNotSupported,
+    RuntimeResources,
+    RuntimeSandboxSpec,
+)
 from orchard.env.runtime.kubernetes.config import KubernetesRuntimeConfig
 from orchard.env.runtime.kubernetes.pods import PodView, label_value, pod_manifest
 from orchard.env.runtime.kubernetes.policies import policy_manifest, rules_from_policy
@@ -116,6 +122,11 @@ def test_pod_manifest_snapshot() -> None:
                             "memory": str(2 << 30),
                             "ephemeral-storage": str(10 << 30),
                         },
+                    },
+                    "securityContext": {
+                        "capabilities": {"drop": ["NET_RAW"]},
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                        "allowPrivilegeEscalation": False,
                     },
                 }
             ],
@@ -286,3 +297,10 @@ def test_a_starting_pod_is_no_failure() -> None:
     )
     assert view.failure is None and view.running and not view.ready
     assert "Unschedulable" in view.waiting_for
+
+
+def test_privileges_map_to_the_security_context() -> None:
+    raw = pod_manifest(spec(raw_sockets=True), CONFIG)["spec"]["containers"][0]
+    assert raw["securityContext"]["capabilities"] == {"add": ["NET_RAW"]}
+    with pytest.raises(RuntimeNotSupported, match="user namespaces"):
+        pod_manifest(spec(user_namespaces=True), CONFIG)

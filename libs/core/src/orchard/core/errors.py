@@ -15,6 +15,12 @@ EACCES → PERMISSION_DENIED, ENOSPC → RESOURCE_EXHAUSTED, ...; see :func:`fro
 any other exception becomes ``INTERNAL`` with a generic message and an incident id, while the
 traceback goes to the log under the same id, never to the client.
 
+Requests that do not parse never reach a handler: the interceptor guards every request
+deserializer, and such a call fails with INVALID_ARGUMENT (reason ``MALFORMED_REQUEST``) after
+the service's ``authenticate`` check, if it has one, logging one short line at most
+(rate-limited). Messages and metadata are capped (:func:`shorten`), so a status quoting a
+client's 100 KB input still fits in the trailers.
+
 A service with failures of its own declares its own table, a subclass of :class:`ErrorReason`
 whose members are ``(status code, when it happens)``::
 
@@ -33,16 +39,18 @@ from __future__ import annotations
 
 import enum
 import errno
+import inspect
 import logging
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from orchard.core._handlers import wrap_handler
+from orchard.core.logging import RateLimitedLog
 
 if TYPE_CHECKING:
     from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped]
@@ -56,6 +64,7 @@ __all__ = [
     "error_info",
     "from_os_error",
     "rich_status",
+    "shorten",
 ]
 
 ERROR_DOMAIN = "orchard"
@@ -64,6 +73,21 @@ ERROR_DOMAIN = "orchard"
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
 
 log = logging.getLogger(__name__)
+# Lines a client can trigger at will: a few per method and minute, then counted.
+_client_log = RateLimitedLog(log, burst=5, interval_s=60.0)
+
+MAX_MESSAGE_CHARS = 1024
+"""Longest status message sent; longer ones are cut (the trailers hold about 8 KB)."""
+MAX_QUOTE_CHARS = 200
+"""Longest piece of client input quoted in a message or ErrorInfo metadata value."""
+
+
+def shorten(text: str, limit: int = MAX_QUOTE_CHARS) -> str:
+    """``text`` cut to ``limit`` characters with an ellipsis and the full length, for quoting
+    client input in an error without echoing all of it."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text)} characters)"
 
 
 class ErrorReason(enum.Enum):
@@ -106,6 +130,10 @@ class Reason(ErrorReason):
     UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, "Temporarily unavailable; safe to retry.")
     UNIMPLEMENTED = (grpc.StatusCode.UNIMPLEMENTED, "Not supported here.")
     INTERNAL = (grpc.StatusCode.INTERNAL, "A bug or unexpected failure on the server.")
+    MALFORMED_REQUEST = (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "The request bytes are not a valid message of the method's request type.",
+    )
 
 
 class OrchardError(Exception):
@@ -131,20 +159,25 @@ class OrchardError(Exception):
         from google.rpc import error_details_pb2, status_pb2  # noqa: PLC0415
         from grpc_status import rpc_status  # noqa: PLC0415
 
+        # Capped: a message quoting a huge input must not overflow the trailers (the client
+        # would get RESOURCE_EXHAUSTED instead of this status).
+        message = shorten(self.message, MAX_MESSAGE_CHARS)
+        metadata = {shorten(k, 64): shorten(v) for k, v in list(self.metadata.items())[:16]}
         detail = any_pb2.Any()
         detail.Pack(
             error_details_pb2.ErrorInfo(
-                reason=self.reason.reason, domain=ERROR_DOMAIN, metadata=self.metadata
+                reason=self.reason.reason, domain=ERROR_DOMAIN, metadata=metadata
             )
         )
-        status = status_pb2.Status(code=self.code.value[0], message=self.message, details=[detail])
+        status = status_pb2.Status(code=self.code.value[0], message=message, details=[detail])
         return rpc_status.to_status(status)
 
     def __repr__(self) -> str:
         return f"OrchardError({self.reason.reason}, {self.message!r})"
 
 
-# errno → reason; anything not listed is INTERNAL.
+# errno → reason; anything not listed is FAILED_PRECONDITION: an OS error says something about
+# the state of the files or the system, never that the server has a bug.
 _ERRNO_REASONS: dict[int, ErrorReason] = {
     errno.ENOENT: Reason.NOT_FOUND,
     errno.ESRCH: Reason.NOT_FOUND,
@@ -175,6 +208,18 @@ _ERRNO_REASONS: dict[int, ErrorReason] = {
     errno.ENETUNREACH: Reason.UNAVAILABLE,
     errno.ENOSYS: Reason.UNIMPLEMENTED,
     errno.EOPNOTSUPP: Reason.UNIMPLEMENTED,
+    errno.ENOTTY: Reason.UNIMPLEMENTED,
+    errno.EIO: Reason.FAILED_PRECONDITION,  # e.g. /proc/<pid>/mem at an unmapped address
+    errno.ENXIO: Reason.FAILED_PRECONDITION,
+    errno.ENODEV: Reason.FAILED_PRECONDITION,
+    errno.EBADF: Reason.FAILED_PRECONDITION,
+    errno.EFAULT: Reason.INVALID_ARGUMENT,
+    errno.ESPIPE: Reason.INVALID_ARGUMENT,
+    errno.EOVERFLOW: Reason.INVALID_ARGUMENT,
+    errno.ERANGE: Reason.INVALID_ARGUMENT,
+    errno.E2BIG: Reason.INVALID_ARGUMENT,
+    errno.EMLINK: Reason.RESOURCE_EXHAUSTED,
+    errno.EPIPE: Reason.UNAVAILABLE,
 }
 
 
@@ -184,12 +229,13 @@ def from_os_error(exc: OSError, message: str | None = None) -> OrchardError:
     The default message is the OS's own text with the path, e.g.
     ``No such file or directory: '/data/x'``.
     """
-    reason = _ERRNO_REASONS.get(exc.errno or 0, Reason.INTERNAL)
+    reason = _ERRNO_REASONS.get(exc.errno or 0, Reason.FAILED_PRECONDITION)
     metadata: dict[str, str] = {}
     if exc.errno is not None:
         metadata["errno"] = errno.errorcode.get(exc.errno, str(exc.errno))
     path = _show_path(exc.filename)
     if path is not None:
+        path = shorten(path)
         metadata["path"] = path
     if message is None:
         message = exc.strerror or str(exc)
@@ -248,10 +294,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     - anything else → INTERNAL "internal error (incident ID)", traceback logged with that ID.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, authenticators: Mapping[str, Authenticate] | None = None) -> None:
         # method → (handler found, handler wrapped): wrapping once per method, not per call,
         # spares every call two closures and a namedtuple copy.
         self._wrapped: dict[str, tuple[Any, Any]] = {}
+        # service name → its authentication check, run before a malformed request is refused
+        self._authenticators = dict(authenticators or {})
 
     async def intercept_service(
         self, continuation: Any, handler_call_details: grpc.HandlerCallDetails
@@ -263,9 +311,120 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         known = self._wrapped.get(method)
         if known is not None and known[0] is handler:
             return known[1]
-        wrapped = wrap_handler(handler, method, _TranslateErrors)
+        service = method[1:].rpartition("/")[0]
+        guarded = _guard_decoding(handler, method, self._authenticators.get(service))
+        wrapped = wrap_handler(guarded, method, _TranslateErrors)
         self._wrapped[method] = (handler, wrapped)
         return wrapped
+
+
+Authenticate = Callable[[grpc.aio.ServicerContext], object]
+"""A service's check of a call's credentials: raises (an OrchardError, UNAUTHENTICATED) when
+they are missing or wrong; its return value is ignored."""
+
+
+class _Malformed:
+    """Stands in for a request whose bytes did not parse (see :func:`_guard_decoding`)."""
+
+    __slots__ = ("error", "size")
+
+    def __init__(self, size: int, error: str) -> None:
+        self.size = size
+        self.error = error
+
+
+def _guard_decoding(handler: Any, method: str, authenticate: Authenticate | None) -> Any:
+    """``handler`` with a request deserializer that cannot raise: grpc.aio decodes a request
+    before any interceptor or handler code runs and fails a call it cannot decode with UNKNOWN
+    and a logged traceback. Bytes that do not parse become a marker that the behaviour
+    refuses, after the service's authentication, with INVALID_ARGUMENT."""
+    parse = handler.request_deserializer
+    if parse is None:
+        return handler
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as exc:
+            return _Malformed(len(data), str(exc))
+
+    async def refuse(marker: _Malformed, context: grpc.aio.ServicerContext) -> None:
+        if authenticate is not None:
+            authenticate(context)  # unauthenticated garbage: UNAUTHENTICATED, not a parse error
+        _client_log.log(
+            logging.WARNING,
+            method,
+            "malformed request refused",
+            extra={"method": method, "bytes": marker.size},
+        )
+        raise OrchardError(
+            Reason.MALFORMED_REQUEST,
+            f"the request to {method} is not a valid protobuf message of its type: "
+            f"{shorten(marker.error)}",
+        )
+
+    handler = handler._replace(request_deserializer=deserialize)
+    for kind in ("unary_unary", "unary_stream"):
+        behaviour = getattr(handler, kind)
+        if behaviour is not None:
+            return handler._replace(**{kind: _unary_guard(behaviour, refuse)})
+    for kind in ("stream_unary", "stream_stream"):
+        behaviour = getattr(handler, kind)
+        if behaviour is not None:
+            return handler._replace(**{kind: _stream_guard(behaviour, refuse)})
+    return handler
+
+
+Refuse = Callable[[_Malformed, grpc.aio.ServicerContext], Any]
+
+
+def _unary_guard(behaviour: Callable[..., Any], refuse: Refuse) -> Callable[..., Any]:
+    if inspect.isasyncgenfunction(behaviour):
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            if isinstance(request, _Malformed):
+                await refuse(request, context)
+            async for response in behaviour(request, context):
+                yield response
+
+        return stream
+
+    if inspect.iscoroutinefunction(behaviour):
+
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Malformed):
+                await refuse(request, context)
+            return await behaviour(request, context)
+
+        return call
+    return behaviour  # a plain function runs in grpc's thread pool: left as it is
+
+
+def _stream_guard(behaviour: Callable[..., Any], refuse: Refuse) -> Callable[..., Any]:
+    def checked(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def each() -> AsyncIterator[Any]:
+            async for request in requests:
+                if isinstance(request, _Malformed):
+                    await refuse(request, context)
+                yield request
+
+        return each()
+
+    if inspect.isasyncgenfunction(behaviour):
+
+        async def stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for response in behaviour(checked(requests, context), context):
+                yield response
+
+        return stream
+
+    if inspect.iscoroutinefunction(behaviour):
+
+        async def call(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await behaviour(checked(requests, context), context)
+
+        return call
+    return behaviour
 
 
 class _TranslateErrors:
@@ -298,7 +457,10 @@ class _TranslateErrors:
             error = from_os_error(exc)
         else:
             incident = uuid.uuid4().hex[:12]
-            log.error(
+            # Rate-limited too: a request that trips a bug can be sent in a loop.
+            _client_log.log(
+                logging.ERROR,
+                f"internal:{self.method}",
                 "unexpected error in %s",
                 self.method,
                 exc_info=exc,

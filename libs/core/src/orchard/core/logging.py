@@ -10,7 +10,9 @@ formatted exception). Code keeps logging the ordinary way::
     {"ts": "2026-12-02T10:00:00.123Z", "level": "INFO", "logger": "orchard.env.sandbox",
      "msg": "sandbox ready", "service": "env", "sandbox_id": "sb-1", "elapsed_s": 0.41}
 
-Call :func:`configure_logging` once, in ``main``.
+Call :func:`configure_logging` once, in ``main``. Lines a client can cause at will (a
+malformed request, say) go through a :class:`RateLimitedLog`, so a flood of them cannot grow
+the log without bound.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import IO, Any
 
-__all__ = ["JsonFormatter", "configure_logging"]
+__all__ = ["JsonFormatter", "RateLimitedLog", "configure_logging"]
 
 # Attributes every LogRecord has; anything else on a record came from ``extra=``.
 _RECORD_ATTRIBUTES = frozenset(
@@ -84,3 +87,45 @@ def configure_logging(
     root.setLevel(level.upper() if isinstance(level, str) else level)
     for noisy in ("grpc", "asyncio"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+
+
+class RateLimitedLog:
+    """A token bucket per key: up to ``burst`` lines at once, refilled at ``burst`` per
+    ``interval_s``; lines beyond that are counted, and the next line let through is preceded
+    by one ``"suppressed N similar lines"`` line for its key."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        *,
+        burst: int = 10,
+        interval_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.logger = logger
+        self.burst = burst
+        self.rate = burst / interval_s
+        self.clock = clock
+        # key → (tokens left, time of the last refill, lines suppressed since the last one)
+        self._buckets: dict[str, tuple[float, float, int]] = {}
+
+    def log(self, level: int, key: str, msg: str, *args: object, **kwargs: Any) -> bool:
+        """Log ``msg`` under ``key`` unless its bucket is empty; True when it was logged."""
+        now = self.clock()
+        tokens, last, suppressed = self._buckets.get(key, (float(self.burst), now, 0))
+        tokens = min(float(self.burst), tokens + (now - last) * self.rate)
+        if tokens < 1.0:
+            self._buckets[key] = (tokens, now, suppressed + 1)
+            return False
+        if len(self._buckets) > 10_000 and key not in self._buckets:
+            self._buckets.clear()  # keys are few in practice; never let them grow unbounded
+        self._buckets[key] = (tokens - 1.0, now, 0)
+        if suppressed:
+            self.logger.log(
+                level,
+                "suppressed %d similar lines",
+                suppressed,
+                extra={"suppressed": suppressed, "key": key},
+            )
+        self.logger.log(level, msg, *args, **kwargs)
+        return True

@@ -30,7 +30,9 @@ Every server serves the stock ``grpc.health.v1.Health`` and reflection
 (``grpc.reflection.v1alpha``) for its services, health and reflection itself. Health says
 NOT_SERVING, for ``""`` and each service, until :meth:`GrpcServer.set_serving` and again from
 the moment a drain starts. Handlers raise :class:`orchard.core.errors.OrchardError`; the
-:class:`~orchard.core.errors.ErrorInterceptor` turns it into a status with ``ErrorInfo``.
+:class:`~orchard.core.errors.ErrorInterceptor` turns it into a status with ``ErrorInfo``, and
+refuses requests that do not parse with INVALID_ARGUMENT (after the binding's ``authenticate``
+check) instead of grpc's UNKNOWN and a logged traceback per call.
 
 Drain on stop: health goes NOT_SERVING (open health ``Watch`` streams get that update and end),
 the listeners close so new calls are refused, in-flight calls get up to ``grace_period_s`` to
@@ -64,7 +66,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import grpc
 
 from orchard.core.addresses import ListenAddress, parse_listen_address
-from orchard.core.errors import ErrorInterceptor
+from orchard.core.errors import Authenticate, ErrorInterceptor
 
 if TYPE_CHECKING:
     from orchard.core.config_sources import ConfigFlag
@@ -151,6 +153,9 @@ class ServiceBinding:
     """Full service name, e.g. ``orchard.inagent.v1.AgentService``."""
     register: Callable[[grpc.aio.Server], None]
     """Adds the service's handlers to a server (called once, before it starts)."""
+    authenticate: Authenticate | None = None
+    """The service's credential check, run before a request that does not parse is refused
+    (so unauthenticated garbage gets UNAUTHENTICATED); None: the service has none."""
 
     @classmethod
     def servicer(
@@ -158,9 +163,13 @@ class ServiceBinding:
         name: str,
         add_to_server: Callable[[Any, grpc.aio.Server], None],
         servicer: object,
+        authenticate: Authenticate | None = None,
     ) -> ServiceBinding:
-        """Bind a generated ``add_XServicer_to_server`` function and a servicer instance."""
-        return cls(name, lambda server: add_to_server(servicer, server))
+        """Bind a generated ``add_XServicer_to_server`` function and a servicer instance;
+        ``authenticate`` defaults to the servicer's ``authenticate(context)`` method if any."""
+        if authenticate is None:
+            authenticate = getattr(servicer, "authenticate", None)
+        return cls(name, lambda server: add_to_server(servicer, server), authenticate)
 
     @classmethod
     def generic(cls, handler: grpc.GenericRpcHandler, name: str | None = None) -> ServiceBinding:
@@ -256,7 +265,8 @@ class GrpcServer:
 
             self.metrics = ServiceMetrics(self.service)
             interceptors.append(MetricsInterceptor(self.metrics))
-        interceptors.append(ErrorInterceptor())
+        authenticators = {b.name: b.authenticate for b in self._bindings if b.authenticate}
+        interceptors.append(ErrorInterceptor(authenticators))
         interceptors += self._interceptors
 
         limit = self.config.max_concurrent_rpcs

@@ -759,18 +759,23 @@ class AsyncSandbox:
 
             await sandbox.download("/workspace/out", "./out")
         """
-        from orchard.sdk.transfer import DownloadItem  # noqa: PLC0415
+        from orchard.sdk.transfer import DownloadItem, confined, open_new_file  # noqa: PLC0415
 
         root = await self.stat(remote_path)
-        items: list[DownloadItem] = []
-        await self._plan_download(root, Path(local_path), items)
+        items: list[DownloadItem] = await self._plan_download(root, Path(local_path))
         total = sum(item.info.size for item in items if item.info.type is FileType.REGULAR)
         done = 0
         if progress is not None:
             progress(0, total)
+        # Everything below the destination the caller chose, whatever the sandbox listed:
+        # each entry's parent must resolve inside it (a link made by an earlier entry is not
+        # followed out), and files are created new (O_EXCL | O_NOFOLLOW).
+        inside = ""
         for item in items:
+            if inside:
+                confined(item.local, inside, may_be_link=item.info.type is not FileType.DIRECTORY)
             if item.info.type is FileType.DIRECTORY:
-                item.local.mkdir(parents=True, exist_ok=True)
+                item.local.mkdir(parents=not inside, exist_ok=True)
             elif item.info.type is FileType.SYMLINK:
                 item.local.parent.mkdir(parents=True, exist_ok=True)
                 item.local.unlink(missing_ok=True)
@@ -778,32 +783,58 @@ class AsyncSandbox:
             elif item.info.type is FileType.REGULAR:
                 item.local.parent.mkdir(parents=True, exist_ok=True)
                 temporary = item.local.with_name(f".{item.local.name}.orchard-partial")
+                if inside:
+                    confined(temporary, inside, may_be_link=True)
                 try:
-                    with temporary.open("wb") as out:
+                    with os.fdopen(open_new_file(temporary), "wb") as out:
                         async for chunk in self.read_file_chunks(item.info.path):
                             out.write(chunk)
                             done += len(chunk)
                             if progress is not None:
                                 progress(done, total)
-                    os.chmod(temporary, item.info.mode or 0o644)
+                        os.fchmod(out.fileno(), item.info.mode or 0o644)
                     os.replace(temporary, item.local)
                 except BaseException:
                     temporary.unlink(missing_ok=True)
                     raise
             else:
                 log.warning("skipping %s: not a file, directory or link", item.info.path)
+            if not inside:
+                # The destination itself is the caller's: a link there is followed on purpose.
+                inside = str(item.local.resolve())
         for item in reversed(items):
-            if item.info.type is FileType.DIRECTORY and item.info.mode:
+            is_dir = item.info.type is FileType.DIRECTORY
+            if is_dir and item.info.mode and not item.local.is_symlink():
                 os.chmod(item.local, item.info.mode)
         return done
 
-    async def _plan_download(self, info: FileInfo, local: Path, out: list[Any]) -> None:
-        from orchard.sdk.transfer import DownloadItem  # noqa: PLC0415
+    async def _plan_download(self, root: FileInfo, local: Path) -> list[Any]:
+        """Every entry below ``root`` with where it lands, parents before their children."""
+        from orchard.sdk.transfer import (  # noqa: PLC0415
+            MAX_DOWNLOAD_DEPTH,
+            DownloadItem,
+            checked_entry_name,
+        )
 
-        out.append(DownloadItem(info, local))
-        if info.type is FileType.DIRECTORY:
-            for entry in await self.list_files(info.path):
-                await self._plan_download(entry, local / entry.name, out)
+        items: list[DownloadItem] = []
+        pending = [(root, local, 0)]
+        while pending:
+            info, target, depth = pending.pop()
+            items.append(DownloadItem(info, target))
+            if info.type is not FileType.DIRECTORY:
+                continue
+            if depth >= MAX_DOWNLOAD_DEPTH:
+                raise errors.UnsafeListing(
+                    f"{info.path} is more than {MAX_DOWNLOAD_DEPTH} directories deep; "
+                    "download stopped"
+                )
+            seen: set[str] = set()
+            children = [
+                (entry, target / checked_entry_name(info.path, entry.name, seen), depth + 1)
+                for entry in await self.list_files(info.path)
+            ]
+            pending.extend(reversed(children))
+        return items
 
     async def apply_diff(
         self, diff: str | bytes, *, cwd: str | None = None, strip: int = 1

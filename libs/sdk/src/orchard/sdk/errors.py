@@ -72,6 +72,7 @@ __all__ = [
     "Unavailable",
     "Unimplemented",
     "UnknownError",
+    "UnsafeListing",
     "from_rpc_error",
 ]
 
@@ -225,6 +226,13 @@ class CommandFailed(OrchardSDKError):
         tail = result.stderr[-2000:].decode("utf-8", "replace").strip()
         text = f"command {command!r} {how}" if command else f"command {how}"
         super().__init__(f"{text}: {tail}" if tail else text)
+
+
+class UnsafeListing(OrchardSDKError):
+    """A download stopped because what the sandbox listed would land outside the destination
+    (a name that is ``..``, absolute, holds a separator or NUL, repeats, or a path that leads
+    through a symbolic link). Nothing was written outside the destination; what the download
+    wrote inside it so far stays."""
 
 
 class PatchFailed(OrchardSDKError):

@@ -148,7 +148,13 @@ class AdmissionQueue:
                     await asyncio.sleep(_CONFLICT_RETRY_S)
                     self.wake()
             except asyncio.CancelledError:
-                raise
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise
+                # A call cut off by a closed etcd channel: the loop must not end with it.
+                log.warning("admission round cut off by a closed etcd channel; retrying")
+                await asyncio.sleep(0.5)
+                self.wake()
             except EtcdError as exc:
                 log.warning("admission round failed (%s); retrying", exc)
                 await asyncio.sleep(0.5)

@@ -1,12 +1,20 @@
-"""Connections to sandbox agents: one cached grpc.aio channel and one lock per sandbox."""
+"""Connections to sandbox agents: one cached grpc.aio channel and one lock per sandbox.
+
+A channel is made only after the runtime confirmed that what serves at the record's address
+is the agent it started (:meth:`Runtime.verify_agent`); this replica checks once per sandbox,
+so a restarted service checks again before its first call.
+"""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
 
+from orchard.core.errors import OrchardError
+from orchard.env.reasons import EnvReason
 from orchard.inagent.v1 import inagent_service_pb2_grpc
 
 __all__ = ["AgentLink", "AgentLinks"]
@@ -38,12 +46,25 @@ class AgentLink:
 class AgentLinks:
     """Channels and locks by sandbox id, created on first use, closed when the sandbox goes."""
 
-    def __init__(self) -> None:
+    def __init__(self, verify: Callable[[str, str], Awaitable[bool]] | None = None) -> None:
         self._links: dict[str, AgentLink] = {}
         self._closing: set[asyncio.Task[None]] = set()
+        self._verify = verify
 
-    def get(self, sandbox_id: str, address: str) -> AgentLink:
+    async def get(self, sandbox_id: str, address: str) -> AgentLink:
+        """The sandbox's link; PERMISSION_DENIED (``AGENT_NOT_VERIFIED``) when what serves at
+        ``address`` is not the sandbox's agent."""
         link = self._links.get(sandbox_id)
+        if link is not None and link.address == address:
+            return link
+        if self._verify is not None and not await self._verify(sandbox_id, address):
+            raise OrchardError(
+                EnvReason.AGENT_NOT_VERIFIED,
+                f"sandbox {sandbox_id!r}: what serves at its agent's address is not the agent "
+                "its runtime started; nothing was sent to it",
+                metadata={"sandbox_id": sandbox_id},
+            )
+        link = self._links.get(sandbox_id)  # another call may have made it meanwhile
         if link is not None and link.address == address:
             return link
         if link is not None:

@@ -7,6 +7,7 @@ Layers (lowest first): defaults, a YAML file (``--config`` or ``$ORCHARD_ENV_CON
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from typing import Any
 
@@ -19,8 +20,12 @@ __all__ = [
     "AuthConfig",
     "EnvConfig",
     "EtcdConfig",
+    "ImagesConfig",
     "LimitsConfig",
+    "PrivilegesConfig",
+    "SecretsConfig",
     "TenantConfig",
+    "TenantImagesConfig",
     "token_digest",
 ]
 
@@ -188,6 +193,138 @@ class AdmissionConfig(ConfigModel):
         )
 
 
+class PrivilegesConfig(ConfigModel):
+    """Which tenants' sandboxes may give their commands more than the default privileges
+    (``SandboxSpec.privileges``); any other tenant asking is PERMISSION_DENIED."""
+
+    raw_sockets: list[str] = Field(
+        default_factory=list,
+        description="Tenants allowed `raw_sockets` (CAP_NET_RAW); `*` allows every tenant.",
+    )
+    user_namespaces: list[str] = Field(
+        default_factory=list,
+        description="Tenants allowed `user_namespaces`; `*` allows every tenant.",
+    )
+
+    def refused(self, tenant: str, raw_sockets: bool, user_namespaces: bool) -> list[str]:
+        """The privileges asked for that ``tenant`` may not have (empty: all allowed)."""
+        asked = {"raw_sockets": raw_sockets, "user_namespaces": user_namespaces}
+        allowed = {"raw_sockets": self.raw_sockets, "user_namespaces": self.user_namespaces}
+        return [
+            name
+            for name, wanted in asked.items()
+            if wanted and tenant not in allowed[name] and "*" not in allowed[name]
+        ]
+
+
+# Never an image source, whatever the allow-list says: the whole host and the kernel's views.
+_NEVER_IMAGE_SOURCES = ("/proc", "/sys", "/dev")
+
+
+def _host_path(path: str, what: str) -> str:
+    """``path`` checked absolute and without NUL, returned normalized."""
+    if not os.path.isabs(path) or "\x00" in path:
+        raise ValueError(f"{what}: {path!r} is not an absolute path")
+    return os.path.normpath(path)
+
+
+def _allowed_path(path: str, what: str) -> str:
+    normal = _host_path(path, what)
+    if normal == "/" or any(
+        normal == never or normal.startswith(never + "/") for never in _NEVER_IMAGE_SOURCES
+    ):
+        raise ValueError(
+            f"{what}: {normal!r} is the host's root or inside /proc, /sys or /dev, which are "
+            "never image sources and never masked; name the directories themselves"
+        )
+    return normal
+
+
+class TenantImagesConfig(ConfigModel):
+    """What one tenant's images may name beyond the settings every tenant has."""
+
+    allow_host: bool | None = Field(
+        default=None,
+        description="The `host` image for this tenant; unset: `images.allow_host`.",
+    )
+    allowed_paths: list[str] = Field(
+        default_factory=list,
+        description="Directories whose contents this tenant may name as `rootfs:`, "
+        "`oci-archive:` or `docker-archive:` sources, on top of `images.allowed_paths`.",
+    )
+
+    @field_validator("allowed_paths")
+    @classmethod
+    def _paths(cls, paths: list[str]) -> list[str]:
+        return [_allowed_path(path, "allowed_paths") for path in paths]
+
+
+class ImagesConfig(ConfigModel):
+    """Which images name host paths, and for whom: image sources on the host are the
+    operator's choice, never a tenant's. Registry references are not limited here."""
+
+    allow_host: bool = Field(
+        default=False,
+        description="The `host` image (the host's root, read-only, the service's own "
+        "directories and `host_masked_paths` hidden) for every tenant.",
+    )
+    allowed_paths: list[str] = Field(
+        default_factory=list,
+        description="Directories whose contents every tenant may name as `rootfs:`, "
+        "`oci-archive:` or `docker-archive:` sources, checked on the real path (symlinks and "
+        "`..` resolved). Empty: no host path is an image source.",
+    )
+    host_masked_paths: list[str] = Field(
+        default_factory=list,
+        description="Host files and directories hidden in `host` sandboxes (an empty read-only "
+        "tmpfs over a directory, /dev/null over a file) and never an image source: the "
+        "service's state that is not the runtime's own (etcd data, tokens, logs, configs). "
+        "The runtime's own directories are always hidden.",
+    )
+    tenants: dict[str, TenantImagesConfig] = Field(
+        default_factory=dict, description="Per tenant: `allow_host`, more `allowed_paths`."
+    )
+
+    @field_validator("allowed_paths")
+    @classmethod
+    def _allowed(cls, paths: list[str]) -> list[str]:
+        return [_allowed_path(path, "images.allowed_paths") for path in paths]
+
+    @field_validator("host_masked_paths")
+    @classmethod
+    def _masked(cls, paths: list[str]) -> list[str]:
+        # The root, /proc, /sys and /dev are refused: a sandbox has its own of the last three.
+        return [_allowed_path(path, "images.host_masked_paths") for path in paths]
+
+    def host_allowed(self, tenant: str) -> bool:
+        own = self.tenants.get(tenant)
+        return own.allow_host if own is not None and own.allow_host is not None else self.allow_host
+
+    def paths_allowed(self, tenant: str) -> tuple[str, ...]:
+        own = self.tenants.get(tenant)
+        return (*self.allowed_paths, *(own.allowed_paths if own is not None else ()))
+
+
+class SecretsConfig(ConfigModel):
+    """The key that seals secrets (`spec.env` values) in etcd records."""
+
+    key_file: str = Field(
+        default="/var/lib/orchard/env/secrets.key",
+        description="A file holding a Fernet key (44 url-safe base64 characters). Replicas on "
+        "one etcd prefix must share it: a replica with another key refuses to start.",
+    )
+    generate_key: bool = Field(
+        default=True,
+        description="Create `key_file` (mode 0600, its directory 0700) with a new key when it is "
+        "missing, and say so in the log. False: a missing file stops the start.",
+    )
+
+    @field_validator("key_file")
+    @classmethod
+    def _key_file(cls, path: str) -> str:
+        return _host_path(path, "secrets.key_file")
+
+
 class EnvConfig(ServiceConfig):
     """Everything ``orchard-env`` runs with."""
 
@@ -205,6 +342,9 @@ class EnvConfig(ServiceConfig):
     auth: AuthConfig = AuthConfig()
     limits: LimitsConfig = LimitsConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    privileges: PrivilegesConfig = PrivilegesConfig()
+    images: ImagesConfig = ImagesConfig()
+    secrets: SecretsConfig = SecretsConfig()
     replica_ttl_s: int = Field(
         default=10,
         ge=2,
@@ -239,6 +379,17 @@ class EnvConfig(ServiceConfig):
 
             KubernetesRuntimeConfig.model_validate(runtime)
         return runtime
+
+    @model_validator(mode="after")
+    def _image_tenants(self) -> EnvConfig:
+        known = set(self.auth.tenants) | {self.auth.anonymous_tenant}
+        unknown = sorted(set(self.images.tenants) - known)
+        if unknown:
+            raise ValueError(
+                f"images.tenants names {unknown}, which auth.tenants does not hold "
+                "(nor auth.anonymous_tenant)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _etcd_required(self) -> EnvConfig:

@@ -29,8 +29,15 @@ How the pieces fit:
   ``runtime.fork`` instead of ``runtime.create``.
 - **Reconcile** (at start and every ``reconcile_interval_s``): runtime sandboxes without a
   record are deleted; READY records whose runtime sandbox is gone or exited become FAILED;
-  PENDING records without a creating key are taken over. ``runtime.exits()`` events make
-  records FAILED as they happen.
+  PENDING records without a creating key are taken over, and those behind this replica's own
+  creating key with no creation running here are finished or created again (repaired).
+  ``runtime.exits()`` events make records FAILED as they happen; every replica asks the
+  runtime to ``adopt`` each READY sandbox, so the exit is seen even when the replica that
+  made it is gone.
+- **etcd faults**: a creation whose runtime start is done retries recording READY (or
+  FAILED) while etcd does not answer, and rolls back (deletes the runtime sandbox) only past
+  a bound; an insert etcd did not answer is looked up once etcd is back and, if it was
+  applied, its creation starts. A creation task that ends in an error is logged and repaired.
 
 Replicas must see one runtime (the same host for ``local``, the same cluster for
 ``kubernetes``): any replica may delete, status or reconcile any sandbox.
@@ -40,13 +47,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
+import random
 import secrets
 import time
 from collections.abc import Callable
 from typing import Any
 
+import grpc
 from google.protobuf import timestamp_pb2
 
 from orchard.core.errors import OrchardError, Reason
@@ -87,11 +97,14 @@ from orchard.env.runtime.base import (
     RuntimeFailure,
     RuntimeNotSupported,
     RuntimeResources,
+    RuntimeSandbox,
     RuntimeSandboxSpec,
     SandboxStatus,
 )
+from orchard.env.sealing import SealedValueUnreadable, SpecSealer
 from orchard.env.v1 import env_pb2
-from orchard.env.validation import heartbeat_timeout_s
+from orchard.env.validation import ImagePolicy, heartbeat_timeout_s
+from orchard.inagent.v1 import inagent_service_pb2, inagent_service_pb2_grpc
 
 __all__ = ["SandboxController"]
 
@@ -103,6 +116,11 @@ FAILED = env_pb2.SANDBOX_STATE_FAILED
 DELETING = env_pb2.SANDBOX_STATE_DELETING
 _SETTLED = (READY, FAILED)
 _FORKS_PER_TXN = 48  # two operations each (record, creating key), under etcd's 128
+# How long a finished creation keeps retrying to record its outcome while etcd is away before
+# it rolls back (etcd renews every lease when it comes back, so records outlive an outage).
+_SETTLE_RETRY_S = 120.0
+_RETRY_DELAYS_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+_AGENT_PROBE_S = 2.0
 
 
 def new_sandbox_id() -> str:
@@ -157,10 +175,19 @@ class SandboxController:
         self.metrics = metrics
         self.replica_id = replica_id or "rep-" + secrets.token_hex(6)
         self.watcher = RecordWatcher(store, self)
-        self.agents = AgentLinks()
+        self.agents = AgentLinks(verify=runtime.verify_agent)
+        self.images = ImagePolicy(
+            config.images, runtime.private_paths(), service_paths=(config.secrets.key_file,)
+        )
+        # spec.env values stay sealed in every record; opened for the runtime and the tenant.
+        self.sealer = SpecSealer.from_config(config.secrets)
         self._replica_lease: Lease | None = None
         self._keepalive: LeaseKeepAlive | None = None
         self._creations: dict[str, asyncio.Task[None]] = {}  # sandbox id → creation task
+        # Records written (or maybe written: etcd did not answer) whose creation is not started.
+        self._inserting: set[str] = set()
+        # What runtime.create returned, until the record says READY (or is rolled back).
+        self._made: dict[str, RuntimeSandbox] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._background: list[asyncio.Task[None]] = []
         self._create_slots = asyncio.Semaphore(config.max_concurrent_creates)
@@ -184,6 +211,7 @@ class SandboxController:
     # -- lifecycle of the controller ----------------------------------------------------------
 
     async def start(self) -> None:
+        await self.sealer.claim(self.store)
         self._replica_lease = await self.store.grant_lease(self.config.replica_ttl_s)
         self._keepalive = self.store.keep_alive(self._replica_lease)
         await self.store.put(
@@ -199,6 +227,8 @@ class SandboxController:
             asyncio.create_task(self._follow_exits(), name="runtime-exits"),
             asyncio.create_task(self._watch_replica_lease(), name="replica-lease"),
         ]
+        for task in self._background:
+            task.add_done_callback(_log_failure)
         log.info("controller started", extra={"replica": self.replica_id})
 
     async def close(self) -> None:
@@ -226,6 +256,7 @@ class SandboxController:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_log_failure)
         return task
 
     async def _watch_replica_lease(self) -> None:
@@ -310,6 +341,7 @@ class SandboxController:
                 runtime=self.runtime.name,
                 create_time=_now(),
             )
+            self.sealer.seal_env(sandbox.spec)
             record = SandboxRecord(sandbox, request_key=rkey)
             slots: list[str] | None = []
             if self.admission.enabled:
@@ -418,7 +450,31 @@ class SandboxController:
         if rkey:
             ops.append(PutOp.of(rkey, rvalue or records[0][0].id, records[0][1]))
             compare.append(Compare.create_revision(rkey, CompareOp.EQUAL, 0))
-        return await self.store.txn(compare, ops)
+        ids = [record.id for record, _ in records if not record.queued]
+        self._inserting.update(ids)
+        try:
+            result = await self.store.txn(compare, ops)
+        except EtcdUnavailable:
+            # Applied or not, nobody knows: find out once etcd answers, and create what was.
+            self._inserting.difference_update(ids)
+            unsettled = [record for record, _ in records if not record.queued]
+            if unsettled:
+                self._spawn(self._recover_unanswered(unsettled), f"recover-{ids[0]}")
+            raise
+        except BaseException:
+            self._inserting.difference_update(ids)
+            raise
+        if not result.succeeded:
+            self._inserting.difference_update(ids)
+        return result
+
+    async def _recover_unanswered(self, records: list[SandboxRecord]) -> None:
+        """Records whose insert got no answer: start the creation of each that exists."""
+        deadline = time.monotonic() + _SETTLE_RETRY_S
+        for record in records:
+            kv = await _retrying(functools.partial(self.store.get, record.key), deadline)
+            if kv is not None:
+                await self._repair(SandboxRecord.from_kv(kv))
 
     async def _by_request(self, tenant: str, rkey: str) -> SandboxRecord | None:
         kv = await self.store.get(rkey)
@@ -432,16 +488,31 @@ class SandboxController:
         return record
 
     def _start_creation(
-        self, record: SandboxRecord, started: float, *, replace: bool = False
+        self,
+        record: SandboxRecord,
+        started: float,
+        *,
+        replace: bool = False,
+        made: RuntimeSandbox | None = None,
     ) -> None:
+        self._inserting.discard(record.id)
         task = asyncio.create_task(
-            self._create_in_runtime(record, started, replace), name=f"create-{record.id}"
+            self._create_in_runtime(record, started, replace, made), name=f"create-{record.id}"
         )
         self._creations[record.id] = task
 
         def done(t: asyncio.Task[None]) -> None:
             if self._creations.get(record.id) is t:
                 del self._creations[record.id]
+            if t.cancelled() or t.exception() is None or self._closing:
+                return
+            # A creation must never end silently: say so, and repair the record at once.
+            log.error(
+                "a creation task died; repairing its record",
+                exc_info=t.exception(),
+                extra={"sandbox_id": record.id},
+            )
+            self._spawn(self._repair_by_key(record.key), f"repair-{record.id}")
 
         task.add_done_callback(done)
 
@@ -453,85 +524,179 @@ class SandboxController:
             pids=spec.resources.pids or limits.default_pids,
             disk_bytes=spec.resources.disk_bytes or limits.default_disk_bytes,
         )
+        try:
+            env = self.sealer.open_env(spec.env)
+        except SealedValueUnreadable as exc:
+            raise RuntimeFailure(FailureReason.INTERNAL, str(exc)) from None
         return RuntimeSandboxSpec(
             sandbox_id=sandbox.id,
             image=spec.image,
             resources=resources,
-            env=dict(spec.env),
+            env=env,
             working_dir=spec.working_dir or "/",
             egress=egress_rules(spec.network_policy),
             labels=dict(spec.labels),
             owner=spec.owner_id,
+            raw_sockets=spec.privileges.raw_sockets,
+            user_namespaces=spec.privileges.user_namespaces,
+            image_trust=self.images.trust(sandbox.tenant),
         )
 
     async def _create_in_runtime(
-        self, record: SandboxRecord, started: float, replace: bool
+        self, record: SandboxRecord, started: float, replace: bool, made: RuntimeSandbox | None
     ) -> None:
         sid, tenant = record.id, record.tenant
-        key, ckey = record.key, creating_key(tenant, sid)
-        async with self._create_slots:
-            if replace:
-                # A replica died while creating it: clear whatever it left first.
+        ckey = creating_key(tenant, sid)
+        failure: tuple[str, str] | None = None
+        if made is None:
+            async with self._create_slots:
+                if replace:
+                    # A replica died while creating it: clear whatever it left first.
+                    await self.runtime.delete(sid)
+                try:
+                    spec = self.runtime_spec(record.sandbox)
+                    source = record.sandbox.forked_from
+                    made = await (
+                        self.runtime.fork(source, spec) if source else self.runtime.create(spec)
+                    )
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if task is not None and not task.cancelling():
+                        # A gRPC call inside the runtime cut off under it, not our cancel.
+                        log.warning("runtime.create was cut off", extra={"sandbox_id": sid})
+                        failure = FailureReason.INTERNAL.value, "the runtime start was cut off"
+                    else:
+                        if not self._closing:
+                            with contextlib.suppress(EtcdError):
+                                await self.store.delete(ckey)
+                        raise
+                except RuntimeFailure as exc:
+                    failure = exc.reason.value, exc.message
+                except RuntimeNotSupported as exc:
+                    failure = FailureReason.INTERNAL.value, str(exc)
+                except Exception as exc:
+                    log.exception("runtime.create failed", extra={"sandbox_id": sid})
+                    failure = FailureReason.INTERNAL.value, f"runtime error: {exc}"
+        if made is None:
+            reason, message = failure or (FailureReason.INTERNAL.value, "no sandbox was made")
+            await self.fail(
+                tenant,
+                sid,
+                reason,
+                message,
+                extra_ops=[DeleteOp.of(ckey)],
+                retry_s=_SETTLE_RETRY_S,
+            )
+            await self._drop_creating(ckey)
+            return
+        self._made[sid] = made
+        try:
+            await self._settle_ready(record, made, started)
+        except asyncio.CancelledError:
+            self._made.pop(sid, None)
+            if not self._closing:
                 await self.runtime.delete(sid)
-            try:
-                spec = self.runtime_spec(record.sandbox)
-                source = record.sandbox.forked_from
-                made = await (
-                    self.runtime.fork(source, spec) if source else self.runtime.create(spec)
-                )
-            except asyncio.CancelledError:
-                if not self._closing:
-                    with contextlib.suppress(EtcdError):
-                        await self.store.delete(ckey)
-                raise
-            except RuntimeFailure as exc:
-                await self.fail(
-                    tenant, sid, exc.reason.value, exc.message, extra_ops=[DeleteOp.of(ckey)]
-                )
-                await self._drop_creating(ckey)
-                return
-            except RuntimeNotSupported as exc:
-                await self.fail(
-                    tenant,
-                    sid,
-                    FailureReason.INTERNAL.value,
-                    str(exc),
-                    extra_ops=[DeleteOp.of(ckey)],
-                )
-                await self._drop_creating(ckey)
-                return
-            except Exception as exc:
-                log.exception("runtime.create failed", extra={"sandbox_id": sid})
-                await self.fail(
-                    tenant,
-                    sid,
-                    FailureReason.INTERNAL.value,
-                    f"runtime error: {exc}",
-                    extra_ops=[DeleteOp.of(ckey)],
-                )
-                await self._drop_creating(ckey)
-                return
+            raise
+        self._made.pop(sid, None)
 
-            def to_ready(r: SandboxRecord) -> bool:
-                if r.state != PENDING:
-                    return False
-                r.sandbox.state = READY
-                r.sandbox.ready_time.CopyFrom(_now())
-                r.sandbox.agent_version = made.agent_version
-                r.agent_address = made.agent_address
-                return True
+    async def _settle_ready(
+        self, record: SandboxRecord, made: RuntimeSandbox, started: float
+    ) -> None:
+        """Record READY for what the runtime made, retrying while etcd is away; roll back
+        (delete the runtime sandbox, record FAILED) when the record is gone or no longer
+        PENDING, or etcd stays away past the retry bound."""
+        sid, key, ckey = record.id, record.key, creating_key(record.tenant, record.id)
+        version = made.agent_version or await self._agent_version(sid, made.agent_address)
+        recorded: list[bool] = []
 
-            try:
-                updated = await self._update(key, to_ready, extra_ops=[DeleteOp.of(ckey)])
-            except EtcdError:
-                updated = None
-                log.exception("could not record READY", extra={"sandbox_id": sid})
-            if updated is None:
-                # Deleted, reaped or failed meanwhile: what we made must not outlive it.
-                await self.runtime.delete(sid)
-                await self._drop_creating(ckey)
-                return
-            self.metrics.ready_seconds.observe(time.monotonic() - started)
+        def to_ready(r: SandboxRecord) -> bool:
+            if r.state == READY and r.agent_address == made.agent_address:
+                recorded.append(True)  # an earlier attempt was applied; its answer was lost
+                return False
+            if r.state != PENDING:
+                return False
+            r.sandbox.state = READY
+            r.sandbox.ready_time.CopyFrom(_now())
+            r.sandbox.agent_version = version
+            r.agent_address = made.agent_address
+            return True
+
+        deadline = time.monotonic() + _SETTLE_RETRY_S
+        try:
+            updated = await _retrying(
+                lambda: self._update(key, to_ready, extra_ops=[DeleteOp.of(ckey)]), deadline
+            )
+        except EtcdError:
+            log.exception("could not record READY; rolling back", extra={"sandbox_id": sid})
+            await self.runtime.delete(sid)
+            await self.fail(
+                record.tenant,
+                sid,
+                FailureReason.INTERNAL.value,
+                "the state store did not answer when the sandbox became ready",
+                extra_ops=[DeleteOp.of(ckey)],
+            )
+            return
+        if updated is None and not recorded:
+            # Deleted, reaped or failed meanwhile: what we made must not outlive it.
+            await self.runtime.delete(sid)
+            await self._drop_creating(ckey)
+            return
+        self.metrics.ready_seconds.observe(time.monotonic() - started)
+
+    async def _agent_version(self, sandbox_id: str, address: str) -> str:
+        """The version the sandbox's agent reports ("" when it does not answer)."""
+        info = await self._agent_info(sandbox_id, address)
+        return str(info.version) if info is not None else ""
+
+    async def _agent_info(self, sandbox_id: str, address: str) -> Any:
+        """The agent's GetAgentInfo answer; None when it does not answer in time or what
+        serves at ``address`` is not the agent the runtime started."""
+        try:
+            if not await self.runtime.verify_agent(sandbox_id, address):
+                return None
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = inagent_service_pb2_grpc.AgentServiceStub(channel)
+                return await stub.GetAgentInfo(
+                    inagent_service_pb2.GetAgentInfoRequest(), timeout=_AGENT_PROBE_S
+                )
+        except grpc.aio.AioRpcError:
+            return None
+
+    async def _repair_by_key(self, key: str) -> None:
+        await asyncio.sleep(0.1)  # let a failing path settle before looking again
+        kv = await _retrying(lambda: self.store.get(key), time.monotonic() + _SETTLE_RETRY_S)
+        if kv is not None:
+            await self._repair(SandboxRecord.from_kv(kv))
+
+    async def _repair(self, record: SandboxRecord) -> bool:
+        """A PENDING record this replica is creating, with no creation running here (its task
+        died, or its insert went unanswered): finish it to READY when what the runtime made is
+        alive and its agent answers, else create it again. Returns whether it acted."""
+        sid = record.id
+        if (
+            record.state != PENDING
+            or record.queued
+            or sid in self._creations
+            or sid in self._inserting
+            or self._closing
+        ):
+            return False
+        owner = await self.store.get(creating_key(record.tenant, sid))
+        if owner is None or owner.value_str != self.replica_id:
+            return False
+        made = self._made.pop(sid, None)
+        if (
+            made is not None
+            and await self.runtime.status(sid) is SandboxStatus.RUNNING
+            and await self._agent_info(sid, made.agent_address) is not None
+        ):
+            log.info("finishing a creation whose task ended", extra={"sandbox_id": sid})
+            self._start_creation(record, time.monotonic(), made=made)
+        else:
+            log.info("creating again a sandbox whose creation ended", extra={"sandbox_id": sid})
+            self._start_creation(record, time.monotonic(), replace=True)
+        return True
 
     async def _drop_creating(self, ckey: str) -> None:
         with contextlib.suppress(EtcdError):
@@ -572,8 +737,11 @@ class SandboxController:
         message: str,
         *,
         extra_ops: list[Any] | None = None,
+        retry_s: float = 0.0,
     ) -> bool:
-        """PENDING/READY → FAILED with a reason, then release the runtime's resources."""
+        """PENDING/READY → FAILED with a reason, then release the runtime's resources.
+
+        ``retry_s`` > 0: keep trying that long while etcd does not answer."""
 
         held: list[str] = []
 
@@ -589,9 +757,11 @@ class SandboxController:
             r.slots = ()
             return True
 
+        key = sandbox_key(tenant, sandbox_id)
         try:
-            updated = await self._update(
-                sandbox_key(tenant, sandbox_id), to_failed, extra_ops=extra_ops
+            updated = await _retrying(
+                lambda: self._update(key, to_failed, extra_ops=extra_ops),
+                time.monotonic() + retry_s,
             )
         except EtcdError:
             log.exception("could not record FAILED", extra={"sandbox_id": sandbox_id})
@@ -613,7 +783,18 @@ class SandboxController:
         while True:
             changed = self.watcher.changed(key)
             try:
-                record = await self.get(tenant, sandbox_id, expire_time=False)
+                try:
+                    record = await self.get(tenant, sandbox_id, expire_time=False)
+                except OrchardError as exc:
+                    # etcd away: the record will settle once it is back, so keep waiting.
+                    if exc.reason is not EnvReason.STATE_STORE_UNAVAILABLE:
+                        raise
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(changed, min(1.0, remaining or 1.0))
+                    continue
                 if record.state in _SETTLED:
                     await self.fill_expire_time(record)
                     return record
@@ -734,6 +915,9 @@ class SandboxController:
                     for lease_id in own:
                         await self._revoke_quietly(lease_id)
                 raise
+            finally:
+                # Chunks written before a failure are repaired by reconcile, not left behind.
+                self._inserting.difference_update(record.id for record, _ in records)
         except LeaseNotFound:
             raise not_found(source_id) from None
         except EtcdError as exc:
@@ -961,7 +1145,7 @@ class SandboxController:
                 message,
                 metadata={"sandbox_id": sandbox_id, "state": state},
             )
-        return self.agents.get(sandbox_id, record.agent_address)
+        return await self.agents.get(sandbox_id, record.agent_address)
 
     def check_alive(self, tenant: str, sandbox_id: str) -> None:
         """After an agent did not answer: ask the runtime, and fail the record if it died."""
@@ -977,6 +1161,9 @@ class SandboxController:
     def record_changed(self, record: SandboxRecord, previous: SandboxRecord | None) -> None:
         if record.queued and (previous is None or not previous.queued):
             self.admission.wake()
+        if record.state == READY and (previous is None or previous.state != READY):
+            # Whichever replica made it, this one hears of its exit too (it may outlive that one).
+            self._spawn(self._adopt(record.id), f"adopt-{record.id}")
         if record.state in (FAILED, DELETING):
             self.agents.drop(record.id)
             creation = self._creations.get(record.id)
@@ -1007,7 +1194,17 @@ class SandboxController:
 
     def resynced(self) -> None:
         self.admission.wake()
+        for record in self.watcher.records.values():
+            if record.state == READY:
+                self._spawn(self._adopt(record.id), f"adopt-{record.id}")
         self._count_states()
+
+    async def _adopt(self, sandbox_id: str) -> None:
+        """Have the runtime report this sandbox's exit, whichever replica started it."""
+        try:
+            await self.runtime.adopt(sandbox_id)
+        except Exception:
+            log.exception("could not watch a sandbox's exit", extra={"sandbox_id": sandbox_id})
 
     def _count_states(self) -> None:
         self.metrics.set_state_counts(r.state for r in self.watcher.records.values())
@@ -1070,19 +1267,19 @@ class SandboxController:
 
     async def reconcile(self) -> dict[str, int]:
         """Compare the runtime with the records once; returns what it did, by kind."""
-        done = {"leftovers": 0, "failed": 0, "taken_over": 0}
+        done = {"leftovers": 0, "failed": 0, "taken_over": 0, "repaired": 0}
         # The runtime first: a sandbox created after this has its record in the listing below.
         in_runtime = set(await self.runtime.list_sandboxes())
         listing = await self.store.list_prefix("")
         records: dict[str, SandboxRecord] = {}
-        creating: set[str] = set()
+        creating: dict[str, str] = {}  # sandbox id → the replica creating it
         for kv in listing.kvs:
             key = kv.key_str
             if key.startswith(SANDBOXES):
                 record = SandboxRecord.from_kv(kv)
                 records[record.id] = record
             elif key.startswith(CREATING):
-                creating.add(key.rsplit("/", 1)[-1])
+                creating[key.rsplit("/", 1)[-1]] = kv.value_str
         for sandbox_id in sorted(in_runtime - records.keys()):
             if sandbox_id in self._creations:
                 continue
@@ -1097,13 +1294,15 @@ class SandboxController:
                     record.tenant, record.id, *_dead_reason(status)
                 ):
                     done["failed"] += 1
-            elif (
-                record.state == PENDING
-                and not record.queued
-                and record.id not in creating
-                and await self._take_over(record.tenant, record.id)
-            ):
-                done["taken_over"] += 1
+                elif status is SandboxStatus.RUNNING:
+                    await self._adopt(record.id)
+            elif record.state != PENDING or record.queued:
+                continue
+            elif record.id not in creating:
+                if await self._take_over(record.tenant, record.id):
+                    done["taken_over"] += 1
+            elif creating[record.id] == self.replica_id and await self._repair(record):
+                done["repaired"] += 1
         if any(done.values()):
             log.info("reconciled", extra=done)
         return done
@@ -1113,6 +1312,8 @@ class SandboxController:
             try:
                 async for event in self.runtime.exits():
                     record = self._find(event.sandbox_id)
+                    if record is not None and record.state == DELETING:
+                        continue  # its deleting replica releases it (every replica may watch it)
                     if record is not None:
                         await self.fail(record.tenant, record.id, event.reason.value, event.message)
                     else:
@@ -1129,6 +1330,29 @@ class SandboxController:
             if record.id == sandbox_id:
                 return record
         return None
+
+
+async def _retrying(call: Callable[[], Any], deadline: float) -> Any:
+    """Await ``call()`` again, with growing delays, while etcd is unavailable and the deadline
+    has not passed; raises the last error then (a mutation retried must be a compare-and-swap)."""
+    attempt = 0
+    while True:
+        try:
+            return await call()
+        except EtcdUnavailable as exc:
+            delay = _RETRY_DELAYS_S[min(attempt, len(_RETRY_DELAYS_S) - 1)]
+            if time.monotonic() + delay > deadline:
+                raise
+            if attempt == 0:
+                log.warning("the state store did not answer; retrying: %s", exc)
+            attempt += 1
+            await asyncio.sleep(delay * random.uniform(0.8, 1.2))
+
+
+def _log_failure(task: asyncio.Task[Any]) -> None:
+    """A background task must not end in an exception nobody sees."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task %s failed", task.get_name(), exc_info=task.exception())
 
 
 def _dead_reason(status: SandboxStatus) -> tuple[str, str]:

@@ -35,3 +35,18 @@ class EnvReason(ErrorReason):
         "The state store (etcd) did not answer; retry.",
     )
     SERVICE_STARTING = (grpc.StatusCode.UNAVAILABLE, "The service is still starting; retry.")
+    AGENT_NOT_VERIFIED = (
+        grpc.StatusCode.PERMISSION_DENIED,
+        "What serves at the sandbox's agent address is not the agent its runtime started (an "
+        "impostor); nothing was sent to it.",
+    )
+    PRIVILEGE_NOT_ALLOWED = (
+        grpc.StatusCode.PERMISSION_DENIED,
+        "The spec asks for a privilege (SandboxPrivileges) the operator does not allow this "
+        "tenant; nothing was created.",
+    )
+    IMAGE_NOT_ALLOWED = (
+        grpc.StatusCode.PERMISSION_DENIED,
+        "The image is the host, or names a host path, that the operator's `images` settings do "
+        "not allow this tenant; nothing was created.",
+    )

@@ -112,6 +112,13 @@ class RecordWatcher:
             except CompactedRevision:
                 log.warning("record watch compacted; listing again")
                 next_revision = None
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise
+                # A call cut off by a channel switch: the watch must outlive it, never end.
+                log.warning("record watch cut off by a closed etcd channel; resuming")
+                await asyncio.sleep(_RETRY_S[0])
             except EtcdError as exc:
                 delay = _RETRY_S[min(failures, len(_RETRY_S) - 1)]
                 failures += 1

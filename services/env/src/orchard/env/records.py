@@ -9,6 +9,7 @@ Keys, under the configured prefix (``orchard/env/`` by default)::
     owners/<tenant>/<owner_id>        Owner (protobuf JSON)     the owner's lease
     owner-requests/<tenant>/<sha256(request_id)[:32]>   owner id   the owner's lease
     slots/<scope>/<index>             sandbox id                the sandbox's lease
+    secrets/key-id                    id of the sealing key     none (see ``sealing.py``)
 
 A sandbox bound to an owner (``spec.owner_id``) has its record, request key and slots under
 the owner's lease instead of one of its own. ``slots/`` keys are admission slots: scope
@@ -20,6 +21,8 @@ A record is a JSON envelope: ``sandbox`` is the public ``orchard.env.v1.Sandbox`
 JSON form (``expire_time`` left out: it is the lease's remaining TTL, read on demand), the rest
 are internal fields every replica needs to serve the sandbox (the agent's address, the request
 key to remove with it). Keys sort by sandbox id within a tenant, which ListSandboxes relies on.
+``spec.env`` values are stored sealed (``sealing.SpecSealer``): a record never holds them in
+clear, in etcd or in memory.
 """
 
 from __future__ import annotations

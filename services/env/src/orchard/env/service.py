@@ -4,6 +4,7 @@ sandbox's agent, one at a time per sandbox on this replica (see :class:`AgentLin
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
@@ -51,6 +52,11 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
         self._auth = TenantAuthenticator(config.auth)
         self._controller: SandboxController | None = None
 
+    def authenticate(self, context: grpc.aio.ServicerContext) -> str:
+        """The call's tenant, or UNAUTHENTICATED; the server runs it first for a request that
+        does not parse, so garbage without a valid token learns nothing more."""
+        return self._auth.tenant(context)
+
     def attach(self, controller: SandboxController | None) -> None:
         self._controller = controller
 
@@ -61,7 +67,8 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
         return self._controller
 
     def _sandbox(self, record: SandboxRecord) -> env_pb2.Sandbox:
-        return record.sandbox
+        # Records keep spec.env sealed; the tenant that set the values reads them back.
+        return self.controller.sealer.opened(record.sandbox)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -71,12 +78,22 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
         tenant = self._auth.tenant(context)
         spec = request.spec
         ttl = validate_spec(spec, self._config.limits)
+        self.controller.images.check(tenant, spec.image)
+        refused = self._config.privileges.refused(
+            tenant, spec.privileges.raw_sockets, spec.privileges.user_namespaces
+        )
+        if refused:
+            raise OrchardError(
+                EnvReason.PRIVILEGE_NOT_ALLOWED,
+                f"spec.privileges: {', '.join(refused)} not allowed to tenant {tenant!r}; the "
+                "operator allows them in orchard-env's `privileges` settings",
+            )
         if spec.owner_id:
             _require_owner_id(spec.owner_id, "spec.owner_id")
         if len(request.request_id) > 256:
             raise invalid("request_id", "at most 256 characters")
         record = await self.controller.create(tenant, spec, ttl, request.request_id)
-        return env_service_pb2.CreateSandboxResponse(sandbox=record.sandbox)
+        return env_service_pb2.CreateSandboxResponse(sandbox=self._sandbox(record))
 
     async def WaitSandbox(
         self, request: env_service_pb2.WaitSandboxRequest, context: grpc.aio.ServicerContext
@@ -92,7 +109,7 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
         if remaining is not None:
             timeout = remaining if timeout is None else min(timeout, remaining)
         record = await self.controller.wait(tenant, request.sandbox_id, timeout)
-        return env_service_pb2.WaitSandboxResponse(sandbox=record.sandbox)
+        return env_service_pb2.WaitSandboxResponse(sandbox=self._sandbox(record))
 
     async def GetSandbox(
         self, request: env_service_pb2.GetSandboxRequest, context: grpc.aio.ServicerContext
@@ -100,7 +117,7 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
         tenant = self._auth.tenant(context)
         _require_id(request.sandbox_id)
         record = await self.controller.get(tenant, request.sandbox_id)
-        return env_service_pb2.GetSandboxResponse(sandbox=record.sandbox)
+        return env_service_pb2.GetSandboxResponse(sandbox=self._sandbox(record))
 
     async def ListSandboxes(
         self, request: env_service_pb2.ListSandboxesRequest, context: grpc.aio.ServicerContext
@@ -122,7 +139,7 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
             await self.controller.fill_expire_time(record)
         token = _encode_token(records[-1].id, query) if more and records else ""
         return env_service_pb2.ListSandboxesResponse(
-            sandboxes=[r.sandbox for r in records], next_page_token=token
+            sandboxes=[self._sandbox(r) for r in records], next_page_token=token
         )
 
     async def DeleteSandbox(
@@ -252,6 +269,7 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
         if not header.path:
             raise invalid("header.path", "required")
         link = await self._link(context, header.sandbox_id)
+        refused: list[OrchardError] = []
 
         async def forward() -> AsyncIterator[agent_pb2.WriteFileRequest]:
             yield agent_pb2.WriteFileRequest(
@@ -264,12 +282,27 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
             )
             async for message in request_iterator:
                 if message.WhichOneof("payload") == "header":
-                    # The agent refuses a second header the same way; say it in our words.
-                    raise invalid("header", "only the first WriteFile message may carry a header")
+                    # Raising here would only end the request stream, and the agent would
+                    # wait for the rest until the deadline: cancel its call (no commit).
+                    refused.append(
+                        invalid("header", "only the first WriteFile message may carry a header")
+                    )
+                    call.cancel()
+                    return
                 yield agent_pb2.WriteFileRequest(data=message.data)
 
         async with link.lock, self._agent_call(link, context):
-            reply = await link.stub.WriteFile(forward(), timeout=self._timeout(context))
+            call = link.stub.WriteFile(forward(), timeout=self._timeout(context))
+            try:
+                reply = await call
+            except asyncio.CancelledError:
+                if refused:
+                    raise refused[0] from None
+                raise
+            finally:
+                # A caller that gives up (or fails) ends the agent's call too, which closes
+                # and removes the temporary file at once instead of at the deadline.
+                call.cancel()
             return env_service_pb2.WriteFileResponse(info=reply.info, sha256=reply.sha256)
         raise AssertionError("unreachable")
 
@@ -346,7 +379,7 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
         records = await self.controller.fork(
             tenant, request.sandbox_id, request.count, dict(request.labels), request.request_id
         )
-        return env_service_pb2.ForkSandboxResponse(sandboxes=[r.sandbox for r in records])
+        return env_service_pb2.ForkSandboxResponse(sandboxes=[self._sandbox(r) for r in records])
 
     # -- owners ------------------------------------------------------------------------------
 
@@ -402,7 +435,7 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
         record = await self.controller.update_network_policy(
             tenant, request.sandbox_id, request.network_policy
         )
-        response = env_service_pb2.UpdateNetworkPolicyResponse(sandbox=record.sandbox)
+        response = env_service_pb2.UpdateNetworkPolicyResponse(sandbox=self._sandbox(record))
         rules = request.network_policy.egress
         expiring = [rule.expire_time for rule in rules if rule.HasField("expire_time")]
         if expiring:

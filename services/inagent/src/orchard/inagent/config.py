@@ -56,6 +56,7 @@ class AgentConfig:
     reap_orphans: bool | None = None
     address_file: str | None = None
     ready_fd: int | None = None
+    listen_dir_fd: int | None = None
 
     def limits_problem(self) -> str | None:
         """Why the output limits do not fit together or in a message, or None."""
@@ -114,6 +115,7 @@ _QUICK_PARSERS: dict[str, ValueParser] = {
     "reap_orphans": parse_bool,
     "address_file": any_string,
     "ready_fd": int_at_least(0),
+    "listen_dir_fd": int_at_least(0),
 }
 
 
@@ -157,6 +159,13 @@ AGENT_FLAGS: tuple[ConfigFlag, ...] = (
         "--ready-fd",
         "ready_fd",
         "once serving, write the bound addresses to file descriptor N and close it",
+        metavar="N",
+    ),
+    ConfigFlag(
+        "--listen-dir-fd",
+        "listen_dir_fd",
+        "descriptor N of the directory a unix:/proc/self/fd/N/NAME address binds in; "
+        "closed once bound",
         metavar="N",
     ),
     ConfigFlag(

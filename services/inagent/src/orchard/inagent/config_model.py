@@ -85,6 +85,16 @@ class AgentConfigModel(ServiceConfig):
             "readiness from the event without polling. Unset: nothing is written."
         ),
     )
+    listen_dir_fd: int | None = Field(
+        _DEFAULTS.listen_dir_fd,
+        ge=0,
+        description=(
+            "An inherited descriptor of a directory outside the agent's root (the local "
+            "runtime's run directory) that a `unix:/proc/self/fd/N/NAME` listen address binds "
+            "in. Closed as soon as the server is bound, so the agent keeps no way out of its "
+            "root and the socket is out of the sandbox's reach. Unset: none."
+        ),
+    )
 
     @field_validator("env")
     @classmethod

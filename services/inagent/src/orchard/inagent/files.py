@@ -254,7 +254,7 @@ class AtomicWriter:
                 Reason.INVALID_PATH, f"{shown!r} names no file", metadata={"field": "path"}
             )
         if make_parents:
-            os.makedirs(parent, _PARENT_MODE, exist_ok=True)
+            _make_directories(parent)
         elif not os.path.isdir(parent):
             if os.path.lexists(parent):
                 raise OrchardError(
@@ -332,6 +332,28 @@ class AtomicWriter:
             self.committed = True
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.temp_path)
+
+
+def _make_directories(path: bytes) -> None:
+    """``os.makedirs(path, exist_ok=True)`` without recursion: a path may have ~2,000 levels
+    within PATH_MAX, more than Python's recursion limit allows ``os.makedirs``."""
+    missing: list[bytes] = []
+    current = path
+    while not os.path.isdir(current):
+        if os.path.lexists(current):
+            raise OrchardError(
+                Reason.NOT_A_DIRECTORY,
+                f"{display(current)[0]!r} is not a directory",
+                metadata={"path": display(current)[0]},
+            )
+        missing.append(current)
+        up = os.path.dirname(current)
+        if up == current:
+            break
+        current = up
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # made meanwhile by someone else
+            os.mkdir(directory, _PARENT_MODE)
 
 
 def _already_exists(shown: str) -> OrchardError:

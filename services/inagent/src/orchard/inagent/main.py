@@ -43,6 +43,8 @@ class _Agent:
         if config.ready_fd is not None:
             # Commands must not inherit the starter's pipe: its end-of-file means "ready".
             os.set_inheritable(config.ready_fd, False)
+        if config.listen_dir_fd is not None:
+            os.set_inheritable(config.listen_dir_fd, False)
         self.supervisor = ProcessSupervisor(reap_orphans=config.should_reap_orphans())
         self.supervisor.start()
         servicer = AgentServicer(
@@ -55,6 +57,9 @@ class _Agent:
         return [ServiceBinding(SERVICE_NAME, servicer.register)]
 
     async def on_start(self, config: AgentConfig, server: GrpcServer) -> None:
+        if config.listen_dir_fd is not None:
+            # Bound: the handle on a directory outside the root must not outlive that.
+            os.close(config.listen_dir_fd)
         if config.address_file:
             _write_address_file(config.address_file, server.addresses)
         if config.ready_fd is not None:
@@ -88,8 +93,24 @@ def _report_ready(fd: int, addresses: Sequence[str]) -> None:
         os.close(fd)
 
 
+def _make_non_dumpable() -> None:
+    """As PID 1 of a sandbox: out of reach of a command's ptrace and of /proc/1/{environ,mem,fd}.
+
+    The sandbox's setup sets this before an exec of the agent, which resets it; commands are
+    dumpable again after their own exec, so only the agent is protected.
+    """
+    import ctypes  # noqa: PLC0415 - once, at start
+
+    pr_set_dumpable = 4
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_dumpable, 0, 0, 0, 0) != 0:
+        log.warning("cannot make the agent non-dumpable: errno %d", ctypes.get_errno())
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     """Run the agent with ``argv`` (default: the process's arguments); return the exit status."""
+    if os.getpid() == 1:
+        _make_non_dumpable()
     agent = _Agent()
     return run_service(
         "inagent",

@@ -6,6 +6,8 @@ interceptor turns both into status codes with an ``ErrorInfo`` reason.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -165,6 +167,9 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
                 )
             info, sha256 = await writer.commit()
             return pb.WriteFileResponse(info=info, sha256=sha256)
+        except (OrchardError, OSError):
+            await _drain(request_iterator)
+            raise
         finally:
             if writer is not None:
                 writer.discard()
@@ -217,3 +222,21 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
             max_output_limit_bytes=self.limits.max_output_limit_bytes,
             uptime=_duration(time.monotonic() - self.started_at),
         )
+
+
+# A status sent while the caller still streams races the caller's writes, and the caller may
+# then see INTERNAL ("Internal error from Core") instead of it: a failed WriteFile first reads
+# and drops what the caller still sends, within these bounds.
+DRAIN_BYTES = 64 << 20
+DRAIN_SECONDS = 5.0
+
+
+async def _drain(messages: AsyncIterator[pb.WriteFileRequest]) -> None:
+    """Read the rest of a request stream, up to the bounds; best effort before a status."""
+    read = 0
+    with contextlib.suppress(Exception):  # the status that follows is what the caller needs
+        async with asyncio.timeout(DRAIN_SECONDS):
+            async for message in messages:
+                read += len(message.data)
+                if read > DRAIN_BYTES:
+                    return

@@ -16,7 +16,11 @@ The zygote says ``ready`` on the control socket once, when it has preloaded.
 For each, the zygote forks a helper which, like ``sandbox_init.py``'s main, joins the cgroups,
 unshares the namespaces and forks again: that child is PID 1 of the new pid namespace. It builds
 the root (``sandbox_init.enter_root``) and runs the agent's ``run()`` in place, with the flags
-the exec path gives the executable plus ``--ready-fd``, so the ready pipe protocol is the same.
+the exec path gives the executable (``sandbox_init.agent_flags``: the listen address through the
+run directory's descriptor, ``--ready-fd``), so the ready pipe protocol is the same. ``enter_root``
+has by then dropped PID 1's privilege (capabilities, no_new_privs, non-dumpable, seccomp) while it
+is one thread; the zygote itself starts with an almost empty environment, so a sandbox's
+``/proc/1/environ`` shows nothing of the service's.
 The helper sends the child's host pid with a pidfd for it on the reply socket and exits: the
 child is reparented to the host's init and depends on neither the zygote nor the service. The
 zygote exits when the runtime's end of the control socket closes.
@@ -102,19 +106,19 @@ def _preload() -> None:
         importlib.import_module(name)
 
 
-def _agent_argv(plan: dict[str, object], ready_fd: int) -> list[str]:
+def _agent_argv(setup: ModuleType, plan: dict[str, object]) -> list[str]:
     # argv[0] is the bundle's executable on the exec path; here the agent is already loaded.
     argv = [str(arg) for arg in plan["argv"]][1:]  # type: ignore[attr-defined]
-    return [*argv, "--ready-fd", str(ready_fd)]
+    return [*argv, *setup.agent_flags(plan)]
 
 
-def _run_agent(plan: dict[str, object], ready_fd: int) -> int:
+def _run_agent(setup: ModuleType, plan: dict[str, object]) -> int:
     """In the sandbox's PID 1, after ``enter_root``: what the agent's exec would have done."""
     from orchard.inagent.main import run  # noqa: PLC0415 - preloaded, a dictionary lookup
 
     os.environ.clear()
     os.environ.update({str(k): str(v) for k, v in plan["env"].items()})  # type: ignore[attr-defined]
-    argv = _agent_argv(plan, ready_fd)
+    argv = _agent_argv(setup, plan)
     sys.argv = ["orchard-inagent", *argv]
     sys.meta_path.insert(0, LateImportAudit())
     return run(argv)
@@ -123,7 +127,7 @@ def _run_agent(plan: dict[str, object], ready_fd: int) -> int:
 def _sandbox_pid1(setup: ModuleType, plan: dict[str, object], ready_fd: int) -> None:
     try:
         setup.enter_root(plan)
-        code = _run_agent(plan, ready_fd)
+        code = _run_agent(setup, plan)
     except setup.SetupError as exc:
         os.write(ready_fd, f"!{exc.reason} {exc}\n".encode())
         code = 1

@@ -1,7 +1,13 @@
 """etcd for Orchard services: `EtcdStore`, the async client every service keeps durable state
 in, and `EmbeddedEtcd`, a real etcd server process for local runs and tests."""
 
-from orchard.core.etcd.embedded import BINARY_ENV, EmbeddedEtcd, EmbeddedEtcdError, find_etcd_binary
+from orchard.core.etcd.embedded import (
+    BINARY_ENV,
+    EmbeddedEtcd,
+    EmbeddedEtcdCluster,
+    EmbeddedEtcdError,
+    find_etcd_binary,
+)
 from orchard.core.etcd.exceptions import (
     CompactedRevision,
     EtcdClosed,
@@ -39,6 +45,7 @@ __all__ = [
     "DeleteOp",
     "DeleteResult",
     "EmbeddedEtcd",
+    "EmbeddedEtcdCluster",
     "EmbeddedEtcdError",
     "EtcdClosed",
     "EtcdError",

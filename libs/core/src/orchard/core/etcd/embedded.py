@@ -14,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
 import grpc
 from aetcd import rpc
@@ -74,7 +75,63 @@ def _free_ports(host: str, count: int) -> list[int]:
             sock.close()
 
 
-class EmbeddedEtcd:
+def _terminate(process: subprocess.Popen[bytes] | None, timeout: float) -> None:
+    """SIGTERM a running etcd, SIGKILL it after ``timeout``; wait for it either way."""
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        log.warning("embedded etcd (pid %d) ignored SIGTERM; killing it", process.pid)
+        process.kill()
+        process.wait()
+
+
+def _log_tail(path: Path, lines: int) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    # A bad flag prints the error, then a long usage text that would push it out of view.
+    return "\n".join(text.split("\nUsage:", 1)[0].splitlines()[-lines:])
+
+
+class _Started:
+    """``with`` and ``async with`` over ``start()`` and ``stop()`` (blocking: in a thread)."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> Self:
+        await asyncio.to_thread(self.start)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await asyncio.to_thread(self.stop)
+
+
+class EmbeddedEtcd(_Started):
     """A single-member etcd server on loopback ports, owned by this process.
 
     `with EmbeddedEtcd() as etcd:` (or `async with`) starts it on free ports with its own
@@ -227,12 +284,9 @@ class EmbeddedEtcd:
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
         """The last lines etcd wrote (stdout and stderr), for error messages."""
         try:
-            text = self._log_path.read_text(errors="replace")
-        except (OSError, RuntimeError):
+            return _log_tail(self._log_path, lines)
+        except RuntimeError:
             return "(no log)"
-        # A bad flag prints the error, then a long usage text that would push it out of view.
-        text = text.split("\nUsage:", 1)[0]
-        return "\n".join(text.splitlines()[-lines:])
 
     def stop(self) -> None:
         """Stop etcd (SIGTERM, SIGKILL after `stop_timeout`) and remove its temporary files.
@@ -240,14 +294,7 @@ class EmbeddedEtcd:
         Safe to call more than once, and after a failed start.
         """
         process, self._process = self._process, None
-        if process is not None and process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(self.stop_timeout)
-            except subprocess.TimeoutExpired:
-                log.warning("embedded etcd (pid %d) ignored SIGTERM; killing it", process.pid)
-                process.kill()
-                process.wait()
+        _terminate(process, self.stop_timeout)
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
@@ -258,26 +305,185 @@ class EmbeddedEtcd:
             self._process.kill()
             self._process.wait()
 
-    def __enter__(self) -> EmbeddedEtcd:
-        self.start()
-        return self
 
-    def __exit__(
+class EmbeddedEtcdCluster(_Started):
+    """A cluster of `size` etcd members on loopback ports, owned by this process (for fault
+    tests: kill the leader, stop every member, start them again on the same data and ports).
+
+    `with EmbeddedEtcdCluster(3) as cluster:` returns once the cluster has a leader; on exit
+    every member is stopped and the data directories are removed.
+    """
+
+    def __init__(
         self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
+        size: int = 3,
+        *,
+        binary: str | os.PathLike[str] | None = None,
+        host: str = "127.0.0.1",
+        name: str = "orchard",
+        startup_timeout: float = 20.0,
+        stop_timeout: float = 5.0,
+        heartbeat_ms: int = 25,
+        election_ms: int = 250,
     ) -> None:
-        self.stop()
+        if size < 1:
+            raise ValueError("a cluster needs at least one member")
+        self.binary = find_etcd_binary(binary)
+        self.size = size
+        self.host = host
+        self.name = name
+        self.startup_timeout = startup_timeout
+        self.stop_timeout = stop_timeout
+        # Several members share the machine: a little more slack than a lone member needs.
+        self._timing = (f"--heartbeat-interval={heartbeat_ms}", f"--election-timeout={election_ms}")
+        self._workdir: Path | None = None
+        self._ports: list[tuple[int, int]] = []
+        self._processes: list[subprocess.Popen[bytes] | None] = [None] * size
 
-    async def __aenter__(self) -> EmbeddedEtcd:
-        await asyncio.to_thread(self.start)
-        return self
+    @property
+    def endpoints(self) -> list[str]:
+        """Every member's client URL, in member order."""
+        return [f"http://{self.host}:{client}" for client, _ in self._ports]
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await asyncio.to_thread(self.stop)
+    def _member(self, index: int) -> str:
+        return f"{self.name}{index}"
+
+    def _dir(self, index: int) -> Path:
+        if self._workdir is None:
+            raise RuntimeError("the embedded etcd cluster is not running")
+        return self._workdir / self._member(index)
+
+    def start(self) -> None:
+        """Start every member and wait until the cluster serves linearizable reads."""
+        if self._workdir is not None:
+            raise RuntimeError("the embedded etcd cluster is already running")
+        for attempt in range(1, _PORT_ATTEMPTS + 1):
+            self._workdir = Path(tempfile.mkdtemp(prefix="orchard-etcd-cluster-"))
+            ports = _free_ports(self.host, 2 * self.size)
+            self._ports = [(ports[2 * i], ports[2 * i + 1]) for i in range(self.size)]
+            try:
+                for index in range(self.size):
+                    self.start_member(index, wait=False)
+                self.wait_ready()
+                return
+            except EmbeddedEtcdError as exc:
+                lost_race = "address already in use" in str(exc)
+                self.stop()
+                if not lost_race or attempt == _PORT_ATTEMPTS:
+                    raise
+                log.info("embedded etcd cluster lost a port race (attempt %d)", attempt)
+            except BaseException:
+                self.stop()
+                raise
+
+    def start_member(self, index: int, *, wait: bool = True) -> None:
+        """Start member `index` (again, on its data and ports after `kill_member`)."""
+        process = self._processes[index]
+        if process is not None and process.poll() is None:
+            raise RuntimeError(f"member {index} is already running")
+        directory = self._dir(index)
+        directory.mkdir(parents=True, exist_ok=True)
+        client, peer = self._ports[index]
+        cluster = ",".join(
+            f"{self._member(i)}=http://{self.host}:{p}" for i, (_, p) in enumerate(self._ports)
+        )
+        args = [
+            str(self.binary),
+            f"--name={self._member(index)}",
+            f"--data-dir={directory / 'data'}",
+            f"--listen-client-urls=http://{self.host}:{client}",
+            f"--advertise-client-urls=http://{self.host}:{client}",
+            f"--listen-peer-urls=http://{self.host}:{peer}",
+            f"--initial-advertise-peer-urls=http://{self.host}:{peer}",
+            f"--initial-cluster={cluster}",
+            f"--initial-cluster-token={self.name}-cluster",
+            "--initial-cluster-state=new",
+            *self._timing,
+        ]
+        with (directory / "etcd.log").open("ab") as log_file:
+            self._processes[index] = subprocess.Popen(
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Wait until a running member answers a linearizable read (the cluster has a
+        leader); raises `EmbeddedEtcdError` with the members' log tails otherwise."""
+        deadline = time.monotonic() + (timeout or self.startup_timeout)
+        while time.monotonic() < deadline:
+            for index, process in enumerate(self._processes):
+                if process is not None and process.poll() is not None:
+                    raise EmbeddedEtcdError(f"etcd member {index} exited:\n{self.log_tail(index)}")
+            for index in self.running():
+                target = f"{self.host}:{self._ports[index][0]}"
+                with grpc.insecure_channel(target) as channel:
+                    try:
+                        rpc.KVStub(channel).Range(
+                            rpc.RangeRequest(key=b"\0", count_only=True), timeout=0.5
+                        )
+                    except grpc.RpcError:
+                        continue
+                return
+            time.sleep(0.05)
+        tails = "\n".join(f"member {i}:\n{self.log_tail(i)}" for i in range(self.size))
+        raise EmbeddedEtcdError(f"the etcd cluster did not serve in time:\n{tails}")
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the running members."""
+        return [p.pid for p in self._processes if p is not None and p.poll() is None]
+
+    @property
+    def workdir(self) -> Path | None:
+        """The directory holding every member's data and log (None once stopped)."""
+        return self._workdir
+
+    def running(self) -> list[int]:
+        """Indexes of the members whose process is alive."""
+        return [i for i, p in enumerate(self._processes) if p is not None and p.poll() is None]
+
+    def leader(self, timeout: float = 10.0) -> int:
+        """The index of the current leader (waits for an election)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for index in self.running():
+                target = f"{self.host}:{self._ports[index][0]}"
+                with grpc.insecure_channel(target) as channel:
+                    try:
+                        status = rpc.MaintenanceStub(channel).Status(
+                            rpc.StatusRequest(), timeout=0.5
+                        )
+                    except grpc.RpcError:
+                        continue
+                if status.leader and status.leader == status.header.member_id:
+                    return index
+            if time.monotonic() > deadline:
+                raise EmbeddedEtcdError("the etcd cluster has no leader")
+            time.sleep(0.02)
+
+    def kill_member(self, index: int) -> None:
+        """SIGKILL one member at once, keeping its data (`start_member` brings it back)."""
+        process = self._processes[index]
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+
+    def log_tail(self, index: int, lines: int = _LOG_TAIL_LINES) -> str:
+        try:
+            return _log_tail(self._dir(index) / "etcd.log", lines)
+        except RuntimeError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        """Stop every member (SIGTERM, then SIGKILL) and remove the data. Safe to repeat."""
+        for index, process in enumerate(self._processes):
+            self._processes[index] = None
+            _terminate(process, self.stop_timeout)
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None

@@ -168,6 +168,14 @@ class EtcdStore:
             if isinstance(error, EtcdUnavailable):
                 self.report_unavailable(connection)
             raise error from e
+        except asyncio.CancelledError:
+            if _task_cancelled():
+                raise
+            # grpc.aio raises CancelledError from calls in flight when their channel is closed
+            # (a switch to another endpoint, or close()): a retryable failure, not our cancel.
+            raise EtcdUnavailable(
+                f"etcd at {connection.endpoint}: the call was cut off when its channel closed"
+            ) from None
 
     # -- keys --------------------------------------------------------------------------------
 
@@ -426,6 +434,12 @@ class EtcdStore:
             # gRPC refuses to write to a stream that already failed.
             self.report_unavailable(connection)
             raise EtcdUnavailable(f"etcd at {connection.endpoint} is unavailable") from None
+        except asyncio.CancelledError:
+            if _task_cancelled():
+                raise
+            raise EtcdUnavailable(
+                f"etcd at {connection.endpoint}: the keep-alive was cut off when its channel closed"
+            ) from None
         finally:
             call.cancel()
         if response is grpc.aio.EOF:
@@ -503,6 +517,7 @@ class EtcdStore:
             start_revision=start_revision,
             prev_kv=prev_kv,
             progress_notify=progress_notify,
+            create_timeout=self._timeout,
         )
 
     def watch_prefix(
@@ -527,6 +542,7 @@ class EtcdStore:
             start_revision=start_revision,
             prev_kv=prev_kv,
             progress_notify=progress_notify,
+            create_timeout=self._timeout,
         )
 
     @contextlib.asynccontextmanager
@@ -563,6 +579,13 @@ class EtcdStore:
         await self._unary(
             "kv", "Compact", rpc.CompactionRequest(revision=revision, physical=physical)
         )
+
+
+def _task_cancelled() -> bool:
+    """Whether the running task itself is being cancelled (else a CancelledError came from a
+    gRPC call whose channel was closed under it)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _lease_id(lease: int | Lease) -> int:

@@ -18,10 +18,13 @@ from orchard.core.etcd.exceptions import (
     CompactedRevision,
     EtcdError,
     EtcdRequestError,
+    EtcdTimeout,
     EtcdUnavailable,
     map_rpc_error,
 )
 from orchard.core.etcd.kv import KeyValue
+
+_REQUIRE_LEADER = (("hasleader", "true"),)
 
 
 class EventType(enum.Enum):
@@ -83,8 +86,10 @@ class Watch:
         start_revision: int | None,
         prev_kv: bool,
         progress_notify: bool,
+        create_timeout: float = 5.0,
     ) -> None:
         self._source = source
+        self._create_timeout = create_timeout
         self._key = key
         self._range_end = range_end
         self._strip = namespace_len
@@ -128,10 +133,20 @@ class Watch:
             prev_kv=self._prev_kv,
         )
         self._connection = connection
-        self._call = connection.watch.Watch()
+        # Served only by a member that has a leader: one cut off from the others (or still
+        # rejoining after a restart) ends the stream instead of holding it silent.
+        self._call = connection.watch.Watch(metadata=_REQUIRE_LEADER)
         try:
-            await self._rpc(self._call.write(rpc.WatchRequest(create_request=create)))
-            response = await self._read()
+            async with asyncio.timeout(self._create_timeout):
+                await self._rpc(self._call.write(rpc.WatchRequest(create_request=create)))
+                response = await self._read()
+        except TimeoutError:
+            await self.close()
+            self._source.report_unavailable(connection)
+            raise EtcdTimeout(
+                f"etcd at {connection.endpoint} did not confirm a watch within "
+                f"{self._create_timeout:g} s"
+            ) from None
         except BaseException:
             await self.close()
             raise

@@ -198,6 +198,7 @@ class SandboxSpec(_message.Message):
     ENV_FIELD_NUMBER: _builtins.int
     WORKING_DIR_FIELD_NUMBER: _builtins.int
     OWNER_ID_FIELD_NUMBER: _builtins.int
+    PRIVILEGES_FIELD_NUMBER: _builtins.int
     image: _builtins.str
     """The root file system, in one of these forms:
     "host" (the host's root, read-only, under a private writable layer),
@@ -205,6 +206,8 @@ class SandboxSpec(_message.Message):
     "oci-archive:/path/to/image.tar" (an OCI image layout archive),
     "docker-archive:/path/to/image.tar" (a `docker save` archive),
     or a registry reference such as "python:3.12-slim" (runtimes that can pull, e.g. kubernetes).
+    "host" and host paths are the operator's to allow (orchard-env's `images` settings); others
+    are PERMISSION_DENIED (reason IMAGE_NOT_ALLOWED).
     """
     working_dir: _builtins.str
     """Working directory for relative paths and commands; empty means "/"."""
@@ -235,7 +238,16 @@ class SandboxSpec(_message.Message):
 
     @_builtins.property
     def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """Environment variables every command in the sandbox starts with."""
+        """Environment variables every command in the sandbox starts with. The values are stored
+        encrypted; the sandbox's own tenant reads them back in clear.
+        """
+
+    @_builtins.property
+    def privileges(self) -> Global___SandboxPrivileges:
+        """Privileges its commands get beyond the default. Each one asked for must be allowed to the
+        tenant by the operator (orchard-env's `privileges` settings); otherwise CreateSandbox and
+        ForkSandbox fail with PERMISSION_DENIED and create nothing. Unset asks for none.
+        """
 
     def __init__(
         self,
@@ -248,14 +260,44 @@ class SandboxSpec(_message.Message):
         env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         working_dir: _builtins.str = ...,
         owner_id: _builtins.str = ...,
+        privileges: Global___SandboxPrivileges | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat_timeout", b"heartbeat_timeout", "network_policy", b"network_policy", "resources", b"resources"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat_timeout", b"heartbeat_timeout", "network_policy", b"network_policy", "privileges", b"privileges", "resources", b"resources"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["env", b"env", "heartbeat_timeout", b"heartbeat_timeout", "image", b"image", "labels", b"labels", "network_policy", b"network_policy", "owner_id", b"owner_id", "resources", b"resources", "working_dir", b"working_dir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["env", b"env", "heartbeat_timeout", b"heartbeat_timeout", "image", b"image", "labels", b"labels", "network_policy", b"network_policy", "owner_id", b"owner_id", "privileges", b"privileges", "resources", b"resources", "working_dir", b"working_dir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SandboxSpec: _TypeAlias = SandboxSpec  # noqa: Y015
+
+@_typing.final
+class SandboxPrivileges(_message.Message):
+    """Privileges a sandbox's commands lack unless the spec asks for them (and the operator allows)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RAW_SOCKETS_FIELD_NUMBER: _builtins.int
+    USER_NAMESPACES_FIELD_NUMBER: _builtins.int
+    raw_sockets: _builtins.bool
+    """Raw and packet sockets (CAP_NET_RAW): ping, packet capture, hand-made packets."""
+    user_namespaces: _builtins.bool
+    """Creating user namespaces (unshare or clone with CLONE_NEWUSER), e.g. for rootless container
+    tools or a browser's own sandbox. Inside one a process holds every capability over that
+    namespace's resources, which widens what it can ask of the kernel.
+    """
+    def __init__(
+        self,
+        *,
+        raw_sockets: _builtins.bool = ...,
+        user_namespaces: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["raw_sockets", b"raw_sockets", "user_namespaces", b"user_namespaces"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SandboxPrivileges: _TypeAlias = SandboxPrivileges  # noqa: Y015
 
 @_typing.final
 class SandboxFailure(_message.Message):

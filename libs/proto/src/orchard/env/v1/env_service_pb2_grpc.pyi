@@ -48,6 +48,7 @@ class EnvServiceStub:
     When the runtime or the tenant is at capacity, the sandbox waits in a fair admission queue
     (PENDING, with `queue_position`); a full queue is RESOURCE_EXHAUSTED with a retry hint.
     Errors: INVALID_ARGUMENT (bad image reference, labels, resources, policy or timeout),
+    PERMISSION_DENIED (an image the operator does not allow this tenant: IMAGE_NOT_ALLOWED),
     NOT_FOUND (`owner_id` unknown), RESOURCE_EXHAUSTED (quota, or the admission queue is full),
     UNAVAILABLE (state store unreachable).
     """
@@ -144,6 +145,7 @@ class EnvServiceAsyncStub(EnvServiceStub):
     When the runtime or the tenant is at capacity, the sandbox waits in a fair admission queue
     (PENDING, with `queue_position`); a full queue is RESOURCE_EXHAUSTED with a retry hint.
     Errors: INVALID_ARGUMENT (bad image reference, labels, resources, policy or timeout),
+    PERMISSION_DENIED (an image the operator does not allow this tenant: IMAGE_NOT_ALLOWED),
     NOT_FOUND (`owner_id` unknown), RESOURCE_EXHAUSTED (quota, or the admission queue is full),
     UNAVAILABLE (state store unreachable).
     """
@@ -243,6 +245,7 @@ class EnvServiceServicer(metaclass=_abc_1.ABCMeta):
         When the runtime or the tenant is at capacity, the sandbox waits in a fair admission queue
         (PENDING, with `queue_position`); a full queue is RESOURCE_EXHAUSTED with a retry hint.
         Errors: INVALID_ARGUMENT (bad image reference, labels, resources, policy or timeout),
+        PERMISSION_DENIED (an image the operator does not allow this tenant: IMAGE_NOT_ALLOWED),
         NOT_FOUND (`owner_id` unknown), RESOURCE_EXHAUSTED (quota, or the admission queue is full),
         UNAVAILABLE (state store unreachable).
         """

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import os
 import posixpath
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from orchard.sdk.cli.output import Progress, print_json, print_table
-from orchard.sdk.errors import FileNotFound, OrchardSDKError
+from orchard.sdk.errors import FileNotFound, InvalidArgument, OrchardSDKError
 from orchard.sdk.sync import SandboxClient
 from orchard.sdk.types import (
     ExecExit,
@@ -25,7 +27,7 @@ from orchard.sdk.types import (
     SandboxInfo,
     SandboxState,
 )
-from orchard.sdk.units import format_duration, parse_duration
+from orchard.sdk.units import format_duration, parse_duration, parse_size
 
 __all__ = ["add_sandbox_commands"]
 
@@ -78,13 +80,14 @@ def add_sandbox_commands(
         "--label", action="append", default=[], metavar="KEY=VALUE", help="repeatable"
     )
     create.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
-    create.add_argument("--memory", help="memory limit, e.g. 512M, 2G")
-    create.add_argument("--cpus", type=float, help="CPU limit in cores, e.g. 0.5")
-    create.add_argument("--pids", type=int, help="most processes at once")
-    create.add_argument("--disk", help="writable layer limit, e.g. 5G")
+    create.add_argument("--memory", type=_size_flag, help="memory limit, e.g. 512M, 2G")
+    create.add_argument("--cpus", type=_cpus_flag, help="CPU limit in cores, e.g. 0.5")
+    create.add_argument("--pids", type=_count_flag, help="most processes at once")
+    create.add_argument("--disk", type=_size_flag, help="writable layer limit, e.g. 5G")
     create.add_argument("--workdir", default="", help="working directory inside (default: /)")
     create.add_argument(
         "--timeout",
+        type=_duration_flag,
         default="10m",
         help="reap the sandbox after this long without use (each exec or cp renews it); "
         "e.g. 90s, 10m, 2h (default: 10m)",
@@ -100,16 +103,11 @@ def add_sandbox_commands(
     )
     run.add_argument("id", metavar="ID")
     run.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG ...]")
-    run.add_argument("--timeout", help="kill the command after this long, e.g. 30s")
-    run.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
-    run.add_argument("--cwd", help="working directory inside the sandbox")
-    run.add_argument(
-        "-i", "--stdin", action="store_true", help="send this process's stdin to the command"
-    )
-    run.add_argument("-c", "--shell", metavar="SCRIPT", help="run SCRIPT with /bin/sh -c")
-    run.add_argument(
-        "--json", action="store_true", help="print the result as JSON instead of streaming"
-    )
+    _exec_options(run)
+    # Options after ID (`exec ID --timeout 5s -- CMD`) land in argv: parsed again with these.
+    after_id = argparse.ArgumentParser(prog="orchard sandbox exec ID", add_help=False)
+    _exec_options(after_id)
+    run.set_defaults(exec_options=after_id)
 
     copy = command(
         "cp",
@@ -163,12 +161,9 @@ def add_sandbox_commands(
 
 
 def _create(args: argparse.Namespace, connect: Connect) -> int:
-    try:
-        resources = Resources.of(cpus=args.cpus, memory=args.memory, pids=args.pids, disk=args.disk)
-        timeout = parse_duration(args.timeout)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    with connect(args) as client:
+    resources = Resources.of(cpus=args.cpus, memory=args.memory, pids=args.pids, disk=args.disk)
+    timeout = args.timeout
+    with connect(args) as client, _flags_named():
         sandbox = client.create(
             args.image,
             labels=_pairs(args.label, "--label"),
@@ -186,19 +181,48 @@ def _create(args: argparse.Namespace, connect: Connect) -> int:
     return 0
 
 
-def _exec(args: argparse.Namespace, connect: Connect) -> int:
+def _exec_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--timeout", type=_duration_flag, help="kill the command after this long, e.g. 30s"
+    )
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--cwd", help="working directory inside the sandbox")
+    parser.add_argument(
+        "-i", "--stdin", action="store_true", help="send this process's stdin to the command"
+    )
+    parser.add_argument("-c", "--shell", metavar="SCRIPT", help="run SCRIPT with /bin/sh -c")
+    parser.add_argument(
+        "--json", action="store_true", help="print the result as JSON instead of streaming"
+    )
+
+
+def _command_line(args: argparse.Namespace) -> list[str]:
+    """The command after ``--``; options between ID and ``--`` are parsed into ``args``."""
     argv = list(args.argv)
     if argv and argv[0] == "--":
-        argv = argv[1:]
+        return argv[1:]
+    if argv and argv[0].startswith("-"):
+        if "--" not in argv:
+            raise UsageError(
+                f"{argv[0]!r} after the sandbox id: put the command after `--`, as in "
+                "orchard sandbox exec ID [OPTIONS] -- CMD [ARG ...]"
+            )
+        split = argv.index("--")
+        parser: argparse.ArgumentParser = args.exec_options
+        # Into the same namespace: values given before ID stay (--env appends to them).
+        parser.parse_args(argv[:split], namespace=args)
+        return argv[split + 1 :]
+    return argv
+
+
+def _exec(args: argparse.Namespace, connect: Connect) -> int:
+    argv = _command_line(args)
     if args.shell is not None and argv:
         raise UsageError("give either -c SCRIPT or -- CMD ARGS, not both")
     command: str | list[str] = args.shell if args.shell is not None else argv
     if not command:
         raise UsageError("no command: orchard sandbox exec ID -- CMD [ARG ...]")
-    try:
-        timeout = parse_duration(args.timeout) if args.timeout else None
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    timeout = args.timeout
     stdin = sys.stdin.buffer.read() if args.stdin else None
     options: dict[str, Any] = {
         "timeout": timeout,
@@ -396,6 +420,87 @@ def _rm(args: argparse.Namespace, connect: Connect) -> int:
 
 class UsageError(OrchardSDKError):
     """A command line that cannot work; printed with the usage hint, exit status 2."""
+
+
+# Flag values a request can carry (int64 fields); anything else is refused before any call.
+_INT64_MAX = 2**63 - 1
+_MAX_CPUS = 1_000_000
+_MAX_DURATION_S = 10 * 365 * 86400
+
+
+def _size_flag(text: str) -> int:
+    """A size flag (``--memory``, ``--disk``): 1 byte to 8 EiB, e.g. 512M."""
+    try:
+        value = parse_size(text)
+    except (ValueError, OverflowError):
+        value = -1
+    if not 1 <= value <= _INT64_MAX:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size from 1 byte to 8 EiB (e.g. 512M, 2G, 1048576)"
+        )
+    return value
+
+
+def _cpus_flag(text: str) -> float:
+    """``--cpus``: a finite number of cores from 0.001 to 1,000,000."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.001 <= value <= _MAX_CPUS:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of cores from 0.001 to {_MAX_CPUS:,} (e.g. 0.5, 2)"
+        )
+    return value
+
+
+def _count_flag(text: str) -> int:
+    """``--pids``: a whole number from 1 to 2**63-1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= _INT64_MAX:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 1 to 2**63-1")
+    return value
+
+
+def _duration_flag(text: str) -> float:
+    """A duration flag: more than 0 s and at most 10 years, e.g. 30s, 10m, 1h30m."""
+    try:
+        value = parse_duration(text)
+    except (ValueError, OverflowError):
+        value = -1.0
+    if not 0 < value <= _MAX_DURATION_S:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration from 1ms to 10 years (e.g. 30s, 10m, 1h30m)"
+        )
+    return value
+
+
+_FLAG_OF_FIELD = {
+    "spec.resources.memory_bytes": "--memory",
+    "spec.resources.cpu_millis": "--cpus",
+    "spec.resources.pids": "--pids",
+    "spec.resources.disk_bytes": "--disk",
+    "spec.heartbeat_timeout": "--timeout",
+    "spec.image": "--image",
+    "spec.working_dir": "--workdir",
+}
+
+
+@contextlib.contextmanager
+def _flags_named() -> Iterator[None]:
+    """A refusal of a spec field is reported as a usage error of the flag that set it."""
+    try:
+        yield
+    except InvalidArgument as exc:
+        field = exc.metadata.get("field", "")
+        flag = _FLAG_OF_FIELD.get(field)
+        if flag is None:
+            raise
+        problem = exc.message.removeprefix(f"{field}: ")
+        raise UsageError(f"argument {flag}: {problem}") from None
 
 
 def _pairs(items: list[str], flag: str) -> dict[str, str]:

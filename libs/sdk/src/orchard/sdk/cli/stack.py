@@ -57,6 +57,9 @@ class LocalStack:
     ``cgroup_parent`` and ``run_dir``); ``settings`` are extra ``--set KEY=VALUE`` strings for
     orchard-env. ``services`` names the services to start after it, each with its listen
     address (see :data:`SERVICES`); they reach orchard-env with the stack's token.
+    The stack's tenant may use the ``host`` image, which hides the whole state dir, etcd's
+    files and ``host_masked_paths`` (e.g. a profile kept elsewhere); ``spec.env`` values are
+    sealed in etcd with the key ``state_dir/secrets.key`` (made on first start, mode 0600).
     ``stop_event``, when set while starting, aborts the start with KeyboardInterrupt.
     """
 
@@ -72,6 +75,7 @@ class LocalStack:
         etcd_data_dir: Path | None = None,
         services: Mapping[str, str] | None = None,
         service_settings: Mapping[str, Mapping[str, Any]] | None = None,
+        host_masked_paths: Sequence[Path] = (),
     ) -> None:
         unknown = sorted(set(services or {}) - set(SERVICES))
         if unknown:
@@ -83,6 +87,8 @@ class LocalStack:
         self.settings = list(settings)
         self.stop_event = stop_event or threading.Event()
         self.etcd_data_dir = etcd_data_dir or state_dir / "etcd"
+        self.host_masked_paths = list(host_masked_paths)
+        """Hidden from `host` sandboxes besides the state dir and etcd's files (the profile)."""
         self.etcd: Any = None
         self.extra_services = dict(services or {})
         self.service_settings = {k: dict(v) for k, v in (service_settings or {}).items()}
@@ -205,7 +211,21 @@ class LocalStack:
                 }
             },
             "runtime": self.runtime_settings(),
+            # The person running the stack is the operator: the host image is theirs, and it
+            # hides everything of the stack's (etcd data, profile and token, logs, configs,
+            # checkpoints, the secrets key).
+            "images": {
+                "tenants": {TENANT: {"allow_host": True}},
+                "host_masked_paths": [str(path) for path in self._private_paths()],
+            },
+            "secrets": {"key_file": str(self.state_dir / "secrets.key")},
         }
+
+    def _private_paths(self) -> list[Path]:
+        paths = [self.state_dir, self.etcd_data_dir, *self.host_masked_paths]
+        if self.etcd_log:
+            paths.append(Path(self.etcd_log).parent)  # etcd's working directory
+        return paths
 
 
 ENV_TOKEN_VARIABLE = "ORCHARD_STACK_ENV_TOKEN"

@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import secrets
+import select
 import signal
 import subprocess
 import sys
@@ -153,7 +154,7 @@ def _up(args: argparse.Namespace) -> int:
         )
     if args.detach:
         return _detach(args, state)
-    stop = threading.Event()
+    stop = StopRequest()
     previous = {
         sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
     }
@@ -162,6 +163,46 @@ def _up(args: argparse.Namespace) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        stop.close()
+
+
+class StopRequest(threading.Event):
+    """An Event that a signal handler may set: a flag and a byte to a pipe, never a lock.
+
+    A Python signal handler runs in the main thread between two bytecodes, possibly while that
+    thread holds the lock of a plain Event (inside ``wait``): ``set`` would then wait for it
+    forever. Waiting here is a ``select`` on the pipe, which the byte ends at once.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._requested = False
+        self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def set(self) -> None:
+        self._requested = True
+        with contextlib.suppress(OSError):  # a full pipe (or a closed one) has woken it anyway
+            os.write(self._wake_write, b"\0")
+
+    def is_set(self) -> bool:
+        return self._requested
+
+    def clear(self) -> None:
+        self._requested = False
+        with contextlib.suppress(OSError):
+            while os.read(self._wake_read, 512):  # BlockingIOError once empty
+                pass
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self._requested:
+            with contextlib.suppress(OSError, ValueError):
+                select.select([self._wake_read], [], [], timeout)
+        return self._requested
+
+    def close(self) -> None:
+        for fd in (self._wake_read, self._wake_write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def _run(args: argparse.Namespace, state: Path, stop: threading.Event) -> int:
@@ -180,6 +221,7 @@ def _run(args: argparse.Namespace, state: Path, stop: threading.Event) -> int:
         settings=args.set,
         stop_event=stop,
         services=services,
+        host_masked_paths=[profile_path],  # it holds the token; it may live outside the state
     )
     run_file = state / "up.json"
     try:

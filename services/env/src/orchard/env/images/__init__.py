@@ -6,5 +6,13 @@ stacks as lower layers (see :mod:`orchard.env.images.resolver` for the schemes).
 
 from orchard.env.images.reference import ImageReference, parse_image_reference
 from orchard.env.images.resolver import ImageResolver, ResolvedImage
+from orchard.env.images.trust import ImageNotAllowed, ImageTrust
 
-__all__ = ["ImageReference", "ImageResolver", "ResolvedImage", "parse_image_reference"]
+__all__ = [
+    "ImageNotAllowed",
+    "ImageReference",
+    "ImageResolver",
+    "ImageTrust",
+    "ResolvedImage",
+    "parse_image_reference",
+]

@@ -53,7 +53,8 @@ def parse_image_reference(text: str) -> ImageReference:
         path, digest = pinned["path"], pinned["digest"]
     elif kind != "rootfs" and ":" in rest:
         path, _, tag = rest.partition(":")
-    if not os.path.isabs(path) or os.path.normpath(path) != path.rstrip("/") or "\0" in path:
+    normal = path.rstrip("/") or "/"
+    if not os.path.isabs(path) or os.path.normpath(path) != normal or "\0" in path:
         raise RuntimeFailure(
             FailureReason.IMAGE_INVALID, f"image {text!r}: the path must be absolute and normal"
         )

@@ -12,6 +12,10 @@
   rewriting as overlayfs ones (device nodes, trusted xattrs), and a long layer list must fit in
   one page of mount options; the price is no sharing of base layers between images.
 
+Every path is checked against the sandbox's :class:`~orchard.env.images.trust.ImageTrust` on
+its real path, here, when the runtime creates the sandbox (whatever the service checked when the
+request came), and that real path is what is mounted or unpacked.
+
 Resolving an archive blocks for as long as unpacking takes: call it from a thread.
 """
 
@@ -21,12 +25,14 @@ import logging
 import os
 import tarfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from orchard.env.images.archive import ImageArchive, ImageContents, open_layer
 from orchard.env.images.cache import ImageCache
 from orchard.env.images.layers import LayerError, apply_layer
 from orchard.env.images.reference import ImageReference, parse_image_reference
+from orchard.env.images.trust import OPERATOR, ImageTrust, check_image, real_paths
 from orchard.env.runtime.base import FailureReason, RuntimeFailure
 
 log = logging.getLogger(__name__)
@@ -39,28 +45,35 @@ _UNUSABLE_IN_LAYER_PATHS = (",", ":", "\n")
 
 @dataclass(frozen=True)
 class ResolvedImage:
-    """An image as directories: ``lower_dirs`` top layer first, all read-only."""
+    """An image as directories: ``lower_dirs`` top layer first, all read-only; for the host
+    image, ``masked_paths``: real host paths the sandbox must not see."""
 
     reference: ImageReference
     lower_dirs: tuple[str, ...]
     is_host: bool = False
+    masked_paths: tuple[str, ...] = ()
 
 
 class ImageResolver:
     """Resolves references; ``cache_dir`` holds unpacked archives (without it, archive images
-    are refused)."""
+    are refused). ``protected`` are the caller's own directories: never an image source, and
+    hidden from host sandboxes (the cache directory is one of them)."""
 
-    def __init__(self, cache_dir: str | None = None) -> None:
+    def __init__(self, cache_dir: str | None = None, protected: Sequence[str] = ()) -> None:
         self.cache_dir = cache_dir
+        self.protected = (*protected, *((cache_dir,) if cache_dir else ()))
         self.cache = ImageCache(cache_dir) if cache_dir else None
         if cache_dir and any(char in cache_dir for char in _UNUSABLE_IN_LAYER_PATHS):
             raise ValueError(f"image cache {cache_dir!r}: no ',' or ':' (overlayfs lowerdir)")
 
-    def resolve(self, image: str) -> ResolvedImage:
-        """The directories of ``image``; raises :class:`RuntimeFailure` (IMAGE_*)."""
-        reference = parse_image_reference(image)
+    def resolve(self, image: str, trust: ImageTrust | None = None) -> ResolvedImage:
+        """The directories of ``image`` as ``trust`` allows them (None: the operator's own
+        call); raises :class:`RuntimeFailure` (IMAGE_*)."""
+        trust = trust or OPERATOR
+        reference = check_image(parse_image_reference(image), trust, self.protected)
         if reference.kind == "host":
-            return ResolvedImage(reference, ("/",), is_host=True)
+            masked = real_paths((*self.protected, *trust.host_masked_paths))
+            return ResolvedImage(reference, ("/",), is_host=True, masked_paths=masked)
         if reference.kind == "rootfs":
             return ResolvedImage(reference, (self._rootfs_dir(reference),))
         return ResolvedImage(reference, (self._unpacked(reference),))
@@ -75,10 +88,12 @@ class ImageResolver:
         cache = self.cache
         with ImageArchive(reference) as archive:
             contents = archive.contents()
-            return cache.rootfs(
+            unpacked = cache.rootfs(
                 contents.config_digest,
                 lambda staging: _unpack(archive, contents, staging, str(reference)),
             )
+        # The real path: the sandbox's setup refuses a layer whose path has a symlink in it.
+        return os.path.realpath(unpacked)
 
     @staticmethod
     def _rootfs_dir(reference: ImageReference) -> str:

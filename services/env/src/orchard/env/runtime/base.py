@@ -18,6 +18,10 @@ import abc
 import enum
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from orchard.env.images.trust import ImageTrust
 
 __all__ = [
     "EgressRule",
@@ -39,6 +43,7 @@ class FailureReason(enum.Enum):
 
     IMAGE_NOT_FOUND = "IMAGE_NOT_FOUND"
     IMAGE_INVALID = "IMAGE_INVALID"
+    IMAGE_NOT_ALLOWED = "IMAGE_NOT_ALLOWED"
     AGENT_START_TIMEOUT = "AGENT_START_TIMEOUT"
     AGENT_EXITED = "AGENT_EXITED"
     OUT_OF_MEMORY = "OUT_OF_MEMORY"
@@ -101,6 +106,14 @@ class RuntimeSandboxSpec:
     owner: str = ""
     """The owner (EnvService.CreateOwner) whose lease keeps the sandbox alive; empty: the sandbox
     has its own lease. Runtimes may record it (the kubernetes runtime labels the Pod with it)."""
+    raw_sockets: bool = False
+    """Commands keep CAP_NET_RAW (raw and packet sockets); off by default."""
+    user_namespaces: bool = False
+    """Commands may create user namespaces; off by default."""
+    image_trust: ImageTrust | None = None
+    """What the image may name on the host (the operator's ``images`` settings for the
+    sandbox's tenant); None: the caller is the operator (any path the runtime does not
+    protect, and the host image)."""
 
 
 @dataclass(frozen=True)
@@ -174,3 +187,22 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     def exits(self) -> AsyncIterator[SandboxExit]:
         """Events: sandboxes that stopped running without being deleted (agent exit, OOM)."""
+
+    def private_paths(self) -> Sequence[str]:
+        """Host paths holding this runtime's own state (other sandboxes' files, sockets,
+        unpacked images): never an image source, hidden from ``host`` sandboxes."""
+        return ()
+
+    async def verify_agent(self, sandbox_id: str, address: str) -> bool:
+        """Whether whatever serves at ``address`` is the agent this runtime started for the
+        sandbox; checked before the service first talks to it (also after a restart). False
+        means an impostor: the service sends it nothing. A runtime where nothing else can
+        serve at the address (or that cannot tell yet) answers True; the local runtime
+        compares the socket's peer with the sandbox's PID 1."""
+        return True
+
+    async def adopt(self, sandbox_id: str) -> None:
+        """Report this sandbox's exit through :meth:`exits` from now on, though another
+        process started it (a replica that died); a no-op where every runtime client already
+        sees every exit (e.g. one Pod watch). Idempotent; an absent sandbox is ignored."""
+        return None

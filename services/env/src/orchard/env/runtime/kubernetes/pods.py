@@ -27,7 +27,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from orchard.env.runtime.base import FailureReason, RuntimeResources, RuntimeSandboxSpec
+from orchard.env.runtime.base import (
+    FailureReason,
+    RuntimeNotSupported,
+    RuntimeResources,
+    RuntimeSandboxSpec,
+)
 from orchard.env.runtime.kubernetes.config import KubernetesRuntimeConfig
 
 __all__ = [
@@ -144,6 +149,23 @@ def uses_shell(config: KubernetesRuntimeConfig, image: str) -> bool:
     return any(fnmatch.fnmatchcase(image, pattern) for pattern in config.shell_images)
 
 
+def _security_context(spec: RuntimeSandboxSpec) -> dict[str, Any]:
+    """What the sandbox container's commands may do: no CAP_NET_RAW unless asked for, the
+    container runtime's default seccomp profile (it refuses new user namespaces to a process
+    without CAP_SYS_ADMIN), no privilege gained through exec."""
+    if spec.user_namespaces:
+        raise RuntimeNotSupported(
+            "user namespaces (SandboxPrivileges.user_namespaces) are not supported by the "
+            "kubernetes runtime yet: the Pod's RuntimeDefault seccomp profile refuses them"
+        )
+    capabilities = {"add": ["NET_RAW"]} if spec.raw_sockets else {"drop": ["NET_RAW"]}
+    return {
+        "capabilities": capabilities,
+        "seccompProfile": {"type": "RuntimeDefault"},
+        "allowPrivilegeEscalation": False,
+    }
+
+
 def pod_manifest(spec: RuntimeSandboxSpec, config: KubernetesRuntimeConfig) -> dict[str, Any]:
     """The Pod of one sandbox (see the module docstring)."""
     check_sandbox_id(spec.sandbox_id)
@@ -178,6 +200,7 @@ def pod_manifest(spec: RuntimeSandboxSpec, config: KubernetesRuntimeConfig) -> d
             "failureThreshold": 3,
         },
         "resources": {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {},
+        "securityContext": _security_context(spec),
     }
     copy: dict[str, Any] = {
         "name": COPY_CONTAINER,

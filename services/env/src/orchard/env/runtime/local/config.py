@@ -54,6 +54,13 @@ class LocalResources(BaseModel):
         ge=0,
         description="Most tasks (processes and threads), the agent included; 0: unlimited.",
     )
+    disk_bytes: int = Field(
+        default=10 * 1024**3,
+        ge=0,
+        description="Size of the sandbox's writable layer (a loop-mounted ext4 file system of "
+        "its own, sparse: it takes host space only as written); writes past it fail with "
+        "ENOSPC. 0: unlimited (the layer shares the workspace's file system).",
+    )
 
 
 class LocalNetwork(BaseModel):

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
+import socket
+import struct
 
-__all__ = ["open_pidfd", "process_start_time", "signal_pidfd"]
+__all__ = ["open_pidfd", "peer_pid", "process_start_time", "signal_pidfd"]
+
+_PEER_TIMEOUT_S = 5.0
 
 
 def process_start_time(pid: int) -> int | None:
@@ -45,3 +50,20 @@ def signal_pidfd(pidfd: int, signum: int = signal.SIGKILL) -> None:
     """Send ``signum`` through the pidfd (never to a reused pid); gone processes are fine."""
     with contextlib.suppress(ProcessLookupError):
         signal.pidfd_send_signal(pidfd, signum)
+
+
+async def peer_pid(path: str) -> int | None:
+    """The pid (in this pid namespace) of the process listening on the Unix socket ``path``,
+    from ``SO_PEERCRED``; None when nothing accepts there."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.setblocking(False)
+    try:
+        loop = asyncio.get_running_loop()
+        await asyncio.wait_for(loop.sock_connect(sock, path), _PEER_TIMEOUT_S)
+        credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+    except (OSError, TimeoutError):
+        return None
+    finally:
+        sock.close()
+    pid, _, _ = struct.unpack("3i", credentials)
+    return int(pid)

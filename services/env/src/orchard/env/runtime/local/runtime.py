@@ -3,8 +3,9 @@
 A sandbox is: a state file (``state.py``), a workspace directory with the overlay's writable
 layer, a run directory with the agent's socket, a cgroup per hierarchy (``cgroups.py``) and
 PID 1 of a new pid namespace, which is the agent (``sandbox_init.py``, ``spawn.py``). Every
-mount lives in the sandbox's own mount namespace, so the host's mount table never holds one
-and they all vanish with the sandbox's last process.
+mount lives in the sandbox's own mount namespace, so they all vanish with the sandbox's last
+process, except one: with a disk limit, the writable layer is a loop-mounted file system of its
+own in the workspace (``disk.py``), which delete unmounts.
 
 The sandbox does not depend on the service: it runs in its own session, reparented to the
 host's init. A new :class:`LocalRuntime` adopts running sandboxes from their state files and
@@ -22,6 +23,7 @@ import shutil
 from collections.abc import AsyncIterator, Sequence
 
 from orchard.env.images import ImageResolver, ResolvedImage
+from orchard.env.images.trust import real_paths
 from orchard.env.runtime.base import (
     EgressRule,
     FailureReason,
@@ -36,8 +38,9 @@ from orchard.env.runtime.base import (
 )
 from orchard.env.runtime.local.cgroups import CgroupDriver, select_cgroup_driver
 from orchard.env.runtime.local.config import LocalRuntimeConfig
+from orchard.env.runtime.local.disk import make_layer_disk, release_layer_disk
 from orchard.env.runtime.local.network import SandboxNetworks
-from orchard.env.runtime.local.process import open_pidfd, signal_pidfd
+from orchard.env.runtime.local.process import open_pidfd, peer_pid, signal_pidfd
 from orchard.env.runtime.local.spawn import AgentLaunch, start_sandbox_process
 from orchard.env.runtime.local.state import SandboxPaths, SandboxState, StateStore
 from orchard.env.runtime.local.zygote import AgentZygote
@@ -48,8 +51,6 @@ log = logging.getLogger(__name__)
 
 AGENT_MOUNT = "/.orchard/inagent"
 """Where the agent bundle appears inside every sandbox (read-only)."""
-RUN_MOUNT = "/.orchard/run"
-"""Where the sandbox's run directory appears inside it; the agent's socket lives there."""
 SOCKET_NAME = "agent.sock"
 AGENT_EXECUTABLE = "orchard-inagent"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -105,7 +106,10 @@ class LocalRuntime(Runtime):
 
     def __init__(self, config: LocalRuntimeConfig, images: ImageResolver | None = None) -> None:
         self.config = config
-        self.images = images or ImageResolver(config.image_cache_dir)
+        self.images = images or ImageResolver(
+            config.image_cache_dir,
+            protected=(config.state_dir, config.workspace_dir, config.run_dir),
+        )
         self.store = StateStore(config.state_dir)
         self.networks = SandboxNetworks(config.network, config.state_dir)
         self._cgroups: CgroupDriver | None = None
@@ -192,7 +196,7 @@ class LocalRuntime(Runtime):
         self._require_started()
         _check_id(spec.sandbox_id)
         # Unpacking an archive image the first time takes a while: off the event loop.
-        image = await asyncio.to_thread(self.images.resolve, spec.image)
+        image = await asyncio.to_thread(self.images.resolve, spec.image, spec.image_trust)
         sandbox_id = spec.sandbox_id
         async with self._lock(sandbox_id):
             if self._leftovers(sandbox_id):
@@ -218,6 +222,7 @@ class LocalRuntime(Runtime):
         paths = SandboxPaths(
             workspace=os.path.join(self.config.workspace_dir, sandbox_id),
             run=os.path.join(self.config.run_dir, sandbox_id),
+            disk_bytes=resources.disk_bytes,
         )
         state = SandboxState(
             sandbox_id=sandbox_id,
@@ -229,6 +234,8 @@ class LocalRuntime(Runtime):
         )
         self.store.write(state)  # first, so that a crash from here on leaves a findable record
         os.makedirs(paths.workspace, mode=0o700)
+        if paths.disk_bytes:
+            await make_layer_disk(paths.disk_image, paths.layer, paths.disk_bytes)
         for directory in (paths.upper, paths.work, paths.root):
             os.mkdir(directory, 0o755)
         os.makedirs(paths.run, mode=0o755)
@@ -271,13 +278,8 @@ class LocalRuntime(Runtime):
         working_dir = os.path.normpath(os.path.join("/", spec.working_dir or "/"))
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", "HOSTNAME": spec.sandbox_id}
         env.update(spec.env)
-        argv = [
-            f"{AGENT_MOUNT}/{AGENT_EXECUTABLE}",
-            "--listen",
-            f"unix:{RUN_MOUNT}/{SOCKET_NAME}",
-            "--working-dir",
-            working_dir,
-        ]
+        # sandbox_init adds where the agent listens (the run directory, never mounted inside).
+        argv = [f"{AGENT_MOUNT}/{AGENT_EXECUTABLE}", "--working-dir", working_dir]
         agent_own = {name: value for name, value in env.items() if name.startswith("ORCHARD_")}
         if agent_own:
             # The agent reads ORCHARD_* as its own settings and hides them from commands, so a
@@ -286,10 +288,6 @@ class LocalRuntime(Runtime):
 
             argv += ["--set", f"env={json.dumps(agent_own)}"]
             env = {name: value for name, value in env.items() if name not in agent_own}
-        masked = tuple(
-            os.path.realpath(path)
-            for path in (self.config.state_dir, self.config.workspace_dir, self.config.run_dir)
-        )
         return AgentLaunch(
             hostname=spec.sandbox_id,
             root=state.paths.root,
@@ -298,12 +296,18 @@ class LocalRuntime(Runtime):
             work_dir=state.paths.work,
             agent_bundle=os.path.realpath(self.config.agent_bundle),
             run_dir=state.paths.run,
+            socket_name=SOCKET_NAME,
             working_dir=working_dir,
-            masked_dirs=masked if image.is_host else (),
+            # The host image shows the host's root: hide this runtime's state whatever resolved it.
+            masked_dirs=(
+                real_paths((*self.private_paths(), *image.masked_paths)) if image.is_host else ()
+            ),
             cgroup_procs=tuple(self._driver().procs_files(state.cgroup_dirs)),
             log_file=state.paths.log,
             argv=tuple(argv),
             env=env,
+            raw_sockets=spec.raw_sockets,
+            user_namespaces=spec.user_namespaces,
         )
 
     async def fork(self, source_id: str, spec: RuntimeSandboxSpec) -> RuntimeSandbox:
@@ -326,7 +330,7 @@ class LocalRuntime(Runtime):
             raise RuntimeFailure(
                 FailureReason.RUNTIME_DIED, f"sandbox {source_id} is not running: cannot fork it"
             )
-        image = await asyncio.to_thread(self.images.resolve, source.image)
+        image = await asyncio.to_thread(self.images.resolve, source.image, spec.image_trust)
         sandbox_id = spec.sandbox_id
         async with self._lock(sandbox_id):
             if self._leftovers(sandbox_id):
@@ -391,6 +395,9 @@ class LocalRuntime(Runtime):
             await self._remove_cgroups(sandbox_id, cgroups, dirs)
             await self.networks.remove(sandbox_id)
             paths = state.paths if state else self._paths(sandbox_id)
+            # Unmounted first (a state file lost in a crash: looked for anyway), so that the
+            # removal below never walks the sandbox's own file system.
+            release_layer_disk(os.path.join(paths.workspace, "layer"))
             for directory in (paths.workspace, paths.run):
                 await asyncio.to_thread(shutil.rmtree, directory, ignore_errors=True)
             self.store.remove(sandbox_id)
@@ -424,6 +431,10 @@ class LocalRuntime(Runtime):
                 return SandboxStatus.RUNNING
         return SandboxStatus.EXITED if self._leftovers(sandbox_id) else SandboxStatus.ABSENT
 
+    def private_paths(self) -> tuple[str, ...]:
+        config = self.config
+        return (config.state_dir, config.workspace_dir, config.run_dir, config.image_cache_dir)
+
     async def list_sandboxes(self) -> list[str]:
         self._require_started()
         found = set(self.store.ids()) | self._driver().ids() | await self.networks.ids()
@@ -456,7 +467,38 @@ class LocalRuntime(Runtime):
                 return
             yield event
 
+    async def verify_agent(self, sandbox_id: str, address: str) -> bool:
+        """Whether the process listening on the agent's socket is the sandbox's PID 1.
+
+        The socket lives in the run directory, which no sandbox sees; this check (the peer's
+        pid from ``SO_PEERCRED`` against the pid in the state file, so it holds after a
+        restart) also refuses a socket swapped on the host. An agent that does not answer is
+        not judged here: the call that follows fails as for any dead agent.
+        """
+        _check_id(sandbox_id)
+        state = self.store.read(sandbox_id)
+        if state is None or not state.pid or not address.startswith("unix:"):
+            return True
+        pid = await peer_pid(address.removeprefix("unix:"))
+        if pid is None or pid == state.pid:
+            return True
+        log.warning(
+            "sandbox %s: the socket's listener (pid %d) is not its agent (pid %d)",
+            sandbox_id,
+            pid,
+            state.pid,
+        )
+        return False
+
     # -- watching ----------------------------------------------------------------------------
+
+    async def adopt(self, sandbox_id: str) -> None:
+        """Watch a sandbox another process started (its state file names the agent)."""
+        self._require_started()
+        _check_id(sandbox_id)
+        async with self._lock(sandbox_id):
+            if sandbox_id not in self._pidfds and sandbox_id not in self._deleting:
+                self._adopt(sandbox_id)
 
     def _adopt(self, sandbox_id: str) -> None:
         state = self.store.read(sandbox_id)
@@ -541,5 +583,5 @@ class LocalRuntime(Runtime):
             cpu_millis=requested.cpu_millis or defaults.cpu_millis,
             memory_bytes=requested.memory_bytes or defaults.memory_bytes,
             pids=requested.pids or defaults.pids,
-            disk_bytes=requested.disk_bytes,
+            disk_bytes=requested.disk_bytes or defaults.disk_bytes,
         )

@@ -49,7 +49,16 @@ MS_PRIVATE = 0x40000
 MNT_DETACH = 0x2
 
 SYS_PIVOT_ROOT = 155  # x86_64
+SYS_CAPSET = 126  # x86_64
+PR_SET_DUMPABLE = 4
+PR_SET_SECCOMP = 22
 PR_CAPBSET_DROP = 24
+PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+SECCOMP_MODE_FILTER = 2
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+O_PATH = 0o10000000
 SIOCGIFFLAGS = 0x8913
 SIOCSIFFLAGS = 0x8914
 IFF_UP = 0x1
@@ -67,12 +76,78 @@ KEPT_CAPABILITIES = frozenset(
         7,  # SETUID
         8,  # SETPCAP
         10,  # NET_BIND_SERVICE
-        13,  # NET_RAW
         18,  # SYS_CHROOT
         29,  # AUDIT_WRITE
         31,  # SETFCAP
     }
 )
+CAP_NET_RAW = 13  # kept only when the plan asks for raw sockets
+
+# The seccomp profile (x86_64 numbers; <asm/unistd_64.h>). Denied with EPERM: kernel surface a
+# container needs no part of (modules, kexec, keyrings, bpf, perf, userfaultfd, io_uring,
+# mounting, swap, clocks, reboot). Most also need a capability the sandbox lacks; the filter
+# holds even where a kernel lets an unprivileged caller in. ptrace stays allowed (debuggers
+# work; the agent is non-dumpable, so it is out of reach).
+AUDIT_ARCH_X86_64 = 0xC000003E
+X32_SYSCALL_BIT = 0x40000000
+DENIED_SYSCALLS = {
+    "syslog": 103,
+    "uselib": 134,
+    "vhangup": 153,
+    "pivot_root": 155,
+    "_sysctl": 156,
+    "adjtimex": 159,
+    "acct": 163,
+    "settimeofday": 164,
+    "mount": 165,
+    "umount2": 166,
+    "swapon": 167,
+    "swapoff": 168,
+    "reboot": 169,
+    "sethostname": 170,
+    "setdomainname": 171,
+    "iopl": 172,
+    "ioperm": 173,
+    "create_module": 174,
+    "init_module": 175,
+    "delete_module": 176,
+    "get_kernel_syms": 177,
+    "query_module": 178,
+    "quotactl": 179,
+    "nfsservctl": 180,
+    "lookup_dcookie": 212,
+    "clock_settime": 227,
+    "kexec_load": 246,
+    "add_key": 248,
+    "request_key": 249,
+    "keyctl": 250,
+    "perf_event_open": 298,
+    "fanotify_init": 300,
+    "open_by_handle_at": 304,
+    "clock_adjtime": 305,
+    "finit_module": 313,
+    "kexec_file_load": 320,
+    "bpf": 321,
+    "userfaultfd": 323,
+    "io_uring_setup": 425,
+    "io_uring_enter": 426,
+    "io_uring_register": 427,
+    "open_tree": 428,
+    "move_mount": 429,
+    "fsopen": 430,
+    "fsconfig": 431,
+    "fsmount": 432,
+    "fspick": 433,
+    "mount_setattr": 442,
+    "quotactl_fd": 443,
+}
+SYS_SETNS = 308  # denied unless user namespaces are allowed (entering one is their use)
+SYS_UNSHARE = 272
+SYS_CLONE = 56
+# clone3 passes its flags in memory a filter cannot read: ENOSYS makes libc fall back to clone.
+SYS_CLONE3 = 435
+CLONE_NEWUSER = 0x10000000
+EPERM, ENOSYS = 1, 38
 
 DEVICES = {
     "null": (1, 3),
@@ -92,12 +167,31 @@ DEV_LINKS = {
 }
 # Kernel knobs a root process could turn to reach the host (core_pattern, sysrq, ...).
 PROC_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
-PROC_MASKED = ("kcore", "keys", "timer_list", "sched_debug", "kallsyms")
+# Files that show the host kernel's memory, keys or timers (kpage*: every physical page's flags
+# and users, an aid to memory side channels): /dev/null bound over each.
+PROC_MASKED = (
+    "kcore",
+    "keys",
+    "timer_list",
+    "sched_debug",
+    "kallsyms",
+    "kpageflags",
+    "kpagecount",
+    "kpagecgroup",
+    "latency_stats",
+)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 _libc.syscall.restype = ctypes.c_long
+_libc.prctl.argtypes = [
+    ctypes.c_int,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+]
 
 
 class SetupError(Exception):
@@ -183,26 +277,60 @@ def build_proc_and_sys(root: str) -> None:
 
 def build_root(plan: dict[str, object]) -> str:
     root = str(plan["root"])
-    layers = ":".join(str(layer) for layer in plan["lower_dirs"])  # type: ignore[attr-defined]
+    lower_dirs = [str(layer) for layer in plan["lower_dirs"]]  # type: ignore[attr-defined]
+    for layer in lower_dirs:
+        # Resolved and checked by the runtime; a symlink swapped in since would redirect it.
+        if os.path.realpath(layer) != layer:
+            raise SetupError(
+                "IMAGE_NOT_ALLOWED", f"the image path {layer} changed since it was checked"
+            )
+    layers = ":".join(lower_dirs)
     options = f"lowerdir={layers},upperdir={plan['upper_dir']},workdir={plan['work_dir']}"
     try:
         mount("overlay", root, "overlay", 0, options)
     except OSError as exc:
         raise SetupError("IMAGE_INVALID", f"cannot mount the overlay root: {exc}") from exc
-    orchard = f"{root}/.orchard"
-    for name in ("inagent", "run"):
-        ensure_dir(f"{orchard}/{name}")
-    bind(str(plan["agent_bundle"]), f"{orchard}/inagent", read_only=True)
-    bind(str(plan["run_dir"]), f"{orchard}/run", read_only=False)
+    ensure_dir(f"{root}/.orchard/inagent")
+    bind(str(plan["agent_bundle"]), f"{root}/.orchard/inagent", read_only=True)
     build_dev(root)
     build_proc_and_sys(root)
     ensure_dir(f"{root}/tmp", 0o1777)
-    for path in plan.get("masked_dirs", ()):  # type: ignore[attr-defined]
-        # The host image would otherwise show this runtime's own state and other sandboxes.
-        if os.path.isdir(f"{root}{path}"):
-            mount("tmpfs", f"{root}{path}", "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=0")
+    # The host image would otherwise show the service's own state and other sandboxes.
+    mask_paths(root, plan.get("masked_dirs", ()))  # type: ignore[arg-type]
     ensure_dir(f"{root}{plan['working_dir']}")
     return root
+
+
+def mask_paths(root: str, paths: list[str]) -> None:
+    """Hide host paths under ``root``: an empty read-only tmpfs over a directory, /dev/null
+    over a file. A missing path becomes an empty directory first (in the writable layer), so
+    what the host creates there later stays hidden. A path reached through a symlink in the
+    root is skipped: nothing of the host's shows under that name, and a link (from a fork's
+    copied layer) must not lead a mount or mkdir out of the root."""
+    done: list[str] = []
+    for path in sorted(paths):
+        if any(path == parent or path.startswith(parent + "/") for parent in done):
+            continue
+        target = _unlinked(root, path)
+        if target is None:
+            continue
+        if os.path.isdir(target):
+            mount("tmpfs", target, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=0,mode=755")
+        else:
+            mount(f"{root}/dev/null", target, None, MS_BIND)
+        done.append(path)
+
+
+def _unlinked(root: str, path: str) -> str | None:
+    """``root + path`` with no symlink on the way (missing directories made), else None."""
+    current = root
+    for name in path.strip("/").split("/"):
+        current = f"{current}/{name}"
+        if os.path.islink(current):
+            return None
+        if not os.path.lexists(current):
+            os.mkdir(current, 0o755)
+    return current
 
 
 def pivot_into(root: str) -> None:
@@ -222,21 +350,106 @@ def loopback_up() -> None:
         sock.close()
 
 
-def drop_capabilities(last_cap: int) -> None:
+def kept_capabilities(plan: dict[str, object]) -> frozenset[int]:
+    """The capabilities commands (and so the agent) keep in this sandbox."""
+    if plan.get("raw_sockets"):
+        return KEPT_CAPABILITIES | {CAP_NET_RAW}
+    return KEPT_CAPABILITIES
+
+
+def drop_capabilities(last_cap: int, kept: frozenset[int]) -> None:
+    """Trim every capability set of this (single-threaded) process to ``kept``."""
     for cap in range(last_cap + 1):
-        if cap not in KEPT_CAPABILITIES:
+        if cap not in kept:
             _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"drop capability {cap}")
+    _check(_libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clear ambient caps")
+    mask = sum(1 << cap for cap in kept)
+    header = ctypes.create_string_buffer(struct.pack("Ii", _LINUX_CAPABILITY_VERSION_3, 0))
+    # Two 32-bit halves of (effective, permitted, inheritable); none inheritable.
+    low, high = mask & 0xFFFFFFFF, mask >> 32
+    data = ctypes.create_string_buffer(struct.pack("6I", low, low, 0, high, high, 0))
+    _check(int(_libc.syscall(SYS_CAPSET, header, data)), "capset")
+
+
+def seccomp_program(*, user_namespaces: bool) -> bytes:
+    """The sandbox's seccomp filter as ``struct sock_filter[]`` (classic BPF)."""
+    ld_abs, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    allow, errno_ret = 0x7FFF0000, 0x00050000
+    denied = sorted(DENIED_SYSCALLS.values()) + ([] if user_namespaces else [SYS_SETNS])
+    # (code, true target, false target, k); targets are labels, resolved below.
+    program: list[tuple[int, str | None, str | None, int]] = [
+        (ld_abs, None, None, 4),  # seccomp_data.arch
+        (jeq, "native", "enosys", AUDIT_ARCH_X86_64),
+        (ld_abs, None, None, 0),  # seccomp_data.nr
+    ]
+    labels = {"native": 2}
+    program.append((jge, "deny", None, X32_SYSCALL_BIT))
+    program += [(jeq, "deny", None, number) for number in denied]
+    program.append((jeq, "enosys", None, SYS_CLONE3))
+    if not user_namespaces:
+        program += [(jeq, "flags", None, SYS_UNSHARE), (jeq, "flags", None, SYS_CLONE)]
+    program.append((ret, None, None, allow))
+    labels["flags"] = len(program)
+    program += [
+        (ld_abs, None, None, 16),  # low half of seccomp_data.args[0]: the clone flags
+        (jset, "deny", None, CLONE_NEWUSER),
+        (ret, None, None, allow),
+    ]
+    labels["deny"] = len(program)
+    program.append((ret, None, None, errno_ret | EPERM))
+    labels["enosys"] = len(program)
+    program.append((ret, None, None, errno_ret | ENOSYS))
+    out = bytearray()
+    for index, (code, true, false, k) in enumerate(program):
+        jt = labels[true] - index - 1 if true else 0
+        jf = labels[false] - index - 1 if false else 0
+        out += struct.pack("HBBI", code, jt, jf, k)
+    return bytes(out)
+
+
+def install_seccomp(program: bytes) -> None:
+    """Load ``program`` for this process and every one it starts (needs no_new_privs)."""
+    buffer = ctypes.create_string_buffer(program, len(program))
+    fprog = struct.pack("HxxxxxxQ", len(program) // 8, ctypes.addressof(buffer))
+    fprog_buffer = ctypes.create_string_buffer(fprog, len(fprog))
+    result = _libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(fprog_buffer), 0, 0)
+    _check(result, "install the seccomp filter")
+
+
+def give_up_privilege(plan: dict[str, object], last_cap: int) -> None:
+    """Leave PID 1 with no more than a command gets: capabilities, no_new_privs, seccomp."""
+    drop_capabilities(last_cap, kept_capabilities(plan))
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "set no_new_privs")
+    # Not inherited by commands (exec makes them dumpable again); an exec of the agent resets
+    # it, so the agent sets it again itself.
+    _check(_libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "make PID 1 non-dumpable")
+    install_seccomp(seccomp_program(user_namespaces=bool(plan.get("user_namespaces"))))
+
+
+def agent_flags(plan: dict[str, object]) -> list[str]:
+    """The flags the agent gets from this setup: where it listens and whom it tells."""
+    listen_fd = int(plan["listen_dir_fd"])  # type: ignore[call-overload]
+    return [
+        "--listen",
+        f"unix:/proc/self/fd/{listen_fd}/{plan['socket_name']}",
+        "--listen-dir-fd",
+        str(listen_fd),
+        "--ready-fd",
+        str(plan["ready_fd"]),
+    ]
 
 
 def enter_root(plan: dict[str, object]) -> None:
-    """As PID 1 of the new namespaces: build the root, pivot into it and trim capabilities.
+    """As PID 1 of the new namespaces: build the root, pivot into it and give up privilege.
 
-    Leaves open only 0 (``/dev/null``), 1 and 2 (the log) and the ready descriptor, which it
-    makes inheritable. Also used by the agent's fork server, which then runs the agent in place.
+    Leaves open only 0 (``/dev/null``), 1 and 2 (the log), the ready descriptor and the run
+    directory's (``plan["listen_dir_fd"]``, set here), both inheritable. Also used by the
+    agent's fork server, which then runs the agent in place.
     """
     ready_fd = int(plan["ready_fd"])  # type: ignore[call-overload]
     log_fd = os.open(str(plan["log_file"]), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
     null_fd = os.open("/dev/null", os.O_RDONLY)
+    listen_fd = os.open(str(plan["run_dir"]), O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     with open("/proc/sys/kernel/cap_last_cap", encoding="ascii") as file:
         last_cap = int(file.read())
     mount(None, "/", None, MS_REC | MS_PRIVATE)
@@ -246,21 +459,32 @@ def enter_root(plan: dict[str, object]) -> None:
     pivot_into(root)
     os.chdir(str(plan["working_dir"]))
     loopback_up()
-    drop_capabilities(last_cap)
     os.dup2(null_fd, 0)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
-    os.closerange(3, ready_fd)
-    os.closerange(ready_fd + 1, 65536)
+    for low, high in _gaps(3, 65536, sorted((ready_fd, listen_fd))):
+        os.closerange(low, high)
     os.set_inheritable(ready_fd, True)
+    os.set_inheritable(listen_fd, True)
+    plan["listen_dir_fd"] = listen_fd
+    give_up_privilege(plan, last_cap)
+
+
+def _gaps(low: int, high: int, kept: list[int]) -> list[tuple[int, int]]:
+    """The ranges of ``[low, high)`` around the numbers in ``kept`` (sorted)."""
+    ranges = []
+    for number in kept:
+        ranges.append((low, number))
+        low = number + 1
+    ranges.append((low, high))
+    return [(a, b) for a, b in ranges if a < b]
 
 
 def become_agent(plan: dict[str, object]) -> None:
     """Runs as PID 1 of the new namespaces; returns only by raising."""
     enter_root(plan)
-    ready_fd = int(plan["ready_fd"])  # type: ignore[call-overload]
     argv = [str(arg) for arg in plan["argv"]]  # type: ignore[attr-defined]
-    argv += ["--ready-fd", str(ready_fd)]
+    argv += agent_flags(plan)
     env = {str(k): str(v) for k, v in plan["env"].items()}  # type: ignore[attr-defined]
     try:
         os.execve(argv[0], argv, env)

@@ -37,13 +37,16 @@ class AgentLaunch:
     upper_dir: str
     work_dir: str
     agent_bundle: str
-    run_dir: str
+    run_dir: str  # the agent's socket goes here; never mounted into the sandbox
+    socket_name: str
     working_dir: str
     masked_dirs: tuple[str, ...]
     cgroup_procs: tuple[str, ...]
     log_file: str
-    argv: tuple[str, ...]
+    argv: tuple[str, ...]  # the agent and its flags, less those sandbox_init adds
     env: dict[str, str]
+    raw_sockets: bool = False  # commands keep CAP_NET_RAW
+    user_namespaces: bool = False  # commands may create user namespaces
 
     def plan(self, ready_fd: int) -> dict[str, Any]:
         plan = {name: getattr(self, name) for name in self.__dataclass_fields__}
@@ -132,6 +135,7 @@ async def start_sandbox_process(launch: AgentLaunch, python: str = "") -> Starte
             pass_fds=(ready_write,),
             start_new_session=True,  # no signal to the service's group reaches the sandbox
             cwd="/",
+            env={},  # nothing of the service's environment reaches the sandbox
         )
     except BaseException:
         os.close(ready_read)

@@ -22,16 +22,28 @@ _SUFFIX = ".json"
 class SandboxPaths:
     """Host paths of one sandbox's directories."""
 
-    workspace: str  # holds upper/, work/, root/ and agent.log
-    run: str  # bound at /.orchard/run inside; holds the agent's socket
+    workspace: str  # holds upper/, work/ (in layer/ with a disk limit), root/ and agent.log
+    run: str  # holds the agent's socket; never visible inside the sandbox
+
+    disk_bytes: int = 0  # > 0: upper/ and work/ are on a file system of this size (disk.py)
+
+    @property
+    def layer(self) -> str:
+        """The directory holding upper/ and work/: a mount point when the disk is limited."""
+        return f"{self.workspace}/layer" if self.disk_bytes else self.workspace
+
+    @property
+    def disk_image(self) -> str:
+        """The image file of the limited layer's file system."""
+        return f"{self.workspace}/layer.img"
 
     @property
     def upper(self) -> str:
-        return f"{self.workspace}/upper"
+        return f"{self.layer}/upper"
 
     @property
     def work(self) -> str:
-        return f"{self.workspace}/work"
+        return f"{self.layer}/work"
 
     @property
     def root(self) -> str:

@@ -24,6 +24,7 @@ import os
 import select
 import socket
 import sys
+from collections.abc import Mapping
 
 from orchard.env.runtime.base import FailureReason, RuntimeFailure, RuntimeUnavailable
 from orchard.env.runtime.local.process import process_start_time
@@ -38,6 +39,14 @@ _READY_MESSAGE = b"ready"  # orchard.inagent.zygote.READY_MESSAGE (not imported:
 _START_TIMEOUT_S = 30.0
 _REPLY_TIMEOUT_S = 10.0
 _STOP_TIMEOUT_S = 5.0
+# What the zygote's interpreter may need to find its modules; nothing else of the service's
+# environment, which every sandbox's PID 1 (a fork) would otherwise show in /proc/1/environ.
+_ZYGOTE_ENV_KEEP = ("PYTHONPATH", "PYTHONHOME")
+
+
+def zygote_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The zygote's whole environment: the interpreter's module path settings, if any."""
+    return {name: environ[name] for name in _ZYGOTE_ENV_KEEP if name in environ}
 
 
 class _ZygoteGone(Exception):
@@ -102,6 +111,7 @@ class AgentZygote:
                 pass_fds=(theirs.fileno(),),
                 start_new_session=True,  # the service's signals are not the sandboxes'
                 cwd="/",
+                env=zygote_environment(os.environ),
             )
         except BaseException:
             ours.close()

@@ -1,0 +1,1 @@
+"""The security suite: attacks on the isolation guarantees, each kept as a test."""
