@@ -286,8 +286,9 @@ def check_env(docs: list[Manifest], report: Report, where: str) -> None:
             (g, r) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
         }
         report.check(
-            granted == {("", "pods"), ("networking.k8s.io", "networkpolicies")},
-            f"{where}: the sandbox Role grants {sorted(granted)}; want pods, networkpolicies",
+            granted == {("", "pods"), ("", "secrets"), ("networking.k8s.io", "networkpolicies")},
+            f"{where}: the sandbox Role grants {sorted(granted)}; want pods, secrets (the "
+            "agent keys), networkpolicies",
         )
     for cluster_kind in ("ClusterRole", "ClusterRoleBinding"):
         report.check(not find(docs, cluster_kind), f"{where}: env must not need a {cluster_kind}")

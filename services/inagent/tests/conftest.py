@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +71,7 @@ def launch_agent(
     *args: str,
     listen: str | None = None,
     prefix: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
 ) -> AgentProcess:
     """Start an agent whose working dir, socket, address file and log live in ``directory``."""
     work = directory / "work"
@@ -91,7 +92,7 @@ def launch_agent(
         "1",
         *args,
     ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ORCHARD_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ORCHARD_")} | dict(env or {})
     started = time.monotonic()
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(

@@ -4,8 +4,10 @@ There is no Kubernetes cluster on the build machine and no API server in the pac
 registries, so the ``kubernetes`` runtime is tested against this double. It serves, on
 127.0.0.1 over HTTP, the real REST and watch protocol of the two resources the runtime uses:
 
-- ``/api/v1/namespaces/{ns}/pods`` and ``/apis/networking.k8s.io/v1/namespaces/{ns}/
-  networkpolicies``: create (POST), get, list, delete (graceful for Pods), replace (PUT, policies);
+- ``/api/v1/namespaces/{ns}/pods``, ``/api/v1/namespaces/{ns}/secrets`` and
+  ``/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies``: create (POST), get, list,
+  delete (graceful for Pods), replace (PUT, not Pods), patch (PATCH: a merge patch, of
+  metadata only); objects a deleted Pod owns (``ownerReferences``) are deleted with it;
   label selectors (``k=v``, ``k!=v``, ``k``, ``!k``, ``k in (a,b)``); one resourceVersion
   counter over both resources (like etcd's revision); ``Status`` objects for errors (404
   NotFound, 409 AlreadyExists, 422 Invalid, 400 BadRequest);
@@ -17,10 +19,14 @@ registries, so the ``kubernetes`` runtime is tested against this double. It serv
 It also plays the kubelet for every Pod: each container runs as local processes in fresh mount,
 pid and uts namespaces over an overlay of the image's root directory (a catalog of
 ``ImageDouble`` entries stands in for a registry: an unknown image is ``ErrImagePull``), with
-``emptyDir`` volumes bind-mounted, ``$(VAR)`` expansion and the ``status.podIP`` downward API.
+``emptyDir`` volumes bind-mounted, ``$(VAR)`` expansion, the ``status.podIP`` downward API and
+``secretKeyRef`` variables (a missing Secret is ``CreateContainerConfigError``), and the
+container's ``securityContext`` capabilities (a container runtime's default set, less ``drop``,
+plus ``add``) and ``allowPrivilegeEscalation: false`` (no_new_privs), through ``setpriv``.
 The Pod IP is a distinct loopback address (127.x.y.z) in the host's network namespace, and the
 Pod turns Ready when its readiness probe's gRPC health check answers SERVING. Tests can end
-watches, expire history (410), kill a container, and evict or preempt a Pod.
+watches, expire history (410), kill a container (also without the kubelet noticing), and evict
+or preempt a Pod.
 
 What it does not do (only a real cluster can confirm it): scheduling, image pulls, cgroup
 limits, network namespaces and NetworkPolicy enforcement (a CNI's job), RBAC, admission,
@@ -30,6 +36,7 @@ server-side apply, field selectors, pagination.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import copy
 import json
@@ -56,9 +63,28 @@ Obj = dict[str, Any]
 
 _RESOURCES = {
     "pods": ("v1", "Pod"),
+    "secrets": ("v1", "Secret"),
     "networkpolicies": ("networking.k8s.io/v1", "NetworkPolicy"),
 }
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+# What a container runtime (containerd, CRI-O) grants a container by default.
+_DEFAULT_CAPABILITIES = (
+    "audit_write",
+    "chown",
+    "dac_override",
+    "fowner",
+    "fsetid",
+    "kill",
+    "mknod",
+    "net_bind_service",
+    "net_raw",
+    "setfcap",
+    "setgid",
+    "setpcap",
+    "setuid",
+    "sys_chroot",
+)
 _VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 _DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 
@@ -168,6 +194,7 @@ class _PodRun:
     task: asyncio.Task[None] | None = None
     containers: dict[str, _Container] = field(default_factory=dict)
     disrupted: bool = False
+    unnoticed: bool = False  # container exits leave the Pod's status as it was
 
 
 class KubeApiDouble:
@@ -217,6 +244,7 @@ class KubeApiDouble:
             app.router.add_get(base + "/{name}", self._get(resource))
             app.router.add_delete(base + "/{name}", self._delete(resource))
             app.router.add_put(base + "/{name}", self._replace(resource))
+            app.router.add_patch(base + "/{name}", self._patch(resource))
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -295,9 +323,14 @@ class KubeApiDouble:
             watcher.queue.put_nowait(("ERROR", expired))
             watcher.queue.put_nowait(None)
 
-    def kill_container(self, namespace: str, name: str, container: str = "sandbox") -> None:
-        """SIGKILL a container's first process, as a crash would."""
+    def kill_container(
+        self, namespace: str, name: str, container: str = "sandbox", *, noticed: bool = True
+    ) -> None:
+        """SIGKILL a container's first process, as a crash would. ``noticed=False``: the Pod's
+        status stays as it was (Running, Ready), as while a kubelet has not noticed yet or a
+        process of the Pod outlived the first one."""
         run = self._runs[(namespace, name)]
+        run.unnoticed = run.unnoticed or not noticed
         run.containers[container].signal(signal.SIGKILL)
 
     async def disrupt(self, namespace: str, name: str, reason: str, message: str = "") -> None:
@@ -517,13 +550,16 @@ class KubeApiDouble:
             return "metadata: Required value"
         metadata = body["metadata"]
         name = metadata.get("name", "")
-        if not isinstance(name, str) or not _DNS_LABEL.fullmatch(name):
-            return f"metadata.name: Invalid value: {name!r}: a lowercase RFC 1123 label"
+        names = _DNS_SUBDOMAIN if resource == "secrets" else _DNS_LABEL
+        if not isinstance(name, str) or not names.fullmatch(name):
+            return f"metadata.name: Invalid value: {name!r}: not a lowercase RFC 1123 name"
         if metadata.get("namespace") not in (None, namespace):
             return "metadata.namespace: does not match the namespace of the request"
         kind = _RESOURCES[resource][1]
         if body.get("kind") not in (None, kind):
             return f"kind: must be {kind}"
+        if resource == "secrets":
+            return _invalid_secret_data(body.get("data"))
         spec = body.get("spec")
         if not isinstance(spec, dict):
             return "spec: Required value"
@@ -576,6 +612,33 @@ class KubeApiDouble:
 
         return handler
 
+    def _patch(self, resource: str) -> Any:
+        async def handler(request: web.Request) -> web.Response:
+            self._log(request)
+            namespace, name = request.match_info["namespace"], request.match_info["name"]
+            current = self._objects.get((resource, namespace, name))
+            if current is None:
+                return _not_found(resource, name)
+            try:
+                body = await request.json()
+            except ValueError:
+                return _status(400, "BadRequest", "the body is not JSON")
+            if not isinstance(body, dict) or set(body) - {"metadata"}:
+                return _status(422, "Invalid", "the test double patches metadata only")
+            obj = copy.deepcopy(current)
+            for key, value in (body.get("metadata") or {}).items():
+                if key in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp"):
+                    continue
+                if value is None:
+                    obj["metadata"].pop(key, None)
+                else:
+                    obj["metadata"][key] = copy.deepcopy(value)
+            obj["metadata"]["resourceVersion"] = self._bump()
+            self._store(resource, "MODIFIED", obj)
+            return web.json_response(copy.deepcopy(obj))
+
+        return handler
+
     def _delete(self, resource: str) -> Any:
         async def handler(request: web.Request) -> web.Response:
             self._log(request)
@@ -618,6 +681,16 @@ class KubeApiDouble:
             gone = copy.deepcopy(obj)
             gone["metadata"]["resourceVersion"] = self._bump()
             self._store("pods", "DELETED", gone)
+            self._collect_owned(key[0], obj["metadata"]["uid"])
+
+    def _collect_owned(self, namespace: str, owner_uid: str) -> None:
+        """The garbage collector: delete what the deleted object owned."""
+        for (resource, ns, _), obj in list(self._objects.items()):
+            owners = obj["metadata"].get("ownerReferences") or ()
+            if ns == namespace and any(o.get("uid") == owner_uid for o in owners):
+                gone = copy.deepcopy(obj)
+                gone["metadata"]["resourceVersion"] = self._bump()
+                self._store(resource, "DELETED", gone)
 
     # -- the kubelet -------------------------------------------------------------------------
 
@@ -741,7 +814,7 @@ class KubeApiDouble:
                 future.cancel()
 
     def _container_exited(self, run: _PodRun, index: int, code: int) -> None:
-        if run.disrupted:
+        if run.disrupted or run.unnoticed:
             return
 
         def change(status: Obj) -> None:
@@ -794,10 +867,24 @@ class KubeApiDouble:
             return None
         env = dict(image.env)
         for entry in container.get("env") or ():
+            source = entry.get("valueFrom") or {}
             if "value" in entry:
                 env[entry["name"]] = _expand(entry["value"], env)
-            elif entry.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP":
+            elif source.get("fieldRef", {}).get("fieldPath") == "status.podIP":
                 env[entry["name"]] = run.ip
+            elif "secretKeyRef" in source:
+                value = self._secret_value(run.key[0], source["secretKeyRef"])
+                if value is None:
+                    ref = source["secretKeyRef"]
+                    message = f'secret "{ref.get("name")}" not found (or no key {ref.get("key")})'
+                    self._set_state(
+                        run.key,
+                        where,
+                        index,
+                        {"waiting": {"reason": "CreateContainerConfigError", "message": message}},
+                    )
+                    return None
+                env[entry["name"]] = value
         env["HOSTNAME"] = pod["metadata"]["name"]
         # Kubernetes: `command` replaces the entrypoint and drops the image's CMD; `args` alone
         # replaces only the CMD.
@@ -833,7 +920,9 @@ class KubeApiDouble:
         lines += [
             f"hostname {shlex.quote(pod['metadata']['name'])}",
             f"mkdir -p {shlex.quote(f'{root}{working_dir}')}",
-            f"exec unshare --root={root} --wd={shlex.quote(working_dir)} -- "
+            "exec "
+            + " ".join(shlex.quote(a) for a in _privilege_args(container))
+            + f" unshare --root={root} --wd={shlex.quote(working_dir)} -- "
             + " ".join(shlex.quote(a) for a in argv),
         ]
         script = home / "start.sh"
@@ -862,6 +951,41 @@ class KubeApiDouble:
         started.init_pid = await _first_child(outer)
         self._set_state(run.key, where, index, {"running": {"startedAt": _now()}})
         return started
+
+    def _secret_value(self, namespace: str, ref: Obj) -> str | None:
+        secret = self._objects.get(("secrets", namespace, str(ref.get("name"))))
+        encoded = ((secret or {}).get("data") or {}).get(ref.get("key"))
+        return base64.b64decode(encoded).decode() if isinstance(encoded, str) else None
+
+
+def _privilege_args(container: Obj) -> list[str]:
+    """``setpriv`` with the container's capabilities (the runtime's default set, less
+    ``drop``, plus ``add``) and no_new_privs unless privilege escalation is allowed. It keeps
+    CAP_SYS_CHROOT for the ``unshare --root`` that follows (a real runtime needs none)."""
+    context = container.get("securityContext") or {}
+    asked = context.get("capabilities") or {}
+    drop = {str(c).lower() for c in asked.get("drop") or ()}
+    keep = set() if "all" in drop else set(_DEFAULT_CAPABILITIES) - drop
+    keep |= {str(c).lower() for c in asked.get("add") or ()}
+    keep.add("sys_chroot")
+    args = ["setpriv", "--bounding-set", ",".join(["-all", *(f"+{c}" for c in sorted(keep))])]
+    args += ["--inh-caps", "-all"]
+    if context.get("allowPrivilegeEscalation") is False:
+        args.append("--no-new-privs")
+    return [*args, "--"]
+
+
+def _invalid_secret_data(data: Any) -> str:
+    if data is None:
+        return ""
+    if not isinstance(data, dict):
+        return "data: must be a map"
+    for key, value in data.items():
+        try:
+            base64.b64decode(value, validate=True)
+        except (TypeError, ValueError):
+            return f"data[{key}]: not base64"
+    return ""
 
 
 def _line(kind: str, obj: Obj) -> bytes:

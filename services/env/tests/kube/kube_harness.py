@@ -104,9 +104,9 @@ async def started_double(
 
 
 def leftovers(double: KubeApiDouble, sandbox_ids: set[str]) -> list[str]:
-    """Pods, policies and Pod directories of these sandboxes still in the double."""
+    """Pods, policies, key Secrets and Pod directories of these sandboxes still in the double."""
     found = []
-    for resource in ("pods", "networkpolicies"):
+    for resource in ("pods", "networkpolicies", "secrets"):
         for obj in double.objects(resource, NAMESPACE):
             labels = obj["metadata"].get("labels") or {}
             if labels.get("orchard.dev/sandbox-id") in sandbox_ids:

@@ -94,6 +94,15 @@ def test_pod_manifest_snapshot() -> None:
                             "name": "ORCHARD_POD_IP",
                             "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
                         },
+                        {
+                            "name": "ORCHARD_AGENT_KEY",
+                            "valueFrom": {
+                                "secretKeyRef": {
+                                    "name": "sbx-0123456789ab-agent-key",
+                                    "key": "agent-key",
+                                }
+                            },
+                        },
                         {"name": "TASK", "value": "t1"},
                     ],
                     "workingDir": "/srv",
@@ -124,7 +133,7 @@ def test_pod_manifest_snapshot() -> None:
                         },
                     },
                     "securityContext": {
-                        "capabilities": {"drop": ["NET_RAW"]},
+                        "capabilities": {"drop": ["NET_RAW", "SYS_PTRACE"]},
                         "seccompProfile": {"type": "RuntimeDefault"},
                         "allowPrivilegeEscalation": False,
                     },
@@ -301,6 +310,9 @@ def test_a_starting_pod_is_no_failure() -> None:
 
 def test_privileges_map_to_the_security_context() -> None:
     raw = pod_manifest(spec(raw_sockets=True), CONFIG)["spec"]["containers"][0]
-    assert raw["securityContext"]["capabilities"] == {"add": ["NET_RAW"]}
+    assert raw["securityContext"]["capabilities"] == {
+        "add": ["NET_RAW"],
+        "drop": ["SYS_PTRACE"],
+    }
     with pytest.raises(RuntimeNotSupported, match="user namespaces"):
         pod_manifest(spec(user_namespaces=True), CONFIG)

@@ -144,6 +144,24 @@ async def test_a_pod_deleted_outside_is_reported(runtime_for: Any, double: Any) 
         await client.CoreV1Api(api).delete_namespaced_pod("gone", NAMESPACE, grace_period_seconds=0)
     event = await asyncio.wait_for(anext(exits), 10)
     assert (event.sandbox_id, event.reason) == ("gone", FailureReason.RUNTIME_DIED)
+    # The Pod owned its agent key's Secret: the key went with it.
+    secret = double.objects("secrets", NAMESPACE)
+    assert [s["metadata"]["name"] for s in secret] == []
+
+
+async def test_the_agent_key_secret_is_owned_by_the_pod(runtime_for: Any, double: Any) -> None:
+    runtime = await runtime_for()
+    made = await runtime.create(sandbox("keyed"))
+    assert made.agent_version  # the agent proved it holds the key at create
+    pod = double.get("pods", NAMESPACE, "keyed")
+    secret = double.get("secrets", NAMESPACE, "keyed-agent-key")
+    assert secret["immutable"] is True
+    assert secret["metadata"]["labels"] == pod["metadata"]["labels"]
+    assert secret["metadata"]["ownerReferences"] == [
+        {"apiVersion": "v1", "kind": "Pod", "name": "keyed", "uid": pod["metadata"]["uid"]}
+    ]
+    await runtime.delete("keyed")
+    assert double.get("secrets", NAMESPACE, "keyed-agent-key") is None
 
 
 async def test_network_policy_lifecycle(runtime_for: Any, double: Any) -> None:

@@ -1,6 +1,6 @@
 """The environment service on the kubernetes runtime (through the Kubernetes API test double):
 exec goes to the Pod IP, never the API server; evicted sandboxes become FAILED with the reason;
-reconciliation deletes Pods and policies that have no record."""
+reconciliation deletes Pods, policies and key Secrets that have no record."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ async def test_an_evicted_sandbox_becomes_failed_with_the_reason(
     assert "low on resource" in got.sandbox.failure.message
 
 
-async def test_reconcile_deletes_pods_and_policies_without_a_record(
+async def test_reconcile_deletes_pods_policies_and_keys_without_a_record(
     env_factory: Any, runtime_for: Any, double: Any
 ) -> None:
     runtime = await runtime_for()
@@ -118,6 +118,18 @@ async def test_reconcile_deletes_pods_and_policies_without_a_record(
             "spec": {"podSelector": {"matchLabels": {LABEL_SANDBOX: "sbx-lone"}}},
         },
     )
+    # A key Secret left by a create that crashed before its Pod.
+    double.put_object(
+        "secrets",
+        {
+            "metadata": {
+                "name": "sbx-keyonly-agent-key",
+                "namespace": NAMESPACE,
+                "labels": {**labels, LABEL_SANDBOX: "sbx-keyonly"},
+            },
+            "data": {"agent-key": "a2V5"},
+        },
+    )
     # Another deployment's Pod is none of this one's business.
     double.put_object(
         "pods",
@@ -138,6 +150,8 @@ async def test_reconcile_deletes_pods_and_policies_without_a_record(
         await asyncio.sleep(0.05)
     await env.app.controller.reconcile()
     assert double.get("networkpolicies", NAMESPACE, "sbx-lone-egress") is None
+    assert double.get("secrets", NAMESPACE, "sbx-keyonly-agent-key") is None
+    assert double.get("secrets", NAMESPACE, f"{live.id}-agent-key") is not None
     assert double.get("pods", NAMESPACE, "sbx-other") is not None
     assert double.get("pods", NAMESPACE, live.id) is not None
     assert sorted(await runtime.list_sandboxes()) == [live.id]

@@ -15,6 +15,7 @@ import grpc
 
 from orchard.core.errors import OrchardError
 from orchard.env.reasons import EnvReason
+from orchard.env.runtime.base import AgentUnreachable
 from orchard.inagent.v1 import inagent_service_pb2_grpc
 
 __all__ = ["AgentLink", "AgentLinks"]
@@ -57,7 +58,7 @@ class AgentLinks:
         link = self._links.get(sandbox_id)
         if link is not None and link.address == address:
             return link
-        if self._verify is not None and not await self._verify(sandbox_id, address):
+        if self._verify is not None and not await _verified(self._verify, sandbox_id, address):
             raise OrchardError(
                 EnvReason.AGENT_NOT_VERIFIED,
                 f"sandbox {sandbox_id!r}: what serves at its agent's address is not the agent "
@@ -98,3 +99,19 @@ class AgentLinks:
         task = asyncio.get_running_loop().create_task(link.channel.close())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
+
+
+async def _verified(
+    verify: Callable[[str, str], Awaitable[bool]], sandbox_id: str, address: str
+) -> bool:
+    """The runtime's verdict; UNAVAILABLE (not cached, the next call asks again) when it
+    cannot tell now."""
+    try:
+        return await verify(sandbox_id, address)
+    except AgentUnreachable as exc:
+        raise OrchardError(
+            EnvReason.AGENT_UNAVAILABLE,
+            f"sandbox {sandbox_id!r}: cannot check its agent's identity now ({exc}); "
+            "nothing was sent to it, retry",
+            metadata={"sandbox_id": sandbox_id},
+        ) from None

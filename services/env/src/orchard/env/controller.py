@@ -91,6 +91,7 @@ from orchard.env.records import (
     sandbox_key,
 )
 from orchard.env.runtime.base import (
+    AgentUnreachable,
     EgressRule,
     FailureReason,
     Runtime,
@@ -660,7 +661,7 @@ class SandboxController:
                 return await stub.GetAgentInfo(
                     inagent_service_pb2.GetAgentInfoRequest(), timeout=_AGENT_PROBE_S
                 )
-        except grpc.aio.AioRpcError:
+        except (grpc.aio.AioRpcError, AgentUnreachable):
             return None
 
     async def _repair_by_key(self, key: str) -> None:

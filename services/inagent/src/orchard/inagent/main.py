@@ -31,11 +31,17 @@ __all__ = ["main", "run"]
 log = logging.getLogger(__name__)
 
 
+KEY_VARIABLE = "ORCHARD_AGENT_KEY"
+"""The sandbox's key, from the runtime that started the agent (a Kubernetes Secret): the agent
+proves with it, over AgentService.ProveIdentity, that it is the agent the runtime started."""
+
+
 class _Agent:
     """What lives as long as the server: the process supervisor and the start/stop hooks."""
 
-    def __init__(self) -> None:
+    def __init__(self, identity_key: bytes | None = None) -> None:
         self.supervisor: ProcessSupervisor | None = None
+        self.identity_key = identity_key
 
     def bindings(self, config: AgentConfig) -> list[ServiceBinding]:
         # Called on the running event loop, before the server binds: commands can run as soon
@@ -53,6 +59,7 @@ class _Agent:
             base_env=config.base_env(),
             limits=config.limits,
             shell=config.shell,
+            identity_key=self.identity_key,
         )
         return [ServiceBinding(SERVICE_NAME, servicer.register)]
 
@@ -94,7 +101,8 @@ def _report_ready(fd: int, addresses: Sequence[str]) -> None:
 
 
 def _make_non_dumpable() -> None:
-    """As PID 1 of a sandbox: out of reach of a command's ptrace and of /proc/1/{environ,mem,fd}.
+    """As PID 1 of a sandbox, or holding a key: out of reach of a command's ptrace and of
+    /proc/PID/{environ,mem,fd} (without CAP_SYS_PTRACE).
 
     The sandbox's setup sets this before an exec of the agent, which resets it; commands are
     dumpable again after their own exec, so only the agent is protected.
@@ -107,11 +115,20 @@ def _make_non_dumpable() -> None:
         log.warning("cannot make the agent non-dumpable: errno %d", ctypes.get_errno())
 
 
+def _take_identity_key() -> bytes | None:
+    """The sandbox key from the environment, removed from it: commands never inherit it (they
+    start from a filtered environment anyway), and the agent keeps it in memory only."""
+    key = os.environ.pop(KEY_VARIABLE, "")
+    return key.encode() if key else None
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     """Run the agent with ``argv`` (default: the process's arguments); return the exit status."""
-    if os.getpid() == 1:
+    identity_key = _take_identity_key()
+    if os.getpid() == 1 or identity_key is not None:
+        # Also out of PID 1: /proc/PID/environ still shows the key the agent was started with.
         _make_non_dumpable()
-    agent = _Agent()
+    agent = _Agent(identity_key)
     return run_service(
         "inagent",
         load_agent_config,

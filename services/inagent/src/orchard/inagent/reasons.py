@@ -27,6 +27,11 @@ class AgentReason(ErrorReason):
         grpc.StatusCode.NOT_FOUND,
         "The command's working directory does not exist.",
     )
+    AGENT_KEY_MISSING = (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "The agent was started without a sandbox key (ORCHARD_AGENT_KEY): it cannot prove "
+        "which sandbox it serves.",
+    )
     MALFORMED_REQUEST = (
         grpc.StatusCode.INVALID_ARGUMENT,
         "The request bytes are not a valid message of the method's request type.",

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import logging
 import os
 import time
@@ -22,14 +24,18 @@ from orchard.inagent.decoding import register_guarded
 from orchard.inagent.files import AtomicWriter, FileReader, list_files, stat_file
 from orchard.inagent.paths import display
 from orchard.inagent.process import OutputQueue, ProcessResult, ProcessSupervisor, Stream
+from orchard.inagent.reasons import AgentReason
 from orchard.inagent.v1 import inagent_service_pb2 as pb
 from orchard.inagent.v1 import inagent_service_pb2_grpc as pb_grpc
 from orchard.inagent.version import __version__
 from orchard.types.v1 import exec_pb2
 
-__all__ = ["SERVICE_NAME", "AgentServicer"]
+__all__ = ["SERVICE_NAME", "AgentServicer", "identity_proof"]
 
 SERVICE_NAME = "orchard.inagent.v1.AgentService"
+NONCE_BYTES = (16, 64)
+"""Shortest and longest nonce ProveIdentity accepts."""
+MAX_SANDBOX_ID_BYTES = 253
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +43,11 @@ log = logging.getLogger(__name__)
 def _duration(seconds: float) -> duration_pb2.Duration:
     whole = int(seconds)
     return duration_pb2.Duration(seconds=whole, nanos=round((seconds - whole) * 1e9))
+
+
+def identity_proof(key: bytes, nonce: bytes, sandbox_id: str) -> bytes:
+    """HMAC-SHA256(key, nonce || sandbox_id): the answer to ProveIdentity (see the proto)."""
+    return hmac.new(key, nonce + sandbox_id.encode(), hashlib.sha256).digest()
 
 
 def exit_status(result: ProcessResult) -> exec_pb2.ExitStatus:
@@ -67,8 +78,10 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         base_env: dict[str, str],
         limits: ExecLimits,
         shell: str = "/bin/sh",
+        identity_key: bytes | None = None,
     ) -> None:
         self.supervisor = supervisor
+        self._identity_key = identity_key or None
         self.working_dir = working_dir
         self.base_env = base_env
         self.limits = limits
@@ -222,6 +235,33 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
             max_output_limit_bytes=self.limits.max_output_limit_bytes,
             uptime=_duration(time.monotonic() - self.started_at),
         )
+
+    # --- identity
+
+    async def ProveIdentity(
+        self, request: pb.ProveIdentityRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ProveIdentityResponse:
+        low, high = NONCE_BYTES
+        if not low <= len(request.nonce) <= high:
+            raise OrchardError(
+                Reason.INVALID_ARGUMENT,
+                f"nonce: {len(request.nonce)} bytes; send {low} to {high} fresh random bytes",
+                metadata={"field": "nonce"},
+            )
+        if not request.sandbox_id or len(request.sandbox_id.encode()) > MAX_SANDBOX_ID_BYTES:
+            raise OrchardError(
+                Reason.INVALID_ARGUMENT,
+                f"sandbox_id: empty or longer than {MAX_SANDBOX_ID_BYTES} bytes",
+                metadata={"field": "sandbox_id"},
+            )
+        if self._identity_key is None:
+            raise OrchardError(
+                AgentReason.AGENT_KEY_MISSING,
+                "this agent was started without ORCHARD_AGENT_KEY: it holds no sandbox key to "
+                "prove its identity with",
+            )
+        proof = identity_proof(self._identity_key, request.nonce, request.sandbox_id)
+        return pb.ProveIdentityResponse(proof=proof, version=__version__)
 
 
 # A status sent while the caller still streams races the caller's writes, and the caller may

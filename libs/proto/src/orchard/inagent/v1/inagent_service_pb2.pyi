@@ -447,3 +447,55 @@ class GetAgentInfoResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetAgentInfoResponse: _TypeAlias = GetAgentInfoResponse  # noqa: Y015
+
+@_typing.final
+class ProveIdentityRequest(_message.Message):
+    """Request of AgentService.ProveIdentity."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NONCE_FIELD_NUMBER: _builtins.int
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    nonce: _builtins.bytes
+    """Random bytes, new for every request (16 to 64 bytes), so that no earlier answer fits."""
+    sandbox_id: _builtins.str
+    """The sandbox the caller believes it is talking to; part of what the proof covers."""
+    def __init__(
+        self,
+        *,
+        nonce: _builtins.bytes = ...,
+        sandbox_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["nonce", b"nonce", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProveIdentityRequest: _TypeAlias = ProveIdentityRequest  # noqa: Y015
+
+@_typing.final
+class ProveIdentityResponse(_message.Message):
+    """Response of AgentService.ProveIdentity."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROOF_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    proof: _builtins.bytes
+    """HMAC-SHA256(key, nonce || sandbox_id): 32 bytes, sandbox_id as UTF-8."""
+    version: _builtins.str
+    """The agent's version, as GetAgentInfo reports it."""
+    def __init__(
+        self,
+        *,
+        proof: _builtins.bytes = ...,
+        version: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["proof", b"proof", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProveIdentityResponse: _TypeAlias = ProveIdentityResponse  # noqa: Y015

@@ -73,6 +73,11 @@ class AgentServiceStub:
                 request_serializer=orchard_dot_inagent_dot_v1_dot_inagent__service__pb2.GetAgentInfoRequest.SerializeToString,
                 response_deserializer=orchard_dot_inagent_dot_v1_dot_inagent__service__pb2.GetAgentInfoResponse.FromString,
                 _registered_method=True)
+        self.ProveIdentity = channel.unary_unary(
+                '/orchard.inagent.v1.AgentService/ProveIdentity',
+                request_serializer=orchard_dot_inagent_dot_v1_dot_inagent__service__pb2.ProveIdentityRequest.SerializeToString,
+                response_deserializer=orchard_dot_inagent_dot_v1_dot_inagent__service__pb2.ProveIdentityResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -152,6 +157,20 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProveIdentity(self, request, context):
+        """Proves that this agent holds its sandbox's key, which the runtime that started it handed
+        it out of band (the `ORCHARD_AGENT_KEY` environment variable, out of commands' reach): the
+        proof is HMAC-SHA256(key, nonce || sandbox_id) over a fresh nonce of the caller's choice.
+        The environment service asks it before it first talks to an agent it reaches over a
+        network, and sends nothing to an agent whose proof does not match. Changes nothing.
+        Errors: INVALID_ARGUMENT (nonce shorter than 16 or longer than 64 bytes, empty sandbox_id
+        or one longer than 253 bytes), FAILED_PRECONDITION (the agent was started without a key:
+        reason AGENT_KEY_MISSING).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -189,6 +208,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.GetAgentInfo,
                     request_deserializer=orchard_dot_inagent_dot_v1_dot_inagent__service__pb2.GetAgentInfoRequest.FromString,
                     response_serializer=orchard_dot_inagent_dot_v1_dot_inagent__service__pb2.GetAgentInfoResponse.SerializeToString,
+            ),
+            'ProveIdentity': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProveIdentity,
+                    request_deserializer=orchard_dot_inagent_dot_v1_dot_inagent__service__pb2.ProveIdentityRequest.FromString,
+                    response_serializer=orchard_dot_inagent_dot_v1_dot_inagent__service__pb2.ProveIdentityResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -384,6 +408,33 @@ class AgentService:
             '/orchard.inagent.v1.AgentService/GetAgentInfo',
             orchard_dot_inagent_dot_v1_dot_inagent__service__pb2.GetAgentInfoRequest.SerializeToString,
             orchard_dot_inagent_dot_v1_dot_inagent__service__pb2.GetAgentInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProveIdentity(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.inagent.v1.AgentService/ProveIdentity',
+            orchard_dot_inagent_dot_v1_dot_inagent__service__pb2.ProveIdentityRequest.SerializeToString,
+            orchard_dot_inagent_dot_v1_dot_inagent__service__pb2.ProveIdentityResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -78,6 +78,16 @@ class AgentServiceStub:
     """
     GetAgentInfo: _grpc.UnaryUnaryMultiCallable[_inagent_service_pb2.GetAgentInfoRequest, _inagent_service_pb2.GetAgentInfoResponse]
     """Returns the agent's version and limits. Changes nothing. Errors: none."""
+    ProveIdentity: _grpc.UnaryUnaryMultiCallable[_inagent_service_pb2.ProveIdentityRequest, _inagent_service_pb2.ProveIdentityResponse]
+    """Proves that this agent holds its sandbox's key, which the runtime that started it handed
+    it out of band (the `ORCHARD_AGENT_KEY` environment variable, out of commands' reach): the
+    proof is HMAC-SHA256(key, nonce || sandbox_id) over a fresh nonce of the caller's choice.
+    The environment service asks it before it first talks to an agent it reaches over a
+    network, and sends nothing to an agent whose proof does not match. Changes nothing.
+    Errors: INVALID_ARGUMENT (nonce shorter than 16 or longer than 64 bytes, empty sandbox_id
+    or one longer than 253 bytes), FAILED_PRECONDITION (the agent was started without a key:
+    reason AGENT_KEY_MISSING).
+    """
 
 @_typing.type_check_only
 class AgentServiceAsyncStub(AgentServiceStub):
@@ -129,6 +139,16 @@ class AgentServiceAsyncStub(AgentServiceStub):
     """
     GetAgentInfo: _aio.UnaryUnaryMultiCallable[_inagent_service_pb2.GetAgentInfoRequest, _inagent_service_pb2.GetAgentInfoResponse]  # type: ignore[assignment]
     """Returns the agent's version and limits. Changes nothing. Errors: none."""
+    ProveIdentity: _aio.UnaryUnaryMultiCallable[_inagent_service_pb2.ProveIdentityRequest, _inagent_service_pb2.ProveIdentityResponse]  # type: ignore[assignment]
+    """Proves that this agent holds its sandbox's key, which the runtime that started it handed
+    it out of band (the `ORCHARD_AGENT_KEY` environment variable, out of commands' reach): the
+    proof is HMAC-SHA256(key, nonce || sandbox_id) over a fresh nonce of the caller's choice.
+    The environment service asks it before it first talks to an agent it reaches over a
+    network, and sends nothing to an agent whose proof does not match. Changes nothing.
+    Errors: INVALID_ARGUMENT (nonce shorter than 16 or longer than 64 bytes, empty sandbox_id
+    or one longer than 253 bytes), FAILED_PRECONDITION (the agent was started without a key:
+    reason AGENT_KEY_MISSING).
+    """
 
 class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
     """The agent that runs inside every sandbox as its first process. It executes commands and moves
@@ -219,5 +239,21 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_inagent_service_pb2.GetAgentInfoResponse, _abc.Awaitable[_inagent_service_pb2.GetAgentInfoResponse]]:
         """Returns the agent's version and limits. Changes nothing. Errors: none."""
+
+    @_abc_1.abstractmethod
+    def ProveIdentity(
+        self,
+        request: _inagent_service_pb2.ProveIdentityRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_inagent_service_pb2.ProveIdentityResponse, _abc.Awaitable[_inagent_service_pb2.ProveIdentityResponse]]:
+        """Proves that this agent holds its sandbox's key, which the runtime that started it handed
+        it out of band (the `ORCHARD_AGENT_KEY` environment variable, out of commands' reach): the
+        proof is HMAC-SHA256(key, nonce || sandbox_id) over a fresh nonce of the caller's choice.
+        The environment service asks it before it first talks to an agent it reaches over a
+        network, and sends nothing to an agent whose proof does not match. Changes nothing.
+        Errors: INVALID_ARGUMENT (nonce shorter than 16 or longer than 64 bytes, empty sandbox_id
+        or one longer than 253 bytes), FAILED_PRECONDITION (the agent was started without a key:
+        reason AGENT_KEY_MISSING).
+        """
 
 def add_AgentServiceServicer_to_server(servicer: AgentServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from orchard.env.images.trust import ImageTrust
 
 __all__ = [
+    "AgentUnreachable",
     "EgressRule",
     "FailureReason",
     "Runtime",
@@ -66,6 +67,12 @@ class RuntimeFailure(Exception):
 class RuntimeNotSupported(Exception):
     """This runtime cannot do what was asked (yet), e.g. egress rules or fork; the service
     answers UNIMPLEMENTED (or FAILED_PRECONDITION) with the message, and nothing changed."""
+
+
+class AgentUnreachable(Exception):
+    """:meth:`Runtime.verify_agent` could not tell: the agent, or what the runtime needs to
+    judge it (its API server), did not answer. Nothing is sent to the agent; the caller gets
+    UNAVAILABLE and the next call checks again."""
 
 
 class RuntimeUnavailable(Exception):
@@ -196,9 +203,10 @@ class Runtime(abc.ABC):
     async def verify_agent(self, sandbox_id: str, address: str) -> bool:
         """Whether whatever serves at ``address`` is the agent this runtime started for the
         sandbox; checked before the service first talks to it (also after a restart). False
-        means an impostor: the service sends it nothing. A runtime where nothing else can
-        serve at the address (or that cannot tell yet) answers True; the local runtime
-        compares the socket's peer with the sandbox's PID 1."""
+        means an impostor: the service sends it nothing. Raises :class:`AgentUnreachable` when
+        it cannot tell now. A runtime where nothing else can serve at the address answers
+        True; the local runtime compares the socket's peer with the sandbox's PID 1, the
+        kubernetes runtime asks the agent to prove it holds the sandbox's key."""
         return True
 
     async def adopt(self, sandbox_id: str) -> None:

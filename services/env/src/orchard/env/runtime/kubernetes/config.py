@@ -117,6 +117,12 @@ class KubernetesRuntimeConfig(BaseModel):
         "the last resourceVersion it saw (no re-list).",
     )
     request_timeout_s: float = Field(30.0, gt=0, description="Deadline of one API call.")
+    verify_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Deadline of the agent's identity proof (AgentService.ProveIdentity), at "
+        "create and before a replica first talks to a sandbox's agent.",
+    )
 
     @field_validator("namespace")
     @classmethod

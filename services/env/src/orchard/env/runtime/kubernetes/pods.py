@@ -11,6 +11,9 @@ One Pod per sandbox, named after the sandbox id (also its hostname):
   volume, listening on the Pod IP (the downward API's ``status.podIP``): directly, so any Linux
   image works, or through ``sh -c`` for images the configuration lists as having a shell;
 - requests equal limits from the sandbox request (cpu, memory, ephemeral storage);
+- the sandbox's agent key (``identity.py``) as the agent's ``ORCHARD_AGENT_KEY``, from a Secret
+  of its own (``secretKeyRef``): the agent takes it out of its environment at start and makes
+  itself non-dumpable, so commands (without ``CAP_SYS_PTRACE``, dropped) cannot read it;
 - a readiness probe on the agent's ``grpc.health.v1`` service;
 - node selector, tolerations and priority class from the configuration.
 
@@ -19,6 +22,7 @@ Pure functions, no client: the manifest is a plain dict, checked by a snapshot t
 
 from __future__ import annotations
 
+import base64
 import fnmatch
 import hashlib
 import json
@@ -38,12 +42,16 @@ from orchard.env.runtime.kubernetes.config import KubernetesRuntimeConfig
 __all__ = [
     "AGENT_DIR",
     "AGENT_EXECUTABLE",
+    "KEY_FIELD",
+    "KEY_VARIABLE",
     "LABEL_DEPLOYMENT",
     "LABEL_MANAGED_BY",
     "LABEL_OWNER",
     "LABEL_SANDBOX",
     "PodView",
     "check_sandbox_id",
+    "key_secret_manifest",
+    "key_secret_name",
     "label_value",
     "pod_manifest",
     "sandbox_selector",
@@ -65,6 +73,10 @@ AGENT_EXECUTABLE = "orchard-inagent"
 BUNDLE_IN_IMAGE = "/opt/orchard-inagent"
 """Where the inagent image keeps the bundle (services/inagent/Dockerfile)."""
 POD_IP_VAR = "ORCHARD_POD_IP"
+KEY_VARIABLE = "ORCHARD_AGENT_KEY"
+"""The agent's environment variable holding the sandbox's key (services/inagent)."""
+KEY_FIELD = "agent-key"
+"""The key's field in the sandbox's Secret."""
 SANDBOX_CONTAINER = "sandbox"
 COPY_CONTAINER = "inagent-copy"
 VOLUME = "orchard-inagent"
@@ -118,6 +130,30 @@ def sandbox_labels(
     return labels
 
 
+def key_secret_name(sandbox_id: str) -> str:
+    """The Secret holding the sandbox's agent key (a DNS subdomain: up to 253 characters)."""
+    return f"{sandbox_id}-agent-key"
+
+
+def key_secret_manifest(
+    config: KubernetesRuntimeConfig, sandbox_id: str, key: str, owner: str = ""
+) -> dict[str, Any]:
+    """The Secret of one sandbox's agent key: labelled as its Pod (reconciliation finds a
+    leftover), immutable."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": key_secret_name(sandbox_id),
+            "namespace": config.namespace,
+            "labels": sandbox_labels(config, sandbox_id, owner),
+        },
+        "type": "Opaque",
+        "immutable": True,
+        "data": {KEY_FIELD: base64.b64encode(key.encode()).decode()},
+    }
+
+
 def _quantities(resources: RuntimeResources) -> dict[str, str]:
     amounts = {}
     if resources.cpu_millis:
@@ -150,7 +186,9 @@ def uses_shell(config: KubernetesRuntimeConfig, image: str) -> bool:
 
 
 def _security_context(spec: RuntimeSandboxSpec) -> dict[str, Any]:
-    """What the sandbox container's commands may do: no CAP_NET_RAW unless asked for, the
+    """What the sandbox container's commands may do: no CAP_NET_RAW unless asked for, never
+    CAP_SYS_PTRACE (it would open the agent's /proc/1/environ, which holds the sandbox's key;
+    container runtimes leave it out by default, this says so whatever a node's default), the
     container runtime's default seccomp profile (it refuses new user namespaces to a process
     without CAP_SYS_ADMIN), no privilege gained through exec."""
     if spec.user_namespaces:
@@ -158,7 +196,11 @@ def _security_context(spec: RuntimeSandboxSpec) -> dict[str, Any]:
             "user namespaces (SandboxPrivileges.user_namespaces) are not supported by the "
             "kubernetes runtime yet: the Pod's RuntimeDefault seccomp profile refuses them"
         )
-    capabilities = {"add": ["NET_RAW"]} if spec.raw_sockets else {"drop": ["NET_RAW"]}
+    capabilities: dict[str, list[str]] = (
+        {"add": ["NET_RAW"], "drop": ["SYS_PTRACE"]}
+        if spec.raw_sockets
+        else {"drop": ["NET_RAW", "SYS_PTRACE"]}
+    )
     return {
         "capabilities": capabilities,
         "seccompProfile": {"type": "RuntimeDefault"},
@@ -176,7 +218,13 @@ def pod_manifest(spec: RuntimeSandboxSpec, config: KubernetesRuntimeConfig) -> d
         command = [agent]
     # Kubernetes expands $(VAR) in args only for variables defined before, in `env`.
     env: list[dict[str, Any]] = [
-        {"name": POD_IP_VAR, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+        {"name": POD_IP_VAR, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {
+            "name": KEY_VARIABLE,
+            "valueFrom": {
+                "secretKeyRef": {"name": key_secret_name(spec.sandbox_id), "key": KEY_FIELD}
+            },
+        },
     ]
     env += [
         {"name": name, "value": value}

@@ -1,22 +1,26 @@
 """The ``kubernetes`` runtime: one Pod per sandbox, made with kubernetes-asyncio.
 
 - **Create** writes the sandbox's NetworkPolicy first when its request allows destinations
-  (``policies.py``), then its Pod (``pods.py``), and returns once the Pod is Ready: its readiness
-  probe on the agent's gRPC health passed. It learns that from the one LIST+WATCH stream over
-  every sandbox Pod (``pod_watch.py``); no call polls a Pod. A Pod that cannot start (image not
-  pullable, the agent exits, killed for memory) fails the create with that reason, and
-  whatever was made is deleted.
+  (``policies.py``), then the Secret of its agent key (``identity.py``), then its Pod
+  (``pods.py``), makes the Pod the Secret's owner, and returns once the Pod is Ready (its
+  readiness probe on the agent's gRPC health passed) and its agent proved it holds the key.
+  It learns of readiness from the one LIST+WATCH stream over every sandbox Pod
+  (``pod_watch.py``); no call polls a Pod. A Pod that cannot start (image not pullable, the
+  agent exits, killed for memory) fails the create with that reason, and whatever was made
+  is deleted.
 - **The hot path** is the Pod IP: the agent listens on ``<pod IP>:<agent_port>`` and the
   service dials it directly; the API server is never on the exec or file path.
+- **Identity**: ``verify_agent`` reads the key from the Secret and asks what serves at the
+  address to prove it holds it (``identity.py``); one GET and one call per replica and sandbox.
 - **Exits** come from the same stream: a Ready sandbox whose Pod fails is reported with the
   reason (``EVICTED``, ``PREEMPTED``, ``OUT_OF_MEMORY``, ``AGENT_EXITED``), and one whose Pod was
   deleted by someone else as ``RUNTIME_DIED``.
-- **Delete** deletes the Pod (its grace period) and the policy, and returns once the Pod is gone
-  from the stream. **Egress expiry**: a timer rewrites the policy at the next expiry and deletes
-  it when no rule is left; a restarted runtime schedules the timers again from the policies'
-  annotations.
-- **Reconciliation**: ``list_sandboxes`` names every Pod and policy with this deployment's
-  labels; the service deletes those without a record (orphans).
+- **Delete** deletes the Pod (its grace period), the policy and the key's Secret, and returns
+  once the Pod is gone from the stream. **Egress expiry**: a timer rewrites the policy at the
+  next expiry and deletes it when no rule is left; a restarted runtime schedules the timers
+  again from the policies' annotations.
+- **Reconciliation**: ``list_sandboxes`` names every Pod, policy and key Secret with this
+  deployment's labels; the service deletes those without a record (orphans).
 
 Sandboxes outlive the service: a new runtime finds them through its first LIST.
 """
@@ -24,6 +28,7 @@ Sandboxes outlive the service: a new runtime finds them through its first LIST.
 from __future__ import annotations
 
 import asyncio
+import base64
 import ipaddress
 import logging
 import time
@@ -34,6 +39,7 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio import config as kube_config
 
 from orchard.env.runtime.base import (
+    AgentUnreachable,
     EgressRule,
     FailureReason,
     Runtime,
@@ -47,11 +53,15 @@ from orchard.env.runtime.base import (
 )
 from orchard.env.runtime.kubernetes.api import KubeApiError, call_api
 from orchard.env.runtime.kubernetes.config import KubernetesRuntimeConfig
+from orchard.env.runtime.kubernetes.identity import new_key, prove
 from orchard.env.runtime.kubernetes.pod_watch import SandboxPodWatch
 from orchard.env.runtime.kubernetes.pods import (
+    KEY_FIELD,
     LABEL_SANDBOX,
     PodView,
     check_sandbox_id,
+    key_secret_manifest,
+    key_secret_name,
     pod_manifest,
     sandbox_selector,
 )
@@ -104,6 +114,7 @@ class KubernetesRuntime(Runtime):
         self._creating: set[str] = set()
         self._deleting: set[str] = set()
         self._reported: set[str] = set()
+        self._keys: dict[str, str] = {}  # agent keys this runtime made or read, by sandbox id
         self._exits: asyncio.Queue[SandboxExit | None] = asyncio.Queue()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -125,13 +136,14 @@ class KubernetesRuntime(Runtime):
         )
         try:
             await self._list_policies(schedule=True)
+            await self._list_key_secrets()
             await self._pods.start()
         except KubeApiError as exc:
             await self._close_client()
             raise RuntimeUnavailable(
-                f"the kubernetes runtime cannot list pods and networkpolicies in namespace "
-                f"{self.config.namespace!r}: {exc} (the env chart's Role grants both; check "
-                "the namespace exists and the API server is reachable)"
+                "the kubernetes runtime cannot list pods, networkpolicies and secrets in "
+                f"namespace {self.config.namespace!r}: {exc} (the env chart's Role grants all "
+                "three; check the namespace exists and the API server is reachable)"
             ) from None
         log.info(
             "kubernetes runtime ready",
@@ -198,7 +210,7 @@ class KubernetesRuntime(Runtime):
                 )
             self._creating.add(sandbox_id)
             try:
-                return await self._create_locked(spec, manifest)
+                return await self._create_locked(spec, manifest, new_key())
             except BaseException:
                 # Shielded: a cancelled create still deletes what it made.
                 await asyncio.shield(self._delete_locked(sandbox_id))
@@ -207,13 +219,15 @@ class KubernetesRuntime(Runtime):
                 self._creating.discard(sandbox_id)
 
     async def _create_locked(
-        self, spec: RuntimeSandboxSpec, manifest: dict[str, Any]
+        self, spec: RuntimeSandboxSpec, manifest: dict[str, Any], key: str
     ) -> RuntimeSandbox:
         sandbox_id = spec.sandbox_id
         if spec.egress:
             await self._write_policy(sandbox_id, tuple(spec.egress))
+        # Before the Pod: the kubelet needs the Secret to start the agent's container.
+        await self._create_key_secret(spec, key)
         try:
-            await call_api(
+            pod = await call_api(
                 self._core_api().create_namespaced_pod(
                     self.config.namespace,
                     manifest,  # type: ignore[arg-type]  # the client sends dicts as they are
@@ -223,6 +237,7 @@ class KubernetesRuntime(Runtime):
             )
         except KubeApiError as exc:
             raise _create_failure(exc, f"sandbox Pod {sandbox_id}") from None
+        await self._own_key_secret(sandbox_id, pod)
         seen = False
 
         def started(view: PodView | None) -> bool:
@@ -247,7 +262,31 @@ class KubernetesRuntime(Runtime):
             )
         if view.failure is not None:
             raise RuntimeFailure(view.failure.reason, view.failure.message)
-        return RuntimeSandbox(sandbox_id, agent_address(view.pod_ip, self.config.agent_port))
+        address = agent_address(view.pod_ip, self.config.agent_port)
+        self._keys[sandbox_id] = key
+        try:
+            version = await prove(address, key, sandbox_id, self.config.verify_timeout_s)
+        except AgentUnreachable as exc:
+            raise RuntimeFailure(FailureReason.AGENT_EXITED, str(exc)) from None
+        if version is None:
+            raise RuntimeFailure(
+                FailureReason.INTERNAL,
+                f"the agent of sandbox {sandbox_id} did not prove it holds the sandbox's key: "
+                f"is {self.config.inagent_image!r} an agent older than this service?",
+            )
+        return RuntimeSandbox(sandbox_id, address, agent_version=version)
+
+    async def verify_agent(self, sandbox_id: str, address: str) -> bool:
+        """Whether what serves at ``address`` holds the sandbox's key (read from its Secret once
+        per runtime, unless this runtime made it): asked over a fresh nonce, so no earlier
+        answer fits. A sandbox without a key Secret (or one made before keys) cannot be
+        verified: False."""
+        check_sandbox_id(sandbox_id)
+        key = self._keys.get(sandbox_id) or await self._read_key(sandbox_id)
+        if key is None:
+            log.warning("sandbox %s has no agent key Secret: its agent is not trusted", sandbox_id)
+            return False
+        return await prove(address, key, sandbox_id, self.config.verify_timeout_s) is not None
 
     async def fork(self, source_id: str, spec: RuntimeSandboxSpec) -> RuntimeSandbox:
         raise RuntimeNotSupported(
@@ -263,6 +302,7 @@ class KubernetesRuntime(Runtime):
 
     async def _delete_locked(self, sandbox_id: str) -> None:
         self._deleting.add(sandbox_id)
+        self._keys.pop(sandbox_id, None)
         try:
             timer = self._expiry_timers.pop(sandbox_id, None)
             if timer is not None:
@@ -278,6 +318,14 @@ class KubernetesRuntime(Runtime):
                 )
             )
             await self._delete_policy(sandbox_id)
+            await self._delete_object(
+                self._core_api().delete_namespaced_secret(
+                    key_secret_name(sandbox_id),
+                    self.config.namespace,
+                    _preload_content=False,
+                    _request_timeout=self.config.request_timeout_s,
+                )
+            )
             try:
                 await self._watch().wait_for(
                     sandbox_id, lambda v: v is None, self.config.delete_timeout_s
@@ -313,15 +361,17 @@ class KubernetesRuntime(Runtime):
         return SandboxStatus.EXITED if sandbox_id in self._policies else SandboxStatus.ABSENT
 
     async def list_sandboxes(self) -> list[str]:
-        """Ids of every sandbox Pod (from the stream's cache) and policy (one LIST)."""
+        """Ids of every sandbox Pod (from the stream's cache), policy and key Secret (one LIST
+        each)."""
         pods = self._watch()
         try:
             await self._list_policies(schedule=False)
+            secrets = await self._list_key_secrets()
         except KubeApiError as exc:
             raise RuntimeFailure(
-                FailureReason.INTERNAL, f"cannot list sandbox policies: {exc}"
+                FailureReason.INTERNAL, f"cannot list sandbox policies and secrets: {exc}"
             ) from None
-        return sorted(set(pods.names()) | self._policies)
+        return sorted(set(pods.names()) | self._policies | secrets)
 
     async def update_egress(self, sandbox_id: str, egress: Sequence[EgressRule]) -> None:
         """Rewrite (or delete, for none) the sandbox's policy; applied when the API server
@@ -345,6 +395,8 @@ class KubernetesRuntime(Runtime):
     # -- the stream's changes ----------------------------------------------------------------
 
     def _on_pod_change(self, name: str, before: PodView | None, after: PodView | None) -> None:
+        if after is None and name not in self._creating:
+            self._keys.pop(name, None)  # its key went with it (whoever deleted it)
         if name in self._creating or name in self._deleting:
             return
         if after is None:
@@ -361,6 +413,85 @@ class KubernetesRuntime(Runtime):
         if after.failure is not None and name not in self._reported:
             self._reported.add(name)
             self._exits.put_nowait(SandboxExit(name, after.failure.reason, after.failure.message))
+
+    # -- agent keys --------------------------------------------------------------------------
+
+    async def _create_key_secret(self, spec: RuntimeSandboxSpec, key: str) -> None:
+        manifest = key_secret_manifest(self.config, spec.sandbox_id, key, spec.owner)
+        try:
+            await call_api(
+                self._core_api().create_namespaced_secret(
+                    self.config.namespace,
+                    manifest,  # type: ignore[arg-type]
+                    _preload_content=False,
+                    _request_timeout=self.config.request_timeout_s,
+                )
+            )
+        except KubeApiError as exc:
+            raise _create_failure(exc, f"Secret {key_secret_name(spec.sandbox_id)}") from None
+
+    async def _own_key_secret(self, sandbox_id: str, pod: dict[str, Any]) -> None:
+        """Make the Pod the Secret's owner: Kubernetes deletes the key with the Pod, whoever
+        deletes it."""
+        uid = (pod.get("metadata") or {}).get("uid")
+        if not uid:
+            return
+        owner = {"apiVersion": "v1", "kind": "Pod", "name": sandbox_id, "uid": uid}
+        try:
+            await call_api(
+                self._core_api().patch_namespaced_secret(
+                    key_secret_name(sandbox_id),
+                    self.config.namespace,
+                    {"metadata": {"ownerReferences": [owner]}},  # a strategic merge patch
+                    _preload_content=False,
+                    _request_timeout=self.config.request_timeout_s,
+                )
+            )
+        except KubeApiError as exc:
+            raise _create_failure(exc, f"Secret {key_secret_name(sandbox_id)}") from None
+
+    async def _read_key(self, sandbox_id: str) -> str | None:
+        try:
+            secret = await call_api(
+                self._core_api().read_namespaced_secret(
+                    key_secret_name(sandbox_id),
+                    self.config.namespace,
+                    _preload_content=False,
+                    _request_timeout=self.config.request_timeout_s,
+                )
+            )
+        except KubeApiError as exc:
+            if exc.code == 404:
+                return None
+            raise AgentUnreachable(
+                f"cannot read the agent key of sandbox {sandbox_id!r}: the API server "
+                f"answered {exc}"
+            ) from None
+        encoded = (secret.get("data") or {}).get(KEY_FIELD)
+        if not isinstance(encoded, str):
+            return None
+        try:
+            key = base64.b64decode(encoded, validate=True).decode()
+        except ValueError:
+            return None
+        if key:
+            self._keys[sandbox_id] = key
+        return key or None
+
+    async def _list_key_secrets(self) -> set[str]:
+        data = await call_api(
+            self._core_api().list_namespaced_secret(
+                self.config.namespace,
+                label_selector=sandbox_selector(self.config),
+                _preload_content=False,
+                _request_timeout=self.config.request_timeout_s,
+            )
+        )
+        return {
+            sandbox_id
+            for item in data.get("items") or ()
+            if (sandbox_id := ((item.get("metadata") or {}).get("labels") or {}).get(LABEL_SANDBOX))
+        }
 
     # -- policies ----------------------------------------------------------------------------
 
