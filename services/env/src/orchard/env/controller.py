@@ -830,6 +830,19 @@ class SandboxController:
 
     # -- fork --------------------------------------------------------------------------------
 
+    def check_privileges(self, tenant: str, spec: env_pb2.SandboxSpec, field: str) -> None:
+        """PERMISSION_DENIED (PRIVILEGE_NOT_ALLOWED) when ``spec`` asks for a privilege the
+        operator's ``privileges`` settings do not give ``tenant``."""
+        refused = self.config.privileges.refused(
+            tenant, spec.privileges.raw_sockets, spec.privileges.user_namespaces
+        )
+        if refused:
+            raise OrchardError(
+                EnvReason.PRIVILEGE_NOT_ALLOWED,
+                f"{field}: {', '.join(refused)} not allowed to tenant {tenant!r}; the "
+                "operator allows them in orchard-env's `privileges` settings",
+            )
+
     async def fork(
         self,
         tenant: str,
@@ -861,6 +874,8 @@ class SandboxController:
             spec = env_pb2.SandboxSpec()
             spec.CopyFrom(source.sandbox.spec)
             spec.labels.update(labels)
+            # The settings may have changed since the source was made: forks meet today's.
+            self.check_privileges(tenant, spec, f"sandbox {source_id!r}: spec.privileges")
             queued = self.admission.enabled
             if queued:
                 self._check_queue_room(count, [])

@@ -79,15 +79,7 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
         spec = request.spec
         ttl = validate_spec(spec, self._config.limits)
         self.controller.images.check(tenant, spec.image)
-        refused = self._config.privileges.refused(
-            tenant, spec.privileges.raw_sockets, spec.privileges.user_namespaces
-        )
-        if refused:
-            raise OrchardError(
-                EnvReason.PRIVILEGE_NOT_ALLOWED,
-                f"spec.privileges: {', '.join(refused)} not allowed to tenant {tenant!r}; the "
-                "operator allows them in orchard-env's `privileges` settings",
-            )
+        self.controller.check_privileges(tenant, spec, "spec.privileges")
         if spec.owner_id:
             _require_owner_id(spec.owner_id, "spec.owner_id")
         if len(request.request_id) > 256:
