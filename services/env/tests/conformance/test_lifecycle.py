@@ -27,9 +27,12 @@ async def test_create_exec_delete(sandboxes: Any, agent_for: Any) -> None:
 
 
 async def test_env_and_working_dir_reach_commands(sandboxes: Any, agent_for: Any) -> None:
-    sandbox = await sandboxes.create(env={"GREETING": "hi"}, working_dir="/srv/task")
-    result = await agent_for(sandbox).sh('echo "$GREETING"; pwd')
-    assert result.stdout == b"hi\n/srv/task\n"
+    env = {"GREETING": "hi", "LITERAL": "$(ORCHARD_POD_IP) a=b", "ORCHARD_TRACE": "on"}
+    sandbox = await sandboxes.create(env=env, working_dir="/srv/task")
+    result = await agent_for(sandbox).sh('echo "$GREETING|$LITERAL|$ORCHARD_TRACE"; pwd')
+    # Values arrive as given (no $(VAR) expansion), ORCHARD_* ones too (they pass through the
+    # agent's own settings).
+    assert result.stdout == b"hi|$(ORCHARD_POD_IP) a=b|on\n/srv/task\n"
 
 
 async def test_host_image(sandboxes: Any, agent_for: Any) -> None:

@@ -86,8 +86,6 @@ def test_pod_manifest_snapshot() -> None:
                         "$(ORCHARD_POD_IP):7070",
                         "--working-dir",
                         "/srv",
-                        "--set",
-                        'env={"ORCHARD_TRACE": "1"}',
                     ],
                     "env": [
                         {
@@ -103,7 +101,24 @@ def test_pod_manifest_snapshot() -> None:
                                 }
                             },
                         },
-                        {"name": "TASK", "value": "t1"},
+                        {
+                            "name": "ORCHARD_INAGENT_ENV",
+                            "valueFrom": {
+                                "secretKeyRef": {
+                                    "name": "sbx-0123456789ab-agent-key",
+                                    "key": "agent-env",
+                                }
+                            },
+                        },
+                        {
+                            "name": "TASK",
+                            "valueFrom": {
+                                "secretKeyRef": {
+                                    "name": "sbx-0123456789ab-agent-key",
+                                    "key": "env-0",
+                                }
+                            },
+                        },
                     ],
                     "workingDir": "/srv",
                     "ports": [{"name": "inagent", "containerPort": 7070, "protocol": "TCP"}],
@@ -316,3 +331,22 @@ def test_privileges_map_to_the_security_context() -> None:
     }
     with pytest.raises(RuntimeNotSupported, match="user namespaces"):
         pod_manifest(spec(user_namespaces=True), CONFIG)
+
+
+def test_env_values_are_in_the_sandboxs_secret_not_the_pod() -> None:
+    import base64
+
+    from orchard.env.runtime.kubernetes.pods import key_secret_manifest
+
+    env = {"API TOKEN": "s3cr$(ORCHARD_POD_IP)et", "ORCHARD_TRACE": "1", "A": "x"}
+    pod = json.dumps(pod_manifest(spec(env=env), CONFIG))
+    assert "s3cr" not in pod and "ORCHARD_TRACE" not in pod
+    secret = key_secret_manifest(CONFIG, "sbx-0123456789ab", "k", env=env)
+    data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    # Sorted names, one field each (a name need not be a valid Secret key); ORCHARD_* as JSON.
+    assert data == {
+        "agent-key": "k",
+        "env-0": "x",
+        "env-1": "s3cr$(ORCHARD_POD_IP)et",
+        "agent-env": '{"ORCHARD_TRACE": "1"}',
+    }

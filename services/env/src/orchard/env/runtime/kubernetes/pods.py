@@ -14,6 +14,10 @@ One Pod per sandbox, named after the sandbox id (also its hostname):
 - the sandbox's agent key (``identity.py``) as the agent's ``ORCHARD_AGENT_KEY``, from a Secret
   of its own (``secretKeyRef``): the agent takes it out of its environment at start and makes
   itself non-dumpable, so commands (without ``CAP_SYS_PTRACE``, dropped) cannot read it;
+- the spec's ``env`` values in that same Secret, each variable a ``secretKeyRef`` (so no value
+  is in the Pod spec, and Kubernetes expands no ``$(VAR)`` inside one); ``ORCHARD_*``
+  variables, which the agent takes as its own settings, go to it as one JSON value
+  (``ORCHARD_INAGENT_ENV``: its ``env`` setting) and reach commands from there;
 - a readiness probe on the agent's ``grpc.health.v1`` service;
 - node selector, tolerations and priority class from the configuration.
 
@@ -76,6 +80,9 @@ POD_IP_VAR = "ORCHARD_POD_IP"
 KEY_VARIABLE = "ORCHARD_AGENT_KEY"
 """The agent's environment variable holding the sandbox's key (services/inagent)."""
 KEY_FIELD = "agent-key"
+AGENT_ENV_FIELD = "agent-env"
+AGENT_ENV_VARIABLE = "ORCHARD_INAGENT_ENV"
+"""The agent's ``env`` setting (JSON), from the environment: the spec's ``ORCHARD_*`` variables."""
 """The key's field in the sandbox's Secret."""
 SANDBOX_CONTAINER = "sandbox"
 COPY_CONTAINER = "inagent-copy"
@@ -135,11 +142,31 @@ def key_secret_name(sandbox_id: str) -> str:
     return f"{sandbox_id}-agent-key"
 
 
+def _env_field(index: int) -> str:
+    # Secret keys allow only [-._a-zA-Z0-9]; a variable's name may hold more.
+    return f"env-{index}"
+
+
+def _plain_env(env: Mapping[str, str]) -> list[str]:
+    """The names of the variables that commands get as container variables, in order."""
+    return sorted(name for name in env if not name.startswith("ORCHARD_"))
+
+
 def key_secret_manifest(
-    config: KubernetesRuntimeConfig, sandbox_id: str, key: str, owner: str = ""
+    config: KubernetesRuntimeConfig,
+    sandbox_id: str,
+    key: str,
+    owner: str = "",
+    env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The Secret of one sandbox's agent key: labelled as its Pod (reconciliation finds a
-    leftover), immutable."""
+    """The Secret of one sandbox: its agent key and its spec's env values. Labelled as its Pod
+    (reconciliation finds a leftover), immutable."""
+    env = env or {}
+    data = {KEY_FIELD: key}
+    data.update({_env_field(i): env[name] for i, name in enumerate(_plain_env(env))})
+    agent_own = {k: v for k, v in env.items() if k.startswith("ORCHARD_")}
+    if agent_own:
+        data[AGENT_ENV_FIELD] = json.dumps(agent_own, sort_keys=True)
     return {
         "apiVersion": "v1",
         "kind": "Secret",
@@ -150,7 +177,7 @@ def key_secret_manifest(
         },
         "type": "Opaque",
         "immutable": True,
-        "data": {KEY_FIELD: base64.b64encode(key.encode()).decode()},
+        "data": {field: base64.b64encode(value.encode()).decode() for field, value in data.items()},
     }
 
 
@@ -166,13 +193,14 @@ def _quantities(resources: RuntimeResources) -> dict[str, str]:
 
 
 def _agent_args(spec: RuntimeSandboxSpec, config: KubernetesRuntimeConfig) -> list[str]:
-    args = ["--listen", f"$({POD_IP_VAR}):{config.agent_port}", "--working-dir", _workdir(spec)]
-    agent_own = {k: v for k, v in spec.env.items() if k.startswith("ORCHARD_")}
-    if agent_own:
-        # The agent takes ORCHARD_* variables as its own settings and hides them from commands:
-        # a sandbox's ORCHARD_* variables reach commands as the agent's `env` setting.
-        args += ["--set", f"env={json.dumps(agent_own, sort_keys=True)}"]
-    return args
+    return ["--listen", f"$({POD_IP_VAR}):{config.agent_port}", "--working-dir", _workdir(spec)]
+
+
+def _from_secret(name: str, sandbox_id: str, field: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "valueFrom": {"secretKeyRef": {"name": key_secret_name(sandbox_id), "key": field}},
+    }
 
 
 def _workdir(spec: RuntimeSandboxSpec) -> str:
@@ -219,17 +247,15 @@ def pod_manifest(spec: RuntimeSandboxSpec, config: KubernetesRuntimeConfig) -> d
     # Kubernetes expands $(VAR) in args only for variables defined before, in `env`.
     env: list[dict[str, Any]] = [
         {"name": POD_IP_VAR, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {
-            "name": KEY_VARIABLE,
-            "valueFrom": {
-                "secretKeyRef": {"name": key_secret_name(spec.sandbox_id), "key": KEY_FIELD}
-            },
-        },
+        _from_secret(KEY_VARIABLE, spec.sandbox_id, KEY_FIELD),
     ]
+    if any(name.startswith("ORCHARD_") for name in spec.env):
+        # The agent takes ORCHARD_* variables as its own settings and hides them from commands:
+        # a sandbox's ORCHARD_* variables reach commands as the agent's `env` setting.
+        env.append(_from_secret(AGENT_ENV_VARIABLE, spec.sandbox_id, AGENT_ENV_FIELD))
     env += [
-        {"name": name, "value": value}
-        for name, value in sorted(spec.env.items())
-        if not name.startswith("ORCHARD_")
+        _from_secret(name, spec.sandbox_id, _env_field(index))
+        for index, name in enumerate(_plain_env(spec.env))
     ]
     amounts = _quantities(spec.resources)
     container: dict[str, Any] = {

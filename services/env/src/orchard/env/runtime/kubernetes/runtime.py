@@ -417,7 +417,7 @@ class KubernetesRuntime(Runtime):
     # -- agent keys --------------------------------------------------------------------------
 
     async def _create_key_secret(self, spec: RuntimeSandboxSpec, key: str) -> None:
-        manifest = key_secret_manifest(self.config, spec.sandbox_id, key, spec.owner)
+        manifest = key_secret_manifest(self.config, spec.sandbox_id, key, spec.owner, spec.env)
         try:
             await call_api(
                 self._core_api().create_namespaced_secret(
