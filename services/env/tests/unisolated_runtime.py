@@ -62,6 +62,8 @@ class UnisolatedProcessRuntime(Runtime):
         self.fail_images = set(fail_images)
         self.created: list[str] = []
         self.forked: list[tuple[str, str]] = []
+        self.deleted: list[str] = []  # ids delete() was called for while their agent ran
+        self.start_delay_s = 0.0  # tests: how long each start takes before the agent starts
         self._children: dict[str, asyncio.subprocess.Process] = {}
         self._watchers: set[asyncio.Task[None]] = set()
         self._exits: asyncio.Queue[SandboxExit] = asyncio.Queue()
@@ -87,6 +89,8 @@ class UnisolatedProcessRuntime(Runtime):
     async def create(self, spec: RuntimeSandboxSpec) -> RuntimeSandbox:
         if spec.image in self.fail_images:
             raise RuntimeFailure(FailureReason.IMAGE_NOT_FOUND, f"no image {spec.image!r}")
+        if self.start_delay_s:
+            await asyncio.sleep(self.start_delay_s)
         home = self._dir(spec.sandbox_id)
         (home / "work").mkdir(parents=True, exist_ok=True)
         socket = home / "agent.sock"
@@ -201,6 +205,7 @@ class UnisolatedProcessRuntime(Runtime):
         try:
             pid = self._pid(sandbox_id)
             if pid is not None:
+                self.deleted.append(sandbox_id)
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pid, signal.SIGKILL)
             child = self._children.pop(sandbox_id, None)

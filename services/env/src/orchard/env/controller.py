@@ -67,10 +67,12 @@ from orchard.core.etcd import (
     EtcdError,
     EtcdStore,
     EtcdUnavailable,
+    GetOp,
     Lease,
     LeaseKeepAlive,
     LeaseNotFound,
     PutOp,
+    RangeResult,
 )
 from orchard.env.admission import AdmissionQueue, next_rounds
 from orchard.env.agents import AgentLink, AgentLinks
@@ -261,12 +263,62 @@ class SandboxController:
         return task
 
     async def _watch_replica_lease(self) -> None:
-        assert self._keepalive is not None
-        with contextlib.suppress(LeaseNotFound):
-            await self._keepalive.wait()
-        if not self._closing:
-            # Another replica may be taking over our creations now; nothing safe remains.
-            log.error("this replica's lease was lost; its creations may be taken over")
+        """While this replica runs it holds a lease: one lost (etcd away, or this process too
+        busy to refresh it within ``replica_ttl_s``) is replaced, or every later creation
+        would fail on a lease that no longer exists."""
+        while True:
+            assert self._keepalive is not None
+            with contextlib.suppress(EtcdError):
+                await self._keepalive.wait()
+            if self._closing:
+                return
+            log.error("this replica's lease was lost; taking a new one")
+            await self._renew_replica_lease()
+
+    async def _renew_replica_lease(self) -> None:
+        delays = iter(_RETRY_DELAYS_S)
+        while not self._closing:
+            try:
+                lease = await self.store.grant_lease(self.config.replica_ttl_s)
+                await self.store.put(
+                    f"{REPLICAS}{self.replica_id}",
+                    json.dumps({"started": time.time(), "runtime": self.runtime.name}),
+                    lease=lease,
+                )
+                self._replica_lease, self._keepalive = lease, self.store.keep_alive(lease)
+                kept, lost = await self._reclaim_creations(lease)
+            except (EtcdError, LeaseNotFound) as exc:
+                log.warning("could not renew this replica's lease yet: %s", exc)
+                await asyncio.sleep(next(delays, _RETRY_DELAYS_S[-1]))
+                continue
+            log.info("replica lease renewed", extra={"creations_kept": kept, "lost": lost})
+            return
+
+    async def _reclaim_creations(self, lease: Lease) -> tuple[int, int]:
+        """Put the creating keys of this replica's running creations back under ``lease``; a
+        creation another replica claimed meanwhile is cancelled here (that one makes it)."""
+        by_id = {record.id: record for record in self.watcher.records.values()}
+        kept = lost = 0
+        for sandbox_id, task in list(self._creations.items()):
+            record = by_id.get(sandbox_id)
+            if record is None or task.done():
+                continue
+            ckey = creating_key(record.tenant, sandbox_id)
+            result = await self.store.txn(
+                [Compare.create_revision(ckey, CompareOp.EQUAL, 0)],
+                [PutOp.of(ckey, self.replica_id, lease.id)],
+                [GetOp.of(ckey)],
+            )
+            found = result.results[0] if result.results else None
+            holder = self.replica_id if result.succeeded else ""
+            if isinstance(found, RangeResult) and found.kvs:
+                holder = found.kvs[0].value.decode()
+            if holder == self.replica_id:
+                kept += 1
+            else:
+                lost += 1
+                task.cancel()
+        return kept, lost
 
     # -- reads ---------------------------------------------------------------------------------
 
