@@ -127,7 +127,11 @@ class LimitsConfig(ConfigModel):
         default=1024, ge=0, description="Process limit of a spec that sets 0."
     )
     default_disk_bytes: int = Field(
-        default=10 * 1024**3, ge=0, description="Disk of a spec that sets 0."
+        default=0,
+        ge=0,
+        description="Disk of a spec that sets 0; 0: the runtime's default (the local runtime: "
+        "none). Set it where tenants are untrusted: the local runtime enforces a disk limit "
+        "with a file system per sandbox, about 15-30 ms of CPU per create.",
     )
     max_cpu_millis: int = Field(default=64_000, ge=1, description="Most CPU one sandbox may ask.")
     max_memory_bytes: int = Field(

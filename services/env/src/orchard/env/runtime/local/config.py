@@ -55,7 +55,7 @@ class LocalResources(BaseModel):
         description="Most tasks (processes and threads), the agent included; 0: unlimited.",
     )
     disk_bytes: int = Field(
-        default=10 * 1024**3,
+        default=0,
         ge=0,
         description="Size of the sandbox's writable layer (a loop-mounted ext4 file system of "
         "its own, sparse: it takes host space only as written); writes past it fail with "

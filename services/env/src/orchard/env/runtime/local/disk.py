@@ -16,9 +16,11 @@ namespace (it must outlive the start, for forks and deletes); a sandbox sees onl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import shutil
+import subprocess
 
 from orchard.env.runtime.base import FailureReason, RuntimeFailure
 
@@ -58,31 +60,46 @@ def disk_tools_missing() -> str | None:
     return None
 
 
-async def _run(*argv: str) -> None:
-    process = await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
+def _run(*argv: str) -> None:
     try:
-        _, stderr = await asyncio.wait_for(process.communicate(), _TOOL_TIMEOUT_S)
-    except BaseException:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-        raise
-    if process.returncode != 0:
+        done = subprocess.run(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            timeout=_TOOL_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeFailure(
+            FailureReason.RESOURCES_UNAVAILABLE,
+            f"cannot make the sandbox's disk: {argv[0]} took over {_TOOL_TIMEOUT_S:g} s",
+        ) from None
+    if done.returncode != 0:
         raise RuntimeFailure(
             FailureReason.RESOURCES_UNAVAILABLE,
             f"cannot make the sandbox's disk ({argv[0]} failed): "
-            f"{stderr.decode(errors='replace').strip()[-500:]}",
+            f"{done.stderr.decode(errors='replace').strip()[-500:]}",
         )
+
+
+def _make(image: str, mount_point: str, size: int) -> None:
+    fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, size)  # sparse: nothing is allocated until written
+    finally:
+        os.close(fd)
+    _run(*_MKFS, image)
+    os.mkdir(mount_point, 0o755)
+    _run("mount", "-t", "ext4", "-o", _MOUNT_OPTIONS, image, mount_point)
 
 
 async def make_layer_disk(image: str, mount_point: str, size_bytes: int) -> None:
     """Make an ext4 file system of ``size_bytes`` in the new file ``image`` and mount it at
-    ``mount_point`` (created). Undo with :func:`release_layer_disk` (also after a failure)."""
+    ``mount_point`` (created). Undo with :func:`release_layer_disk` (also after a failure).
+
+    The tools run from a worker thread, not the event loop: a burst of creations would
+    otherwise spend the loop on spawning them and a watcher thread per child."""
     missing = disk_tools_missing()
     if missing is not None:
         raise RuntimeFailure(
@@ -91,14 +108,15 @@ async def make_layer_disk(image: str, mount_point: str, size_bytes: int) -> None
             "(disk_bytes 0 and a default of 0)",
         )
     size = max(size_bytes, MIN_DISK_BYTES)
-    fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    making = asyncio.ensure_future(asyncio.to_thread(_make, image, mount_point, size))
     try:
-        os.ftruncate(fd, size)  # sparse: nothing is allocated until written
-    finally:
-        os.close(fd)
-    await _run(*_MKFS, image)
-    os.mkdir(mount_point, 0o755)
-    await _run("mount", "-t", "ext4", "-o", _MOUNT_OPTIONS, image, mount_point)
+        await asyncio.shield(making)
+    except asyncio.CancelledError:
+        # Let the mount finish (bounded by the tools' timeout) so the caller's cleanup,
+        # which runs next, finds and releases it rather than racing it.
+        with contextlib.suppress(Exception):
+            await making
+        raise
 
 
 def release_layer_disk(mount_point: str) -> None:

@@ -62,6 +62,15 @@ _CGROUP_DRAIN_TRIES = 200
 _LOG_TAIL_BYTES = 1500
 
 
+def agent_package_version() -> str:
+    """The version of the orchard-inagent package this interpreter imports ("" without it)."""
+    try:
+        from orchard.inagent.version import __version__  # noqa: PLC0415 - the agent's package
+    except ImportError:
+        return ""
+    return __version__
+
+
 def _check_id(sandbox_id: str) -> None:
     if not _ID.fullmatch(sandbox_id):
         raise ValueError(
@@ -119,6 +128,9 @@ class LocalRuntime(Runtime):
         self._exits: asyncio.Queue[SandboxExit | None] = asyncio.Queue()
         self._started = False
         self._zygote = AgentZygote(config.python) if config.agent_launch == "zygote" else None
+        # A zygote run by this interpreter serves the agent this process imports: its version
+        # is known without asking each agent (a bundle or another interpreter may differ).
+        self._agent_version = agent_package_version() if self._zygote and not config.python else ""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -270,7 +282,7 @@ class LocalRuntime(Runtime):
         finally:
             started.close()
         self._watch(sandbox_id, started.pidfd)
-        return RuntimeSandbox(sandbox_id, f"unix:{paths.run}/{SOCKET_NAME}")
+        return RuntimeSandbox(sandbox_id, f"unix:{paths.run}/{SOCKET_NAME}", self._agent_version)
 
     def _launch(
         self, spec: RuntimeSandboxSpec, image: ResolvedImage, state: SandboxState
