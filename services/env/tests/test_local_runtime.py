@@ -150,6 +150,31 @@ class TestWithTheAgent:
             await runtime.close()
             assert runtime.remove_cgroup_parents() == []
 
+    async def test_a_tree_nested_thousands_deep_is_deleted(
+        self, config: LocalRuntimeConfig
+    ) -> None:
+        # A sandbox can nest directories far deeper than a recursive removal follows; its
+        # delete must still remove everything (it failed with RecursionError and leaked).
+        runtime = LocalRuntime(config)
+        await runtime.start()
+        try:
+            await runtime.create(RuntimeSandboxSpec("deep", "host"))
+            state = runtime.store.read("deep")
+            assert state is not None
+            fd = os.open(state.paths.upper, os.O_RDONLY | os.O_DIRECTORY)
+            for _ in range(3000):  # what `mkdir -p a/a/a/...` in the sandbox leaves
+                os.mkdir("a", dir_fd=fd)
+                inner = os.open("a", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+                os.close(fd)
+                fd = inner
+            os.close(fd)
+            await runtime.delete("deep")
+            assert not os.path.lexists(state.paths.workspace)
+            assert await runtime.list_sandboxes() == []
+        finally:
+            await runtime.close()
+            assert runtime.remove_cgroup_parents() == []
+
     async def test_start_timeout_fails_and_cleans_up(self, config: LocalRuntimeConfig) -> None:
         runtime = LocalRuntime(config.model_copy(update={"start_timeout_s": 0.01}))
         await runtime.start()

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import os
 import re
-import shutil
+import subprocess
 from collections.abc import AsyncIterator, Sequence
 
 from orchard.env.images import ImageResolver, ResolvedImage
@@ -69,6 +69,28 @@ def agent_package_version() -> str:
     except ImportError:
         return ""
     return __version__
+
+
+def remove_tree(path: str) -> None:
+    """Remove ``path`` and everything under it, however deep a sandbox nested it.
+
+    ``shutil.rmtree`` recurses once per level and fails past about a thousand (a sandbox
+    can ``mkdir -p`` far deeper); ``rm`` walks the tree without recursion, and stays on
+    this file system."""
+    if not os.path.lexists(path):
+        return
+    done = subprocess.run(
+        ["rm", "-rf", "--one-file-system", "--", path],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        check=False,
+    )
+    if os.path.lexists(path):
+        raise RuntimeFailure(
+            FailureReason.INTERNAL,
+            f"cannot remove {path}: {done.stderr.decode(errors='replace').strip()[-500:]}",
+        )
 
 
 def _check_id(sandbox_id: str) -> None:
@@ -411,7 +433,7 @@ class LocalRuntime(Runtime):
             # removal below never walks the sandbox's own file system.
             release_layer_disk(os.path.join(paths.workspace, "layer"))
             for directory in (paths.workspace, paths.run):
-                await asyncio.to_thread(shutil.rmtree, directory, ignore_errors=True)
+                await asyncio.to_thread(remove_tree, directory)
             self.store.remove(sandbox_id)
         finally:
             self._deleting.discard(sandbox_id)
