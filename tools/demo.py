@@ -94,6 +94,7 @@ def main() -> int:
                 trainer=trainer,
                 rollout=rollout,
                 env_metrics=metrics,
+                artifacts=stack.artifacts_url,
             )
             report = run_recipe(recipe, endpoints, workers=args.workers)
     except (StackError, StageError) as exc:

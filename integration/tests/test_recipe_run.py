@@ -1,9 +1,10 @@
 """A reduced recipe end to end against real services: etcd, orchard-env (local runtime),
 orchard-reward, orchard-rollout and orchard-trainer as processes. Every rollout is an
-orchard-rollout job: the scripted teacher's (an endpoint served from this process) and the
-student's (RL sampling, validation, evaluation: a weight version on the service's local engine
-behind its capture proxy); SFT and RL train in orchard-trainer. Checks the artifacts each stage
-leaves: teacher trajectories in the student's tokens with loss masks, credit on failed ones, a
+orchard-rollout job: the scripted teacher's (a scripted policy in the job spec, which the
+rollout service plays itself) and the student's (RL sampling, validation, evaluation: a weight
+version on the service's local engine behind its capture proxy); SFT and RL train in
+orchard-trainer. Checks the artifacts each stage leaves: teacher trajectories in the student's
+tokens with loss masks, credit from the reward service's scripted judge on failed ones, a
 published weight version, RL groups with captured tokens of the version that sampled them,
 evaluation numbers in the report; then that a second run resumes (runs nothing again) and that
 one stage runs alone on request."""
@@ -80,6 +81,7 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
                 trainer=trainer,
                 rollout=rollout,
                 env_metrics=env.metrics_address,
+                artifacts=env.stack.artifacts_url,
             ),
         )
 
@@ -110,8 +112,8 @@ def test_collect_scores_the_teacher_and_tokenizes_its_conversations(
     assert collect["rollouts"] == 10  # 5 SFT tasks x 2 attempts
     assert collect["resolved"] + collect["unresolved"] == 10
     assert collect["rollout_job"]
-    # The teacher ran as an orchard-rollout job of an endpoint policy: groups of two per task,
-    # each rollout with its reward and its conversation (the calls were not captured).
+    # The teacher ran as an orchard-rollout job of a scripted policy the service played: groups
+    # of two per task, each rollout with its reward and its conversation (calls not captured).
     groups = read_groups(recipe.output_dir / "collect" / "groups.jsonl")
     assert len(groups) == 5 and all(len(g.trajectories) == 2 for g in groups)
     rewards = {t.reward.value for g in groups for t in g.trajectories}
@@ -140,6 +142,7 @@ def test_credit_marks_rise_segments_on_failed_trajectories(report: Path, recipe:
         # The failure path reads, runs the tests (the rise), then breaks the code.
         assert [(s.start, s.end) for s in row.credit.rise_segments] == [(1, 1)]
         assert row.credit.step_values[2] < row.credit.step_values[1]
+        assert row.credit.estimator == "judge:scripted-judge"  # the reward service's
 
 
 def test_sft_trains_on_curated_rows_and_publishes_a_version(
@@ -165,7 +168,9 @@ def test_sft_trains_on_curated_rows_and_publishes_a_version(
     location, job, mode = asyncio.run(published())
     assert (job, mode) == (sft["job"], "sft")
     assert location == weights["location"]
-    assert (Path(location) / "config.json").is_file()
+    # a URL in the stack's artifact store, never a path of the trainer's machine
+    assert location.startswith(services.endpoints.artifacts + "/checkpoints/"), location
+    assert (Path(location.removeprefix("file://")) / "config.json").is_file()
     losses = [json.loads(line)["loss"] for line in (recipe.output_dir / "sft" / "run.jsonl").open()]
     assert len(losses) == sft["steps"] and losses[0] == sft["first_loss"]
 

@@ -4,7 +4,9 @@ Real processes: etcd and ``orchard-env`` with the local runtime (root), ``orchar
 ``orchard-rollout`` itself, talking gRPC. The policy is the scripted one (an OpenAI-compatible
 server in a thread of this process) or the local engine on a tiny model built here, behind the
 service's capture proxy. Covered: a job run to its end with its groups streamed and resumed by
-index, bad input, cancel, and a restart of the service in the middle of a job.
+index, bad input, cancel, and a restart of the service in the middle of a job; two replicas
+(a cancel through the other one, a killed owner's job adopted, groups streamed by the replica
+that does not run the job, listing by key, ended jobs removed after the retention).
 """
 
 from __future__ import annotations
@@ -402,7 +404,8 @@ def _publish(services: Services, model: str, versions: list[str]) -> None:
         async with EtcdStore(services.env.stack.etcd_endpoint, namespace="orchard/") as store:
             registry = WeightRegistry(store, model)
             for version in versions:
-                await registry.publish(version, services.model_folder)
+                # a location is the model folder's URL (the engines read the artifact store)
+                await registry.publish(version, Path(services.model_folder).absolute().as_uri())
 
     asyncio.run(go())
 
@@ -676,3 +679,80 @@ def test_two_replicas_run_each_job_once_and_a_replica_adopts_the_job_of_a_dead_o
     finally:
         first.stop()
         second.stop()
+
+
+def test_groups_reach_another_replicas_stream_and_ended_jobs_leave_after_the_retention(
+    services: Services,
+) -> None:
+    owner = services.rollout("retention", jobs={"retention_s": 3})
+    other = RolloutProcess(
+        f"127.0.0.1:{free_port()}",
+        f"127.0.0.1:{free_port()}",
+        owner.config_path.with_name("rollout-retention-2.json"),
+        owner.log.with_name("rollout-retention-2.log"),
+        owner.token,
+    )
+    config = json.loads(owner.config_path.read_text())
+    config["server"] = {"listen": [other.address], "metrics_address": other.metrics_address}
+    other.config_path.write_text(json.dumps(config))
+    owner.start()
+    other.start()
+    try:
+        with (
+            grpc.insecure_channel(owner.address) as a,
+            grpc.insecure_channel(other.address) as b,
+        ):
+            stub_a = rollout_service_pb2_grpc.RolloutServiceStub(a)
+            stub_b = rollout_service_pb2_grpc.RolloutServiceStub(b)
+            spec = api.RolloutJobSpec(
+                tasks=[calc_task("quick"), calc_task("slowA", sleep_s=1)],
+                harnesses=["builtin:bash"],
+                sampler=fixed_n(2),
+            )
+            jobs = [
+                stub_a.CreateRolloutJob(api.CreateRolloutJobRequest(spec=spec)).job
+                for _ in range(2)
+            ]
+            # The replica that does not run the job streams its groups as they are written.
+            streamed = list(
+                stub_b.StreamGroups(api.StreamGroupsRequest(job_id=jobs[1].id), timeout=120)
+            )
+            assert sorted(m.group.task_id for m in streamed) == ["quick", "slowA"]
+            # Listed newest first, one page per job, by key.
+            first = stub_b.ListRolloutJobs(api.ListRolloutJobsRequest(page_size=1))
+            second = stub_b.ListRolloutJobs(
+                api.ListRolloutJobsRequest(page_size=1, page_token=first.next_page_token)
+            )
+            assert [j.id for j in (*first.jobs, *second.jobs)] == [jobs[1].id, jobs[0].id]
+            assert second.next_page_token == ""
+            with pytest.raises(grpc.RpcError) as info:
+                stub_b.ListRolloutJobs(api.ListRolloutJobsRequest(page_token="10"))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            for job in jobs:
+                assert wait_job(stub_a, job.id, ended).state == api.ROLLOUT_JOB_STATE_SUCCEEDED
+            # Three seconds after they ended both are gone, groups and all, and say so.
+            deadline = time.monotonic() + 30
+            for job in jobs:
+                error = _get_error(stub_b, job.id, deadline)
+                assert error.code() == grpc.StatusCode.NOT_FOUND, error
+                assert "ended (SUCCEEDED)" in error.details()
+                assert "retention of 3 s (jobs.retention_s)" in error.details()
+            assert stub_b.ListRolloutJobs(api.ListRolloutJobsRequest()).jobs == []
+            removed = sum(r.metric("orchard_rollout_jobs_removed_total") for r in (owner, other))
+            assert removed == 2
+    finally:
+        owner.stop()
+        other.stop()
+
+
+def _get_error(
+    stub: rollout_service_pb2_grpc.RolloutServiceStub, job_id: str, deadline: float
+) -> grpc.RpcError:
+    """The error GetRolloutJob answers once the job is gone (waits for it until `deadline`)."""
+    while True:
+        try:
+            stub.GetRolloutJob(api.GetRolloutJobRequest(job_id=job_id), timeout=10)
+        except grpc.RpcError as error:
+            return error
+        assert time.monotonic() < deadline, f"job {job_id} not removed after the retention"
+        time.sleep(0.2)

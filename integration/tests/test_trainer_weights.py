@@ -85,7 +85,7 @@ async def test_a_published_checkpoint_is_what_the_local_engine_samples(registry,
     assert published.version == info.version == "step-000030"
     assert published.metadata["step"] == "30"
     assert published.metadata["format"] == "huggingface"
-    assert published.location == str(info.model_dir.resolve())
+    assert published.location == info.model_dir.resolve().as_uri()  # a URL, never a path
     assert (await registry.latest()) == published
 
     async with LocalEngine(LocalEngineConfig(), registry=registry) as local:

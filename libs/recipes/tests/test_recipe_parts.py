@@ -1,6 +1,6 @@
 """The recipe runner's parts that need no service: teacher conversations in the student's
-tokens, the scripted credit judge, the run folder's guard against mixing recipes, and how the RL
-stage picks the weights it hands on."""
+tokens, the scripted teacher's script as the rollout service takes it, the run folder's guard
+against mixing recipes, and how the RL stage picks the weights it hands on."""
 
 from __future__ import annotations
 
@@ -15,11 +15,10 @@ import pytest
 
 from orchard.lm.chat import ChatRenderer
 from orchard.lm.tokenizer import build_tokenizer
-from orchard.recipes.scripted_judge import judge_reply
-from orchard.recipes.stages import group_counts, pick_validated
+from orchard.recipes.stages import _scripted_policy, group_counts, pick_validated
+from orchard.recipes.swe_suite import generate_suite, teacher_script
 from orchard.recipes.trajectories import TrajectoryBuildError, teacher_trajectory
 from orchard.recipes.workspace import RecipeMismatch, RunDir, StackEndpoints
-from orchard.reward.credit import credit_curve
 from orchard.rollout.harnesses.bash_react import shell_harness
 from orchard.sdk.connection import Profile, write_profile
 from orchard.sdk.recipe import Recipe
@@ -101,28 +100,22 @@ def test_a_rollout_without_a_conversation_is_refused_by_name() -> None:
         )
 
 
-def _transcript(actions: list[str]) -> str:
-    return "\n\n".join(
-        f"### Turn {i}\nAction:\n{a}\nObservation:\n(none)" for i, a in enumerate(actions)
-    )
-
-
-def test_the_scripted_judge_rises_on_reading_and_drops_at_the_last_edit() -> None:
-    prompt = _transcript(
-        [
-            'tool call bash({"command": "cat src/*/rules.py"})',
-            'tool call bash({"command": "python -m pytest -q"})',
-            'tool call bash({"command": "sed -i \'s/a/b/\' src/*/rules.py"})',
-            "tool call submit({})",
-        ]
-    )
-    reply = judge_reply(prompt)
-    assert reply["critical_turn"] == 2
-    curve = credit_curve(json.dumps(reply), 4, epsilon=0.05)  # the reward library's own checks
-    assert [(s.start, s.end) for s in curve.rise_segments] == [(1, 1)]
-    assert curve.values[2] < curve.values[1] and curve.values[3] < 0.2
-    with pytest.raises(ValueError, match="no '### Turn N'"):
-        judge_reply("What is the capital of France?")
+def test_the_scripted_teacher_travels_as_a_scripted_policy_spec() -> None:
+    suite = generate_suite(6, seed=7)
+    script = teacher_script(suite, model="teacher-x")
+    message = _scripted_policy(script, seed=3)
+    assert (message.model, message.seed, len(message.plans)) == ("teacher-x", 3, len(suite))
+    for plan, sent in zip(script["plans"], message.plans, strict=True):
+        assert (sent.match, sent.solve_rate) == (plan["match"], plan["solve_rate"])
+        for steps, sent_steps in (
+            (plan["solution"], sent.solution),
+            (plan["failure"], sent.failure),
+        ):
+            assert [s["thought"] for s in steps] == [s.thought for s in sent_steps]
+            assert [s.get("tool", "") for s in steps] == [s.tool for s in sent_steps]
+            assert [s.get("arguments", {}) for s in steps] == [
+                json.loads(s.arguments_json or "{}") for s in sent_steps
+            ]
 
 
 def test_a_run_folder_refuses_another_recipe(tmp_path: Path) -> None:

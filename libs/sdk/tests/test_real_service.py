@@ -154,6 +154,26 @@ def test_up_wrote_a_private_profile(service: dict[str, Any]) -> None:
     assert data["token"] not in (service["state"] / "reward.yaml").read_text()
 
 
+def test_up_serves_the_scripted_credit_judge(service: dict[str, Any]) -> None:
+    """Recipes name the reward service's scripted judge; `orchard up` configures it."""
+    import grpc
+
+    from orchard.reward.v1 import reward_service_pb2, reward_service_pb2_grpc
+    from orchard.types.v1 import trajectory_pb2
+
+    [reward] = [c for c in service["components"] if c["name"] == "orchard-reward"]
+    trajectory = trajectory_pb2.Trajectory(id="t", task_id="x")
+    for index, command in enumerate(["cat a.py", "sed -i 's/a/b/' a.py", "echo done"]):
+        turn = trajectory.turns.add(index=index, input_text="x")
+        turn.tool_calls.add(name="bash", arguments_json=json.dumps({"command": command}))
+    with grpc.insecure_channel(reward["address"].removeprefix("http://")) as channel:
+        stub = reward_service_pb2_grpc.RewardServiceStub(channel)
+        request = reward_service_pb2.AssignCreditRequest(trajectory=trajectory, judge="scripted")
+        reply = stub.AssignCredit(request, timeout=30)
+    assert reply.credit.estimator == "judge:scripted-judge"
+    assert len(reply.credit.step_values) == 3
+
+
 def test_a_host_sandbox_sees_nothing_of_the_stack(
     client: SandboxClient, service: dict[str, Any]
 ) -> None:
@@ -309,3 +329,34 @@ def test_cli_against_the_real_service(service: dict[str, Any]) -> None:
     assert cli("sandbox", "rm", info["id"]).returncode == 0
     gone = cli("sandbox", "get", info["id"])
     assert gone.returncode == 1 and gone.stderr.count("\n") == 1
+
+
+def test_up_runs_one_artifact_store_that_confines_the_trainer(service: dict[str, Any]) -> None:
+    """The trainer and rollout share the store `orchard up` records; a job naming a file of the
+    host outside it is refused (PERMISSION_DENIED), a missing one inside it NOT_FOUND."""
+    import grpc
+
+    from orchard.core.errors import error_info
+    from orchard.trainer.v1 import trainer_service_pb2 as api
+    from orchard.trainer.v1 import trainer_service_pb2_grpc
+
+    state = Path(service["state"])
+    store = (state / "artifacts").absolute().as_uri()
+    assert json.loads((state / "up.json").read_text())["artifacts"] == store
+    for name in ("trainer", "rollout"):
+        assert f"root: {store}" in (state / f"{name}.yaml").read_text(), name
+    address = {c["name"]: c["address"] for c in service["components"]}
+    with grpc.insecure_channel(address["orchard-trainer"]) as channel:
+        stub = trainer_service_pb2_grpc.TrainerServiceStub(channel)
+        for dataset, code, reason in [
+            ("file:///etc/passwd", grpc.StatusCode.PERMISSION_DENIED, "ARTIFACT_ACCESS_DENIED"),
+            (f"{store}/none.jsonl", grpc.StatusCode.NOT_FOUND, "ARTIFACT_NOT_FOUND"),
+        ]:
+            spec = api.TrainingJobSpec(
+                mode=api.TRAINING_MODE_SFT, model="builtin:tiny", dataset=dataset
+            )
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.CreateTrainingJob(api.CreateTrainingJobRequest(spec=spec), timeout=30)
+            assert caught.value.code() == code
+            info = error_info(caught.value)
+            assert info is not None and info.reason == reason

@@ -339,43 +339,50 @@ def test_a_group_carries_the_captured_tokens_rewards_and_advantages() -> None:
 
 
 async def test_job_policies_share_an_engine_and_wait_for_a_free_one() -> None:
-    """The pool of job policies' engines: jobs of one key share one, the last user closes it,
-    and a key beyond `max_engines` waits until one closes. The engines are stand-ins that
+    """The engine pool of job policies: jobs of one key share one engine, the last user closes
+    it, and a key beyond `max_engines` waits until one closes. The engines are stand-ins that
     record their closing; the real ones run in integration/tests/test_rollout_service.py."""
     import asyncio
 
+    from orchard.rollout.engine_pool import EnginePool, StartedPolicy
     from orchard.rollout.harnesses.tool_loop import ModelEndpoint
-    from orchard.rollout.service import JobPolicyKey, RolloutManager, _Policy
+    from orchard.rollout.metrics import RolloutMetrics
+    from orchard.rollout.service import JobPolicyKey
 
     closed: list[str] = []
 
-    class Recorded(_Policy):
+    class Recorded(StartedPolicy):
         async def close(self) -> None:
             closed.append(self.endpoint.model)
 
-    class Manager(RolloutManager):
-        async def _start_job_policy(self, key: JobPolicyKey) -> _Policy:
+    class Pool(EnginePool):
+        async def start_job_policy(self, key: JobPolicyKey) -> StartedPolicy:
             started.append(key.version)
             return Recorded(ModelEndpoint("http://127.0.0.1:1/v1", key.version))
 
     started: list[str] = []
-    config = RolloutConfig(job_policies={"max_engines": 1})
-    manager = Manager(config=config, jobs=None, sandboxes=None)  # type: ignore[arg-type]
+    pool = Pool(RolloutConfig(job_policies={"max_engines": 1}), RolloutMetrics(None))
     one, two = (JobPolicyKey("m", v, 1.0, 64) for v in ("v1", "v2"))
-    first = await manager._acquire_job_policy(one)
-    again = await manager._acquire_job_policy(one)
+    first = await pool.acquire(one)
+    again = await pool.acquire(one)
     assert first is again and started == ["v1"]
-    waiting = asyncio.create_task(manager._acquire_job_policy(two))
+    waiting = asyncio.create_task(pool.acquire(two))
     await asyncio.sleep(0.05)
     assert not waiting.done(), "a second engine started beyond max_engines"
-    await manager._release_job_policy(one)
+    await pool.release(one, first)
     await asyncio.sleep(0.05)
     assert not waiting.done() and closed == [], "released while a job still used it"
-    await manager._release_job_policy(one)
+    await pool.release(one, again)
     second = await asyncio.wait_for(waiting, 5)
     assert closed == ["v1"] and started == ["v1", "v2"]
     assert second.endpoint.model == "v2"
-    await manager._release_job_policy(two)
+    await pool.release(two, second)
     assert closed == ["v1", "v2"]
-    engines = manager.metrics.registry.get_sample_value("orchard_rollout_job_policy_engines")
+    engines = pool.metrics.registry.get_sample_value("orchard_rollout_job_policy_engines")
     assert engines == 0
+    # An endpoint is the job's own: never shared, closed when its job ends.
+    endpoint = JobPolicyKey("m", "", 1.0, 64, base_url="http://127.0.0.1:1/v1")
+    mine, yours = await pool.acquire(endpoint), await pool.acquire(endpoint)
+    assert mine is not yours and started[-2:] == ["", ""]
+    await pool.release(endpoint, mine)
+    assert closed[-1] == "" and len(closed) == 3

@@ -20,6 +20,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from orchard.core.artifacts import ArtifactsConfig
 from orchard.core.config import ServerConfig
 from orchard.core.errors import error_info
 from orchard.core.etcd import EtcdStore
@@ -71,7 +72,8 @@ def trainer_config(etcd, tmp_path: Path) -> Callable[..., TrainerConfig]:
             etcd=EtcdConfig(
                 endpoints=[etcd.endpoint], prefix=namespace + "trainer/", weights_prefix=namespace
             ),
-            weights=WeightsConfig(checkpoint_dir=str(tmp_path / "checkpoints")),
+            artifacts=ArtifactsConfig(root=(tmp_path / "store").as_uri()),
+            weights=WeightsConfig(scratch_dir=str(tmp_path / "scratch")),
             jobs=JobsConfig(**jobs),
         )
 
@@ -120,6 +122,12 @@ async def registry(trainer_config) -> AsyncIterator[WeightRegistry]:
     async with EtcdStore(config.etcd.endpoints, namespace=config.etcd.weights_prefix) as store:
         yield WeightRegistry(store, "policy")
         await store.delete_prefix("")
+
+
+def local(url: str) -> Path:
+    """The folder a file:// artifact URL names."""
+    assert url.startswith("file:///"), url
+    return Path(url.removeprefix("file://"))
 
 
 def sft_spec(**fields: Any) -> api.TrainingJobSpec:
@@ -190,7 +198,8 @@ async def test_an_sft_job_trains_checkpoints_publishes_and_finishes(trainer, reg
 
     saved = (await t.stub.SaveCheckpoint(api.SaveCheckpointRequest(job_id=job.id))).checkpoint
     assert (saved.step, saved.weight_version) == (3, "")
-    assert load_model_folder(Path(saved.uri) / "model").metadata["step"] == "3"
+    assert saved.uri.startswith("file://") and "/store/checkpoints/" in saved.uri
+    assert load_model_folder(local(saved.uri) / "model").metadata["step"] == "3"
     again = (await t.stub.SaveCheckpoint(api.SaveCheckpointRequest(job_id=job.id))).checkpoint
     assert again == saved
     assert await registry.latest() is None  # saved, not published
@@ -205,7 +214,7 @@ async def test_an_sft_job_trains_checkpoints_publishes_and_finishes(trainer, reg
         job.id,
         "3",
     )
-    assert latest.location == str((Path(saved.uri) / "model").resolve())
+    assert latest.location == f"{saved.uri}/model"
 
     code, message = await failure(t.stub.Step(api.StepRequest(job_id=job.id, steps=4)))
     assert code == grpc.StatusCode.FAILED_PRECONDITION
@@ -236,7 +245,7 @@ async def test_an_sft_job_trains_checkpoints_publishes_and_finishes(trainer, reg
         last.steps[-1].loss
     )
     assert t.metric("orchard_trainer_running_jobs") == 0
-    run_log = Path(saved.uri).parent / "run.jsonl"
+    run_log = t.app.config.weights.scratch_dir / Path(job.id) / "run.jsonl"
     assert len(run_log.read_text().splitlines()) == 6
 
 
@@ -342,7 +351,7 @@ async def test_bad_requests_get_actionable_statuses(trainer, tmp_path):
         (api.CreateTrainingJobRequest(), "spec is required"),
         (api.CreateTrainingJobRequest(spec=sft_spec(mode=0)), "spec.mode"),
         (api.CreateTrainingJobRequest(spec=sft_spec(model="builtin:huge")), "builtin:tiny"),
-        (api.CreateTrainingJobRequest(spec=sft_spec(model=str(tmp_path))), "config.json"),
+        (api.CreateTrainingJobRequest(spec=sft_spec(model=str(tmp_path))), "file://"),
         (api.CreateTrainingJobRequest(spec=sft_spec(zero_stage=4)), "zero_stage"),
         (api.CreateTrainingJobRequest(spec=sft_spec(learning_rate=-1)), "learning_rate"),
         (api.CreateTrainingJobRequest(spec=sft_spec(warmup_steps=9)), "warmup_steps"),
@@ -438,7 +447,8 @@ def test_serve_runs_the_service_and_drains_on_sigterm(etcd, tmp_path: Path) -> N
     process = subprocess.Popen(
         [
             TRAINER, "serve", "--listen", f"unix:{socket_path}", "--etcd", etcd.endpoint,
-            "--checkpoint-dir", str(tmp_path / "checkpoints"), "--grace-period-s", "1",
+            "--artifacts-root", (tmp_path / "store").as_uri(),
+            "--scratch-dir", str(tmp_path / "scratch"), "--grace-period-s", "1",
             "--set", f"etcd.prefix=test/{uuid.uuid4().hex}/",
         ],
         stderr=subprocess.PIPE, env=environ,
@@ -479,7 +489,7 @@ def test_serve_runs_the_service_and_drains_on_sigterm(etcd, tmp_path: Path) -> N
 async def test_rl_groups_sampled_by_too_old_weights_are_refused_or_skipped(trainer, registry):
     t = await trainer.start()
     for name in ("v1", "v2", "v3"):
-        await registry.publish(name, f"models/{name}")
+        await registry.publish(name, f"file:///models/{name}")
     build = TrajectoryBuilder()
 
     def trajectory(name: str, version: str, reward: float) -> trajectory_pb2.Trajectory:
@@ -543,8 +553,8 @@ async def test_a_job_publishes_to_its_own_weight_model(trainer, registry):
     assert await registry.latest() is None  # the service's model got nothing
 
     # Staleness is measured against the job's own model: v1 is one behind there.
-    await own.publish("v1", "models/v1")
-    await own.publish("v2", "models/v2")
+    await own.publish("v1", "file:///models/v1")
+    await own.publish("v2", "file:///models/v2")
     rl = api.TrainingJobSpec(
         mode=api.TRAINING_MODE_RL, model="builtin:tiny", max_staleness=0,
         weight_model="run-a-student",

@@ -35,7 +35,7 @@ class WeightVersionConflict(WeightVersionError):
 
 
 class InvalidWeightVersion(WeightVersionError, ValueError):
-    """A version or model name that cannot be a key, or an empty location."""
+    """A version or model name that cannot be a key, or a location that is not a URL."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +47,8 @@ class WeightVersion:
     number: int
     """Publication order within the model, from 1."""
     location: str
-    """Where the model folder is (a path or URI the engines can read)."""
+    """The model folder's artifact URL (``file:///...`` on a volume the engines share,
+    ``s3://...``); engines read it through `orchard.core.artifacts`, never as a local path."""
     published_at: float
     """Wall-clock time of publication, seconds since the epoch."""
     metadata: Mapping[str, str] = field(default_factory=dict)
@@ -85,6 +86,19 @@ def _check_name(kind: str, name: str) -> None:
         )
 
 
+def _check_location(version: str, location: str) -> None:
+    """A location must be a URL: engines on other machines cannot read this host's paths."""
+    if not location:
+        raise InvalidWeightVersion(f"version {version!r} needs a location (the model folder's URL)")
+    scheme, sep, rest = location.partition("://")
+    if not sep or not scheme or not rest or not scheme.replace("+", "").isalnum():
+        hint = f" (file://{location})" if location.startswith("/") else ""
+        raise InvalidWeightVersion(
+            f"version {version!r}: location {location!r} is not a URL; publish the model "
+            f"folder's artifact URL{hint}, which every engine can read"
+        )
+
+
 def check_model_name(name: str) -> None:
     """Raise `InvalidWeightVersion` when `name` cannot name a model in the registry."""
     _check_name("model name", name)
@@ -116,8 +130,7 @@ class WeightRegistry:
         The model folder must be complete before this is called: engines may load it at once.
         """
         _check_name("version", version)
-        if not location:
-            raise InvalidWeightVersion(f"version {version!r} needs a location")
+        _check_location(version, location)
         key = f"{self._versions}{version}"
         for _ in range(_PUBLISH_ATTEMPTS):
             existing = await self.get(version)

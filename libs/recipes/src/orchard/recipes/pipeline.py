@@ -94,7 +94,7 @@ def run_recipe(
         recipe=recipe,
         run=run,
         stack=stack,
-        tasks=prepare_tasks(recipe, run),
+        tasks=prepare_tasks(recipe, run, stack.artifact_store() if recipe.tasks.builtin else None),
         progress=progress,
         workers=workers,
         seed=seed,

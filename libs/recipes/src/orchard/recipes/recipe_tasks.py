@@ -2,19 +2,25 @@
 
 `prepare_tasks` writes ``tasks/tasks.jsonl`` (one SWE-bench line per task with its split, and
 its family and difficulty for the built-in suite) and, for the built-in suite, the repositories
-under ``tasks/repos``; a second call reads the manifest back, so a resumed run works on the
-same tasks. `task_spec` turns a task into what the rollout runner drives: the problem statement
-as the instruction, the repository at ``/testbed`` in the sandbox, and ScoreTests through the
-reward service as the check.
+under ``tasks/repos``, each also packed as a tar archive into the artifact store (named by its
+content, so a second run reuses it); a second call reads the manifest back, so a resumed run
+works on the same tasks. `task_spec` turns a task into what the rollout runner drives: the
+problem statement as the instruction, the repository at ``/testbed`` in the sandbox (the
+archive's URL, which orchard-rollout unpacks there: no path of this machine reaches a service),
+and ScoreTests through the reward service as the check.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import shlex
 import sys
-from dataclasses import dataclass
+import tarfile
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from orchard.recipes.swe_suite import Split, SuiteTask, generate_suite, split_suite
 from orchard.recipes.workspace import RunDir
@@ -25,8 +31,11 @@ from orchard.reward.swe_instances import (
     parse_instance,
 )
 from orchard.reward.swe_tasks import materialize
-from orchard.rollout.tasks import TaskSpec, TestsCheck
+from orchard.rollout.tasks import TaskFile, TaskSpec, TestsCheck
 from orchard.sdk.recipe import Recipe
+
+if TYPE_CHECKING:
+    from orchard.core.artifacts import ArtifactStore
 
 __all__ = ["SPLITS", "RecipeTask", "prepare_tasks", "task_spec"]
 
@@ -43,6 +52,9 @@ class RecipeTask:
     """The built-in suite's bug family; empty for JSONL tasks."""
     difficulty: int = 0
     """1-3 for the built-in suite; 0 unknown."""
+    archive_url: str = ""
+    """The repository as a tar archive in the artifact store (built-in suite), unpacked at
+    ``/testbed`` in each sandbox; empty: the image holds the repository."""
 
     @property
     def id(self) -> str:
@@ -54,6 +66,7 @@ class RecipeTask:
             "orchard_split": self.split,
             "orchard_family": self.family,
             "orchard_difficulty": self.difficulty,
+            "orchard_archive_url": self.archive_url,
         }
 
 
@@ -73,10 +86,38 @@ def _builtin(recipe: Recipe, repos: Path) -> list[RecipeTask]:
 
 
 def _materialized(split: str, task: SuiteTask, repos: Path) -> RecipeTask:
-    # The sandboxes see the host root copy-on-write: the repository's host path is readable
-    # there, and the test command runs this interpreter (it has pytest).
+    # The sandboxes run the `host` image: the test command runs this interpreter (it has
+    # pytest), which the environment service's machine has at the same path.
     instance = materialize(task.blueprint, repos, python=sys.executable, image="host")
     return RecipeTask(split, instance, task.family, task.difficulty)
+
+
+def pack_repository(folder: Path) -> bytes:
+    """``folder`` as an uncompressed tar archive whose bytes depend on its content only (sorted
+    names, no owners or times), so the same repository always gets the same URL."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        for path in sorted(folder.rglob("*")):
+            info = archive.gettarinfo(str(path), arcname=str(path.relative_to(folder)))
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            info.mtime = 0
+            if info.isreg():
+                with path.open("rb") as handle:
+                    archive.addfile(info, handle)
+            else:
+                archive.addfile(info)
+    return buffer.getvalue()
+
+
+def _published(task: RecipeTask, store: ArtifactStore) -> RecipeTask:
+    """``task`` with its repository packed into ``store`` (once per content)."""
+    data = pack_repository(Path(task.instance.repo_path))
+    digest = hashlib.sha256(data).hexdigest()[:24]
+    url = store.url("tasks", f"{task.id}-{digest}.tar")
+    if not store.exists(url):
+        store.write_bytes(url, data)
+    return replace(task, archive_url=url)
 
 
 def _jsonl(recipe: Recipe) -> list[RecipeTask]:
@@ -90,8 +131,11 @@ def _jsonl(recipe: Recipe) -> list[RecipeTask]:
     return out
 
 
-def prepare_tasks(recipe: Recipe, run: RunDir) -> dict[str, list[RecipeTask]]:
-    """The recipe's tasks by split (made once, then read from the run folder)."""
+def prepare_tasks(
+    recipe: Recipe, run: RunDir, store: ArtifactStore | None = None
+) -> dict[str, list[RecipeTask]]:
+    """The recipe's tasks by split (made once, then read from the run folder); the built-in
+    suite's repositories go into ``store``, which it then needs."""
     folder = run.root / "tasks"
     manifest = folder / "tasks.jsonl"
     if manifest.exists():
@@ -104,12 +148,21 @@ def prepare_tasks(recipe: Recipe, run: RunDir) -> dict[str, list[RecipeTask]]:
                         split=data.pop("orchard_split"),
                         family=data.pop("orchard_family", ""),
                         difficulty=int(data.pop("orchard_difficulty", 0)),
+                        archive_url=str(data.pop("orchard_archive_url", "")),
                         instance=parse_instance(data, source=str(manifest), line=number),
                     )
                 )
     else:
         folder.mkdir(parents=True, exist_ok=True)
-        tasks = _builtin(recipe, folder / "repos") if recipe.tasks.builtin else _jsonl(recipe)
+        if recipe.tasks.builtin:
+            if store is None:
+                raise ValueError(
+                    "the built-in suite's repositories travel through the artifact store: give "
+                    "prepare_tasks the stack's store"
+                )
+            tasks = [_published(t, store) for t in _builtin(recipe, folder / "repos")]
+        else:
+            tasks = _jsonl(recipe)
         staging = manifest.with_suffix(".partial")
         with staging.open("w", encoding="utf-8") as handle:
             for task in tasks:
@@ -122,12 +175,18 @@ def prepare_tasks(recipe: Recipe, run: RunDir) -> dict[str, list[RecipeTask]]:
 
 
 def task_spec(task: RecipeTask, *, memory: str = "") -> TaskSpec:
-    """What the rollout runner drives for ``task``: its repository at ``/testbed`` (copied
-    there from the host path for the built-in suite), scored by ScoreTests."""
+    """What the rollout runner drives for ``task``: its repository at ``/testbed`` (unpacked
+    there from the artifact store for the built-in suite), scored by ScoreTests."""
     instance = task.instance
     setup: list[str] = []
-    if instance.repo_path != WORKDIR:
-        setup.append(f"cp -a {shlex.quote(instance.repo_path)} {WORKDIR}")
+    files: tuple[TaskFile, ...] = ()
+    if task.archive_url:
+        files = (TaskFile(task.archive_url, WORKDIR),)
+    elif instance.repo_path != WORKDIR:
+        raise ValueError(
+            f"task {task.id}: its repository is at {instance.repo_path}, a path of this "
+            f"machine; give it an image that holds it at {WORKDIR}"
+        )
     if (instance.image or "host") == "host":
         # The host image has no `python` of its own on the sandbox's PATH: give it this
         # interpreter (it has pytest), inside the sandbox's copy-on-write layer only.
@@ -138,5 +197,6 @@ def task_spec(task: RecipeTask, *, memory: str = "") -> TaskSpec:
         check=TestsCheck(task=instance.to_task(), repo_path=WORKDIR),
         image=instance.image or "host",
         setup=tuple(setup),
+        files=files,
         memory=memory,
     )

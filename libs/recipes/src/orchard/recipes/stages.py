@@ -1,9 +1,9 @@
 """The stages of a recipe run, each reading the outputs of the ones before it from the run folder.
 
-- **collect**: a rollout job in orchard-rollout of the teacher (an endpoint policy) on every
-  SFT task ``attempts_per_task`` times through the harness, in sandboxes of the environment
-  service, scored by the reward service's ScoreTests; its conversations become trajectories in
-  the student's tokens.
+- **collect**: a rollout job in orchard-rollout of the teacher (an endpoint, or the scripted
+  teacher the rollout service plays from the job spec) on every SFT task ``attempts_per_task``
+  times through the harness, in sandboxes of the environment service, scored by the reward
+  service's ScoreTests; its conversations become trajectories in the student's tokens.
 - **curate**: successful trajectories (and failed ones with credit, when the credit stage gave
   some) filtered for SFT.
 - **sft**: an SFT job in orchard-trainer (DeepSpeed engine) on the curated trajectories, stepped
@@ -26,9 +26,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import random
+import shutil
 import time
 import uuid
 from collections import Counter
@@ -223,17 +225,13 @@ def read_groups(path: Path) -> list[trajectory_pb2.TrajectoryGroup]:
 # -- collect -------------------------------------------------------------------------------------
 
 
-@contextlib.asynccontextmanager
-async def _teacher(
-    ctx: StageContext, tasks: Sequence[RecipeTask]
-) -> AsyncIterator[rollout_api.ChatEndpoint]:
-    """The teacher as orchard-rollout calls it: the recipe's endpoint (its key in the variable
-    `teacher.api_key_env` of the rollout service's environment), or the scripted teacher
-    served from this process on loopback for the run's tasks."""
+def _teacher(ctx: StageContext, tasks: Sequence[RecipeTask]) -> rollout_api.PolicySpec:
+    """The teacher as orchard-rollout runs it: the recipe's endpoint (its key in the variable
+    `teacher.api_key_env` of the rollout service's environment), or the scripted teacher for the
+    run's tasks, which the rollout service plays itself (the script travels in the job spec)."""
     teacher = ctx.recipe.teacher
     if teacher.endpoint == "builtin:scripted":
         from orchard.recipes.swe_suite import generate_suite  # noqa: PLC0415
-        from orchard.rollout.scripted_policy import PolicyScript, ScriptedPolicyServer  # noqa: PLC0415
 
         spec = ctx.recipe.tasks.builtin
         if spec is None:
@@ -243,13 +241,37 @@ async def _teacher(
             )
         wanted = {t.id for t in tasks}
         suite = [t for t in generate_suite(spec.count, seed=spec.seed) if t.instance_id in wanted]
-        script = PolicyScript.from_json(teacher_script(suite, model=teacher.model))
-        async with ScriptedPolicyServer(script, seed=ctx.seed) as server:
-            yield rollout_api.ChatEndpoint(base_url=server.base_url, model=teacher.model)
-        return
-    yield rollout_api.ChatEndpoint(
+        script = _scripted_policy(teacher_script(suite, model=teacher.model), seed=ctx.seed)
+        return rollout_api.PolicySpec(scripted=script, temperature=1.0)
+    endpoint = rollout_api.ChatEndpoint(
         base_url=teacher.endpoint, model=teacher.model, api_key_env=teacher.api_key_env or ""
     )
+    return rollout_api.PolicySpec(endpoint=endpoint, temperature=1.0)
+
+
+def _scripted_policy(script: dict[str, Any], seed: int) -> rollout_api.ScriptedPolicy:
+    """`teacher_script`'s plans as the rollout service takes them."""
+
+    def steps(items: Sequence[dict[str, Any]]) -> list[rollout_api.ScriptedStep]:
+        return [
+            rollout_api.ScriptedStep(
+                thought=step["thought"],
+                tool=step.get("tool", ""),
+                arguments_json=json.dumps(step.get("arguments", {})) if step.get("tool") else "",
+            )
+            for step in items
+        ]
+
+    plans = [
+        rollout_api.ScriptedPlan(
+            match=plan["match"],
+            solve_rate=plan["solve_rate"],
+            solution=steps(plan["solution"]),
+            failure=steps(plan["failure"]),
+        )
+        for plan in script["plans"]
+    ]
+    return rollout_api.ScriptedPolicy(model=script.get("model", ""), plans=plans, seed=seed)
 
 
 async def _collect(ctx: StageContext, out: Path) -> dict[str, Any]:
@@ -258,16 +280,15 @@ async def _collect(ctx: StageContext, out: Path) -> dict[str, Any]:
     stage = ctx.recipe.stages.collect
     tasks = ctx.tasks["sft"]
     total = len(tasks) * len(ctx.recipe.harnesses) * stage.attempts_per_task
-    async with _teacher(ctx, tasks) as endpoint:
-        policy = rollout_api.PolicySpec(endpoint=endpoint, temperature=1.0)
-        sampler = _every_group(stage.attempts_per_task)
-        spec = _job_spec(ctx, tasks, policy, sampler, stage.budget)
-        bar, progress = _rollout_bar(ctx, total, "collect")
-        with bar:
-            async with RolloutJobs(ctx.stack.rollout) as rollouts:
-                job, groups = await rollouts.run(
-                    spec, f"{ctx.recipe.name}-collect-{uuid.uuid4().hex}", progress=progress
-                )
+    policy = _teacher(ctx, tasks)
+    sampler = _every_group(stage.attempts_per_task)
+    spec = _job_spec(ctx, tasks, policy, sampler, stage.budget)
+    bar, progress = _rollout_bar(ctx, total, "collect")
+    with bar:
+        async with RolloutJobs(ctx.stack.rollout) as rollouts:
+            job, groups = await rollouts.run(
+                spec, f"{ctx.recipe.name}-collect-{uuid.uuid4().hex}", progress=progress
+            )
     path = out / "groups.jsonl"
     path.unlink(missing_ok=True)
     _write_groups(path, groups)
@@ -324,10 +345,18 @@ def _statements(ctx: StageContext) -> dict[str, str]:
     return {t.id: t.instance.problem_statement for t in ctx.tasks["sft"]}
 
 
+SCRIPTED_JUDGE = "scripted"
+"""The reward service's scripted credit judge (a judge of kind scripted; `orchard up` has it)."""
+
+
 async def _credit_by_service(
-    ctx: StageContext, failed: Sequence[trajectory_pb2.Trajectory], bar: tqdm[Any]
+    ctx: StageContext,
+    failed: Sequence[trajectory_pb2.Trajectory],
+    bar: tqdm[Any],
+    judge: str = "",
 ) -> tuple[list[trajectory_pb2.Trajectory], Counter[str]]:
-    """AssignCredit through the reward service, with the judge it is configured with."""
+    """AssignCredit through the reward service with its judge named `judge` (empty: its
+    default judge)."""
     import grpc  # noqa: PLC0415
 
     from orchard.reward.v1 import reward_service_pb2, reward_service_pb2_grpc  # noqa: PLC0415
@@ -342,15 +371,25 @@ async def _credit_by_service(
 
         async def one(row: trajectory_pb2.Trajectory) -> None:
             async with gate:
-                reply = await stub.AssignCredit(
-                    reward_service_pb2.AssignCreditRequest(
-                        trajectory=row,
-                        epsilon=ctx.recipe.stages.credit.epsilon,
-                        task=statement.get(row.task_id, ""),
-                        failure=row.reward.detail,
-                    ),
-                    timeout=600,
-                )
+                try:
+                    reply = await stub.AssignCredit(
+                        reward_service_pb2.AssignCreditRequest(
+                            trajectory=row,
+                            epsilon=ctx.recipe.stages.credit.epsilon,
+                            task=statement.get(row.task_id, ""),
+                            failure=row.reward.detail,
+                            judge=judge,
+                        ),
+                        timeout=600,
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    if judge and "unknown judge" in (exc.details() or ""):
+                        raise RuntimeError(
+                            f"the reward service at {ctx.stack.reward} has no judge {judge!r}: "
+                            f"add judges.{judge}: {{kind: scripted}} to its configuration "
+                            f"(orchard up does); it said: {exc.details()}"
+                        ) from None
+                    raise
             bar.update(1)
             if reply.reward.status == reward_pb2.REWARD_STATUS_EXCLUDED:
                 reason = reward_pb2.ExclusionReason.Name(reply.reward.exclusion)
@@ -360,39 +399,6 @@ async def _credit_by_service(
             credited.append(row)
 
         await asyncio.gather(*(one(r) for r in failed))
-    return credited, excluded
-
-
-async def _credit_by_scripted_judge(
-    ctx: StageContext, failed: Sequence[trajectory_pb2.Trajectory], bar: tqdm[Any]
-) -> tuple[list[trajectory_pb2.Trajectory], Counter[str]]:
-    """The reward library's credit assignment (the code AssignCredit runs) against the
-    scripted judge, served on loopback for this stage."""
-    from orchard.recipes.scripted_judge import MODEL, ScriptedJudgeServer  # noqa: PLC0415
-    from orchard.reward.convert import credit_message, transcript  # noqa: PLC0415
-    from orchard.reward.judge_client import JudgeEndpoint, OpenAIJudge  # noqa: PLC0415
-    from orchard.reward.judged import assign_credit  # noqa: PLC0415
-
-    statement = _statements(ctx)
-    credited: list[trajectory_pb2.Trajectory] = []
-    excluded: Counter[str] = Counter()
-    async with ScriptedJudgeServer() as server:
-        endpoint = JudgeEndpoint(base_url=server.base_url, model=MODEL)
-        async with OpenAIJudge(endpoint) as judge:
-            for row in failed:
-                answer = await assign_credit(
-                    judge,
-                    transcript(row),
-                    task=statement.get(row.task_id, ""),
-                    failure=row.reward.detail or "the tests failed",
-                    epsilon=ctx.recipe.stages.credit.epsilon,
-                )
-                bar.update(1)
-                if answer.curve is None:
-                    excluded["judge_unavailable"] += 1
-                    continue
-                row.credit.CopyFrom(credit_message(answer.curve, f"judge:{MODEL}"))
-                credited.append(row)
     return credited, excluded
 
 
@@ -407,10 +413,9 @@ async def _credit(ctx: StageContext, out: Path) -> dict[str, Any]:
         if r.reward.status == reward_pb2.REWARD_STATUS_SCORED and r.reward.value < 0.5
     ]
     with _bar(ctx, len(failed), "credit") as bar:
-        if stage.judge_endpoint == "builtin:scripted":
-            credited, excluded = await _credit_by_scripted_judge(ctx, failed, bar)
-        else:
-            credited, excluded = await _credit_by_service(ctx, failed, bar)
+        scripted = stage.judge_endpoint == "builtin:scripted"
+        judge = SCRIPTED_JUDGE if scripted else ""
+        credited, excluded = await _credit_by_service(ctx, failed, bar, judge)
     with_segments = [r for r in credited if r.credit.rise_segments]
     _write_trajectories(out / "trajectories.jsonl", sorted(credited, key=lambda t: t.id))
     summary: dict[str, Any] = {
@@ -429,8 +434,8 @@ async def _credit(ctx: StageContext, out: Path) -> dict[str, Any]:
 
 
 def run_credit(ctx: StageContext) -> dict[str, Any]:
-    """Rise segments for the failed teacher trajectories: from the scripted judge
-    (``builtin:scripted``), else from the reward service's AssignCredit with its judge."""
+    """Rise segments for the failed teacher trajectories from the reward service's
+    AssignCredit: with its scripted judge (``builtin:scripted``), else with its default judge."""
     out = ctx.run.stage("credit")
     return asyncio.run(_credit(ctx, out))
 
@@ -514,6 +519,47 @@ def base_model_folder(ctx: StageContext) -> Path:
     return folder
 
 
+def base_model_url(ctx: StageContext) -> str:
+    """The untrained student's artifact URL, what the services load: a URL the recipe names
+    as it is, else the model folder put in the stack's artifact store."""
+    model = ctx.recipe.student.model
+    if "://" in model:
+        return model
+    return _put_folder(ctx, base_model_folder(ctx), "models")
+
+
+def _content_digest(paths: Sequence[tuple[str, Path]]) -> str:
+    """A digest of files and their names: artifacts never change, so content names them."""
+    digest = hashlib.sha256()
+    for name, path in sorted(paths):
+        digest.update(name.encode() + b"\0")
+        with path.open("rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+        digest.update(b"\0")
+    return digest.hexdigest()[:24]
+
+
+def _put_folder(ctx: StageContext, folder: Path, kind: str) -> str:
+    """`folder` in the stack's artifact store (once per content); its URL."""
+    store = ctx.stack.artifact_store()
+    files = [(p.relative_to(folder).as_posix(), p) for p in folder.rglob("*") if p.is_file()]
+    url = store.url("recipes", kind, _content_digest(files))
+    if not store.exists(url):
+        store.put_dir(folder, url)
+    return url
+
+
+def _put_file(ctx: StageContext, path: Path, kind: str) -> str:
+    """The file `path` in the stack's artifact store (once per content); its URL."""
+    store = ctx.stack.artifact_store()
+    url = store.url("recipes", kind, f"{_content_digest([(path.name, path)])}{path.suffix}")
+    if not store.exists(url):
+        with path.open("rb") as source, store.open_write(url) as target:
+            shutil.copyfileobj(source, target)
+    return url
+
+
 SFT_STEPS_PER_CALL = 12
 """Optimizer steps per Step call of an SFT job: often enough for the progress bar."""
 
@@ -536,14 +582,15 @@ def run_sft(ctx: StageContext) -> dict[str, Any]:
     out = ctx.run.stage("sft")
     spec = trainer_api.TrainingJobSpec(
         mode=trainer_api.TRAINING_MODE_SFT,
-        model=str(base_model_folder(ctx).resolve()),
+        model=base_model_url(ctx),
         zero_stage=stage.zero_stage,
         learning_rate=stage.learning_rate,
         warmup_steps=min(stage.warmup_steps, steps),
         total_steps=steps,
         micro_batch_size=stage.batch_size,
         gradient_accumulation=stage.gradient_accumulation,
-        dataset=str(data.resolve()),
+        # handed over through the artifact store: the trainer may run on another machine
+        dataset=_put_file(ctx, data, "datasets"),
         weight_model=ctx.registry_model,
     )
     log_path = out / "run.jsonl"
@@ -814,14 +861,15 @@ def _mean(values: Sequence[float]) -> float | None:
 def run_rl(ctx: StageContext) -> dict[str, Any]:
     stage = ctx.recipe.stages.rl
     sft = ctx.run.done("sft")
-    start = Path(sft["weights"]["location"]) if sft else base_model_folder(ctx)
+    # a published location is already an artifact URL
+    start = str(sft["weights"]["location"]) if sft else base_model_url(ctx)
     start_version = str(sft["weights"]["version"]) if sft else "base"
     if sft is None:
         _publish_base(ctx, start)
     out = ctx.run.stage("rl")
     spec = trainer_api.TrainingJobSpec(
         mode=trainer_api.TRAINING_MODE_RL,
-        model=str(start.resolve()),
+        model=start,
         learning_rate=stage.learning_rate,
         total_steps=stage.steps,
         micro_batch_size=8,
@@ -846,7 +894,7 @@ def run_rl(ctx: StageContext) -> dict[str, Any]:
     summary = asyncio.run(go())
     versions = [s["weights"] for s in summary["steps"] if s.get("published")]
     if stage.select == "validation" and versions:
-        first = sft["weights"] if sft else {"version": "base", "location": str(start)}
+        first = sft["weights"] if sft else {"version": "base", "location": start}
         summary.update(_validate(ctx, [first, *versions], out / "validation"))
     return summary
 
@@ -887,8 +935,10 @@ def _validate(ctx: StageContext, candidates: Sequence[dict[str, Any]], out: Path
     }
 
 
-def _publish_base(ctx: StageContext, folder: Path) -> None:
-    location = str(folder.resolve())
+def _publish_base(ctx: StageContext, model: Path | str) -> None:
+    """Publish the base model as version "base": `model` is its artifact URL, or a local
+    folder first put in the stack's artifact store (engines read the store, not this host)."""
+    location = _put_folder(ctx, model, "models") if isinstance(model, Path) else model
 
     async def go() -> None:
         async with _registry(ctx) as registry:

@@ -21,9 +21,12 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchard.sdk.recipe import Recipe
+
+if TYPE_CHECKING:
+    from orchard.core.artifacts import ArtifactStore
 
 __all__ = ["RecipeMismatch", "RunDir", "StackEndpoints"]
 
@@ -117,6 +120,59 @@ class StackEndpoints:
     """orchard-rollout's gRPC address (the student's rollouts run there)."""
     env_metrics: str = ""
     """HOST:PORT of orchard-env's /metrics, when it exports them (the report reads them)."""
+    artifacts: str = ""
+    """URL of the artifact store the services share (``file://`` on a shared volume,
+    ``s3://...``): what a recipe hands a service (a dataset, a model folder) goes there and is
+    named by URL, never by a path on this machine."""
+
+    def artifact_store(self) -> ArtifactStore:
+        """The stack's artifact store; raises ValueError saying how to name one when unset."""
+        from orchard.core.artifacts import ArtifactStore  # noqa: PLC0415
+
+        if not self.artifacts:
+            raise ValueError(
+                "the stack names no artifact store: run the services with `orchard up`, which "
+                "records one, or give StackEndpoints(artifacts=URL) the URL every service reads"
+            )
+        return ArtifactStore(self.artifacts)
+
+    @classmethod
+    def from_file(cls, path: Path, environ: Mapping[str, str] | None = None) -> StackEndpoints:
+        """Services named in a JSON or YAML file (for services on other machines than this
+        one): ``env``, ``reward``, ``rollout``, ``trainer`` (gRPC addresses), ``etcd`` (client
+        URL), ``artifacts`` (the store's URL), optionally ``env_metrics``; orchard-env's token
+        comes from ``$ORCHARD_TOKEN``, never from the file. Raises ValueError naming what is
+        missing or unknown."""
+        import yaml  # noqa: PLC0415
+
+        environ = os.environ if environ is None else environ
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"cannot read the stack file {path}: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} must hold a mapping of service names to addresses")
+        needed = {"env", "reward", "rollout", "trainer", "etcd", "artifacts"}
+        known = needed | {"env_metrics"}
+        missing, unknown = sorted(needed - set(data)), sorted(set(data) - known)
+        if missing or unknown:
+            raise ValueError(
+                f"{path}: "
+                + "; ".join(
+                    part
+                    for part in (
+                        f"missing {', '.join(missing)}" if missing else "",
+                        f"unknown {', '.join(unknown)} (choose from {', '.join(sorted(known))})"
+                        if unknown
+                        else "",
+                    )
+                    if part
+                )
+            )
+        return cls(
+            env_token=environ.get("ORCHARD_TOKEN", ""),
+            **{key: str(value) for key, value in data.items()},
+        )
 
     @classmethod
     def from_state_dir(cls, state_dir: Path | None = None) -> StackEndpoints:
@@ -150,4 +206,5 @@ class StackEndpoints:
             trainer=components["orchard-trainer"],
             rollout=components["orchard-rollout"],
             env_metrics=os.environ.get("ORCHARD_ENV_METRICS", ""),
+            artifacts=str(running.get("artifacts", "")),
         )

@@ -122,8 +122,8 @@ class Teacher(ConfigModel):
 
     endpoint: str = Field(
         default="builtin:scripted",
-        description='"builtin:scripted" (a scripted policy, no network) or the base URL of an '
-        "OpenAI-compatible chat API.",
+        description='"builtin:scripted" (a scripted policy the rollout service plays from the '
+        "job spec: no model, no network) or the base URL of an OpenAI-compatible chat API.",
     )
     model: str = Field(
         default="scripted-teacher", min_length=1, description="Model name sent with calls."
@@ -192,7 +192,8 @@ class Credit(Stage):
 
     judge_endpoint: str = Field(
         default="builtin:scripted",
-        description='"builtin:scripted" or the base URL of an OpenAI-compatible judge.',
+        description='"builtin:scripted" (the reward service\'s scripted credit judge, named '
+        '"scripted" there) or the base URL of an OpenAI-compatible judge.',
     )
     judge_model: str = Field(default="scripted-judge", min_length=1)
     epsilon: float = Field(

@@ -11,14 +11,16 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from orchard.core.config import ConfigModel, ServerConfig, ServiceConfig
 from orchard.core.errors import OrchardError
 from orchard.reward.credit import CalibrationRules
 from orchard.reward.judge_client import JudgeEndpoint
 from orchard.reward.rubric import DEFAULT_RUBRIC, Dimension, validate_rubric
+from orchard.sdk.service_config import EnvClientConfig
 
 __all__ = [
     "CheckConfig",
@@ -27,6 +29,7 @@ __all__ = [
     "JudgeConfig",
     "RewardConfig",
     "RubricDimensionConfig",
+    "ScriptedJudgeConfig",
     "TaskChecksConfig",
     "TestRunConfig",
 ]
@@ -40,7 +43,7 @@ def _env_name(value: str) -> str:
     return value
 
 
-class EnvServiceConfig(ConfigModel):
+class EnvServiceConfig(EnvClientConfig):
     """The environment service the tests and checks run through."""
 
     endpoint: str | None = Field(
@@ -50,28 +53,14 @@ class EnvServiceConfig(ConfigModel):
             "ScoreTask answer FAILED_PRECONDITION; the judge RPCs work without it."
         ),
     )
-    token_env: str = Field(
-        default="ORCHARD_TOKEN",
-        description="Environment variable holding the bearer token for orchard-env; unset: none.",
-    )
-    call_timeout_s: float = Field(
-        default=30.0, gt=0, description="Deadline of one quick call (files, state) to orchard-env."
-    )
-
-    @field_validator("token_env")
-    @classmethod
-    def _check_token_env(cls, value: str) -> str:
-        return _env_name(value)
-
-    def token(self, environ: Mapping[str, str] | None = None) -> str | None:
-        """The bearer token from ``token_env``, or None when that variable is unset or empty."""
-        environ = os.environ if environ is None else environ
-        return environ.get(self.token_env) or None if self.token_env else None
 
 
 class JudgeConfig(ConfigModel):
     """One OpenAI-compatible chat endpoint serving a judge model."""
 
+    kind: Literal["openai"] = Field(
+        default="openai", description="openai (this, the default) or scripted."
+    )
     base_url: str = Field(
         default="http://127.0.0.1:8000/v1",
         min_length=1,
@@ -114,6 +103,37 @@ class JudgeConfig(ConfigModel):
             max_tokens=self.max_tokens,
             temperature=self.temperature,
         )
+
+
+class ScriptedJudgeConfig(ConfigModel):
+    """The scripted credit judge, answered in this process: no model, no network. It values
+    each turn of a failed trajectory by what its action does (reading and testing raise the
+    value, the last edit is the critical error); it answers AssignCredit only."""
+
+    kind: Literal["scripted"] = Field(description="scripted.")
+    model: str = Field(
+        default="scripted-judge",
+        min_length=1,
+        description="Name the credit it gives is attributed to (`judge:<model>`).",
+    )
+
+
+def _judge_kind(value: Any) -> str:
+    """A judge without `kind` is an endpoint, as before kinds existed."""
+    kind = value.get("kind", "openai") if isinstance(value, dict) else getattr(value, "kind", "")
+    return str(kind)
+
+
+AnyJudgeConfig = Annotated[
+    Annotated[JudgeConfig, Tag("openai")] | Annotated[ScriptedJudgeConfig, Tag("scripted")],
+    Discriminator(_judge_kind),
+]
+"""A judge of either kind, told apart by `kind`."""
+
+
+def _default_judges() -> dict[str, JudgeConfig | ScriptedJudgeConfig]:
+    """The local engine, and the scripted credit judge recipes name (it costs nothing)."""
+    return {"default": JudgeConfig(), "scripted": ScriptedJudgeConfig(kind="scripted")}
 
 
 class RubricDimensionConfig(ConfigModel):
@@ -219,10 +239,13 @@ class RewardConfig(ServiceConfig):
 
     server: ServerConfig = ServerConfig(listen=["127.0.0.1:7200"])
     env: EnvServiceConfig = EnvServiceConfig()
-    judges: dict[str, JudgeConfig] = Field(
-        default_factory=lambda: {"default": JudgeConfig()},
+    judges: dict[str, AnyJudgeConfig] = Field(
+        default_factory=_default_judges,
         min_length=1,
-        description="Judge endpoints by name; requests pick one by name (JudgeOutcome.judge).",
+        description="Judges by name: model endpoints (kind openai) or the scripted credit "
+        "judge (kind scripted); requests pick one by name (JudgeOutcome.judge, "
+        "AssignCredit.judge). Default: `default` (the local engine) and `scripted`; a file "
+        "that sets `judges` replaces both.",
     )
     default_judge: str = Field(default="default", description="The judge a request names none.")
     last_screenshots: int = Field(

@@ -14,13 +14,20 @@ import base64
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import openai
 
 from orchard.reward.judge_json import MalformedJudgeOutput
 
-__all__ = ["JudgeAnswer", "JudgeEndpoint", "OpenAIJudge", "RetryObserver", "image_data_url"]
+__all__ = [
+    "Judge",
+    "JudgeAnswer",
+    "JudgeEndpoint",
+    "OpenAIJudge",
+    "RetryObserver",
+    "image_data_url",
+]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +91,27 @@ def image_data_url(image: bytes) -> str:
     return f"data:image/{kind};base64,{base64.b64encode(image).decode()}"
 
 
+class Judge(Protocol):
+    """What the judged scorers ask: a model behind an endpoint (:class:`OpenAIJudge`) or the
+    scripted judge (:class:`orchard.reward.scripted_judge.ScriptedJudge`)."""
+
+    @property
+    def model(self) -> str:
+        """The name a credit or verdict is attributed to."""
+        ...
+
+    @property
+    def scripted(self) -> bool:
+        """True for a judge without a model, which answers credit questions only."""
+        ...
+
+    async def ask(
+        self, messages: Sequence[dict[str, Any]], parse: Callable[[str], T]
+    ) -> JudgeAnswer[T]: ...
+
+    async def close(self) -> None: ...
+
+
 RetryObserver = Callable[[str], None]
 """Told the kind of every failed attempt that is retried: ``timeout``, ``http_error``,
 ``connection``, ``bad_response`` (not a chat completion) or ``malformed`` (no usable answer)."""
@@ -105,6 +133,12 @@ class OpenAIJudge:
             timeout=endpoint.timeout_s,
             max_retries=0,
         )
+
+    scripted = False
+
+    @property
+    def model(self) -> str:
+        return self.endpoint.model
 
     async def __aenter__(self) -> OpenAIJudge:
         return self

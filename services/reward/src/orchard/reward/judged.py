@@ -1,6 +1,6 @@
 """The judge-backed scorers: outcome verdicts, rubric grades and credit assignment.
 
-Each builds the question, asks an :class:`~orchard.reward.judge_client.OpenAIJudge` with a
+Each builds the question, asks a :class:`~orchard.reward.judge_client.Judge` with a
 strict parser, and turns the answer into a :class:`~orchard.reward.outcome.ScoreResult` (or a
 credit curve). When no attempt gives a usable answer the result is EXCLUDED with every
 attempt's problem in its evidence.
@@ -21,7 +21,7 @@ from orchard.reward.credit import (
     credit_curve,
     validate_epsilon,
 )
-from orchard.reward.judge_client import JudgeAnswer, OpenAIJudge, image_data_url
+from orchard.reward.judge_client import Judge, JudgeAnswer, image_data_url
 from orchard.reward.outcome import Evidence, Exclusion, ScoreResult, excluded
 from orchard.reward.rubric import DEFAULT_RUBRIC, Dimension, combine, parse_grades, validate_rubric
 from orchard.reward.verdict import parse_verdict, verdict_reward
@@ -51,7 +51,7 @@ def _problems(answer: JudgeAnswer[Any]) -> tuple[Evidence, ...]:
 
 
 async def judge_outcome(
-    judge: OpenAIJudge,
+    judge: Judge,
     *,
     intent: str,
     final_response: str,
@@ -102,12 +102,12 @@ async def judge_outcome(
         format_variant=format_variant,
         policy_format_failures=policy_format_failures,
         format_failure_limit=format_failure_limit,
-        why_none=f"judge {judge.endpoint.model} {reached} in {answer.attempts} attempt(s)",
+        why_none=f"judge {judge.model} {reached} in {answer.attempts} attempt(s)",
     )
 
 
 async def grade_rubric(
-    judge: OpenAIJudge,
+    judge: Judge,
     steps: Sequence[TranscriptStep],
     *,
     task: str,
@@ -151,7 +151,7 @@ class CreditAnswer:
 
 
 async def assign_credit(
-    judge: OpenAIJudge,
+    judge: Judge,
     steps: Sequence[TranscriptStep],
     *,
     task: str,

@@ -20,12 +20,12 @@ from orchard.core.server import (
     application_server,
     run_application,
 )
-from orchard.reward.config import RewardConfig
-from orchard.reward.judge_client import OpenAIJudge
+from orchard.reward.config import JudgeConfig, RewardConfig
+from orchard.reward.judge_client import Judge, OpenAIJudge
 from orchard.reward.metrics import RewardMetrics
+from orchard.reward.scripted_judge import ScriptedJudge
 from orchard.reward.service import RewardResources, RewardServicer
 from orchard.reward.v1 import reward_service_pb2_grpc
-from orchard.sdk.aio import AsyncSandboxClient
 
 __all__ = ["SERVICE_NAME", "RewardApplication", "main"]
 
@@ -66,16 +66,21 @@ class RewardApplication:
         metrics = RewardMetrics(server.metrics)
         self.servicer.metrics = metrics
         # Endpoints (and their API keys) first: a missing key fails the start, opening nothing.
-        endpoints = {name: judge.endpoint() for name, judge in config.judges.items()}
-        judges = {
-            name: OpenAIJudge(endpoint, on_retry=functools.partial(metrics.judge_retry, name))
-            for name, endpoint in endpoints.items()
+        endpoints = {
+            name: judge.endpoint()
+            for name, judge in config.judges.items()
+            if isinstance(judge, JudgeConfig)
         }
+        judges: dict[str, Judge] = {}
+        for name, judge in config.judges.items():
+            if isinstance(judge, JudgeConfig):
+                retry = functools.partial(metrics.judge_retry, name)
+                judges[name] = OpenAIJudge(endpoints[name], on_retry=retry)
+            else:
+                judges[name] = ScriptedJudge(judge.model)
         env = None
         if config.env.endpoint:
-            env = AsyncSandboxClient(
-                config.env.endpoint, token=config.env.token(), timeout=config.env.call_timeout_s
-            )
+            env = config.env.client(config.env.endpoint)
         self._resources = RewardResources(judges, env)
         self.servicer.attach(self._resources)
         log.info(

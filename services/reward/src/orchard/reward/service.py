@@ -21,7 +21,7 @@ from orchard.core.errors import OrchardError, Reason
 from orchard.reward import convert
 from orchard.reward.config import RewardConfig
 from orchard.reward.credit import validate_epsilon
-from orchard.reward.judge_client import OpenAIJudge
+from orchard.reward.judge_client import Judge
 from orchard.reward.judged import assign_credit, grade_rubric, judge_outcome
 from orchard.reward.metrics import RewardMetrics
 from orchard.reward.outcome import Exclusion, ScoreResult, excluded, scored
@@ -46,7 +46,7 @@ class RewardResources:
     """What the RPCs use, opened when the server starts: judges by name and the environment
     service client (None when no endpoint is configured)."""
 
-    judges: Mapping[str, OpenAIJudge]
+    judges: Mapping[str, Judge]
     env: AsyncSandboxClient | None
 
 
@@ -71,12 +71,20 @@ class RewardServicer(reward_service_pb2_grpc.RewardServiceServicer):
             raise OrchardError(Reason.UNAVAILABLE, "the reward service is starting or stopping")
         return self._resources
 
-    def _judge(self, name: str) -> OpenAIJudge:
+    def _judge(self, name: str, *, credit: bool = False) -> Judge:
+        """The judge named (empty: the default); a scripted one only for credit questions."""
         chosen = name or self.config.default_judge
         judge = self.resources.judges.get(chosen)
         if judge is None:
             known = ", ".join(sorted(self.resources.judges))
             raise _invalid(f"unknown judge {chosen!r}; configured judges: {known}")
+        if judge.scripted and not credit:
+            models = sorted(n for n, j in self.resources.judges.items() if not j.scripted)
+            raise OrchardError(
+                Reason.FAILED_PRECONDITION,
+                f"judge {chosen!r} is the scripted credit judge: it answers AssignCredit only; "
+                f"name a model judge ({', '.join(models) or 'none configured'})",
+            )
         return judge
 
     def _env(self) -> AsyncSandboxClient:
@@ -292,7 +300,7 @@ class RewardServicer(reward_service_pb2_grpc.RewardServiceServicer):
             validate_epsilon(request.epsilon) if request.epsilon else self.config.credit.epsilon
         )
         steps = convert.transcript(request.trajectory)
-        judge = self._judge("")
+        judge = self._judge(request.judge, credit=True)
         failure = request.failure or request.trajectory.reward.detail or "the task was not solved"
         started = time.monotonic()
         answer = await assign_credit(
@@ -318,6 +326,6 @@ class RewardServicer(reward_service_pb2_grpc.RewardServiceServicer):
         )
         self._record(result, started)
         return api.AssignCreditResponse(
-            credit=convert.credit_message(answer.curve, f"judge:{judge.endpoint.model}"),
+            credit=convert.credit_message(answer.curve, f"judge:{judge.model}"),
             reward=convert.reward_message(result),
         )

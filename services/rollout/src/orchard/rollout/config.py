@@ -15,15 +15,18 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from orchard.core.artifacts import ArtifactsConfig
 from orchard.core.config import ConfigModel, ServerConfig, ServiceConfig
 from orchard.rollout.engines.local import LocalEngineConfig
 from orchard.rollout.proxy.server import CaptureProxyConfig
+from orchard.sdk.service_config import EnvClientConfig
 
 __all__ = [
     "ENV_NAME",
     "EnvServiceConfig",
     "EtcdConfig",
     "JobPoliciesConfig",
+    "JobsConfig",
     "PolicyConfig",
     "RewardServiceConfig",
     "RolloutConfig",
@@ -59,7 +62,7 @@ class EtcdConfig(ConfigModel):
     timeout_s: float = Field(default=5.0, gt=0, description="Deadline of one etcd call.")
 
 
-class EnvServiceConfig(ConfigModel):
+class EnvServiceConfig(EnvClientConfig):
     """The environment service the rollouts' sandboxes run in."""
 
     endpoint: str = Field(
@@ -67,20 +70,6 @@ class EnvServiceConfig(ConfigModel):
         min_length=1,
         description="gRPC address of orchard-env (HOST:PORT or unix:PATH).",
     )
-    token_env: str = Field(
-        default="ORCHARD_TOKEN",
-        description="Environment variable holding the bearer token for orchard-env; unset: none.",
-    )
-    call_timeout_s: float = Field(default=30.0, gt=0, description="Deadline of one quick call.")
-
-    @field_validator("token_env")
-    @classmethod
-    def _check_token_env(cls, value: str) -> str:
-        return _env_name(value)
-
-    def token(self, environ: Mapping[str, str] | None = None) -> str | None:
-        environ = os.environ if environ is None else environ
-        return environ.get(self.token_env) or None if self.token_env else None
 
 
 class RewardServiceConfig(ConfigModel):
@@ -101,7 +90,7 @@ class PolicyConfig(ConfigModel):
 
     ``local``: the local engine on this machine behind the capture proxy; every call is
     captured with its exact tokens and weight version, and groups carry trainable turns.
-    ``openai``: any OpenAI-compatible endpoint (a hosted model, the scripted policy); calls
+    ``openai``: any OpenAI-compatible endpoint (a hosted model, a scripted policy server); calls
     are not captured, so groups carry rewards and outcomes but no turns.
     """
 
@@ -143,11 +132,19 @@ class PolicyConfig(ConfigModel):
 class JobPoliciesConfig(ConfigModel):
     """Policies a job brings in its spec (`RolloutJobSpec.policy_spec`): a weight version of
     any model in the registry, each on a local engine of its own behind a capture proxy,
-    started for the jobs that use it and closed when the last of them ends."""
+    started for the jobs that use it and closed when the last of them ends; an endpoint; or a
+    script this service plays itself, on a loopback server of its own for the job's length."""
 
     allow: bool = Field(
         default=True,
-        description="Accept jobs with a policy_spec; false: they are FAILED_PRECONDITION.",
+        description="Accept jobs with a policy_spec (weights, endpoint or script); false: they "
+        "are FAILED_PRECONDITION.",
+    )
+    max_script_bytes: int = Field(
+        default=512 * 1024,
+        ge=1024,
+        description="Largest scripted policy a job may bring (serialized); the spec is stored "
+        "in etcd, whose values are bounded too.",
     )
     max_engines: int = Field(
         default=2,
@@ -159,6 +156,33 @@ class JobPoliciesConfig(ConfigModel):
         default_factory=LocalEngineConfig,
         description="Batching settings of those engines (their weights come from the job).",
     )
+
+
+class JobsConfig(ConfigModel):
+    """How long ended jobs stay, and how often replicas look again without an event."""
+
+    retention_s: float = Field(
+        default=7 * 86400.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Seconds an ended job (SUCCEEDED, FAILED, CANCELLED) and its groups stay in "
+        "etcd after it ended; then they are removed and GetRolloutJob says so (NOT_FOUND) for "
+        "one more retention. 0: kept forever.",
+    )
+    recheck_interval_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="A safety net under the etcd watch: every this many seconds a replica "
+        "reads every job again (orphans to adopt, cancels) and open streams read their groups.",
+    )
+
+    @property
+    def sweep_interval_s(self) -> float:
+        """How often a replica looks for ended jobs past the retention (a tenth of it, within
+        [1 s, 10 min])."""
+        return min(600.0, max(1.0, self.retention_s / 10))
 
 
 class RunDefaults(ConfigModel):
@@ -184,6 +208,11 @@ class RolloutConfig(ServiceConfig):
 
     server: ServerConfig = ServerConfig(listen=["127.0.0.1:7300"])
     etcd: EtcdConfig = EtcdConfig()
+    artifacts: ArtifactsConfig = Field(
+        default_factory=ArtifactsConfig,
+        description="The artifact store: task archives (`files` of a task) and published "
+        "weights are read from it; a URL outside root and allowed is refused.",
+    )
     env: EnvServiceConfig = EnvServiceConfig()
     reward: RewardServiceConfig = RewardServiceConfig()
     policies: dict[str, PolicyConfig] = Field(
@@ -204,6 +233,9 @@ class RolloutConfig(ServiceConfig):
         default=30.0, gt=0, description="How long a rollout's captured calls may take to settle."
     )
     defaults: RunDefaults = RunDefaults()
+    jobs: JobsConfig = Field(
+        default_factory=JobsConfig, description="Retention of ended jobs; the watch's safety net."
+    )
     resume_running_jobs: bool = Field(
         default=True,
         description="At start, resume the jobs a previous process left RUNNING (pairs already "

@@ -21,8 +21,8 @@ from orchard.rollout.metrics import RolloutMetrics
 from orchard.rollout.runs import JobStore
 from orchard.rollout.scoring import LocalScorer, RewardServiceScorer, TaskScorer
 from orchard.rollout.service import RolloutManager, RolloutServicer
+from orchard.rollout.task_files import StoreFiles
 from orchard.rollout.v1 import rollout_service_pb2_grpc
-from orchard.sdk import AsyncSandboxClient
 
 __all__ = ["SERVICE_NAME", "RolloutApplication", "main"]
 
@@ -71,11 +71,7 @@ class RolloutApplication:
                 timeout=config.etcd.timeout_s,
             )
         )
-        sandboxes = await stack.enter_async_context(
-            AsyncSandboxClient(
-                config.env.endpoint, token=config.env.token(), timeout=config.env.call_timeout_s
-            )
-        )
+        sandboxes = await stack.enter_async_context(config.env.client(config.env.endpoint))
         scorer: TaskScorer = LocalScorer()
         if config.reward.endpoint:
             scorer = await stack.enter_async_context(
@@ -105,6 +101,7 @@ class RolloutApplication:
             scorer=scorer,
             metrics=RolloutMetrics(server.metrics),
             registry=registry,
+            files=StoreFiles(config.artifacts.store()),
         )
         await self.manager.open()
         self.servicer.attach(self.manager)

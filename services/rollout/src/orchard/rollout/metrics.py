@@ -14,7 +14,8 @@ _ROLLOUT_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200)
 class RolloutMetrics:
     """``orchard_rollout_*``: rollouts started, running and finished by status, groups emitted
     and dropped, the latency of agent steps (model calls and tool executions) and of whole
-    rollouts, jobs running, engines of job policies running.
+    rollouts, jobs running, adopted and removed by the retention, restarts of the job watch,
+    engines of job policies running.
 
     Without a metrics address the server has no registry; these then go to a private one.
     """
@@ -51,6 +52,22 @@ class RolloutMetrics:
             buckets=_ROLLOUT_BUCKETS,
         )
         self.jobs_running = m.gauge("jobs_running", "Jobs this process is running now.")
+        self.jobs_adopted = m.counter(
+            "jobs_adopted_total",
+            "Jobs this process took over from a process that stopped or died (resumed, or "
+            "marked FAILED when it cannot resume them).",
+        )
+        self.jobs_removed = m.counter(
+            "jobs_removed_total",
+            "Ended jobs this process removed from etcd, with their groups, after the "
+            "retention (jobs.retention_s).",
+        )
+        self.job_watch_restarts = m.counter(
+            "job_watch_restarts_total",
+            "Times the watch over jobs and groups was opened again: resumed (from the revision "
+            "it had reached) or relisted (that revision was compacted).",
+            ["how"],
+        )
         self.job_engines = m.gauge(
             "job_policy_engines",
             "Local engines running now for policies that jobs brought in their specs.",

@@ -33,6 +33,7 @@ from orchard.rollout.provenance import FailureLayer, InfraFailure, RolloutRecord
 from orchard.rollout.proxy.sessions import CaptureNotSettled
 from orchard.rollout.results import GroupKey, RolloutResult, RolloutStatus
 from orchard.rollout.scoring import LocalScorer, RewardExcluded, RewardUnavailable, TaskScorer
+from orchard.rollout.task_files import FileSource, TaskFilesError, place_files
 from orchard.rollout.tasks import TaskSpec
 from orchard.sdk import AsyncSandbox, AsyncSandboxClient, Resources
 from orchard.sdk import errors as sdk_errors
@@ -113,6 +114,8 @@ class RolloutRunner:
     seed: int | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
     """Labels put on every sandbox (e.g. the run id)."""
+    files: FileSource | None = None
+    """Where task archives (`TaskSpec.files`) are read from: the service's artifact store."""
     records: list[RolloutRecord] = field(default_factory=list)
     """Every rollout's provenance record, in finishing order."""
     _rng: random.Random = field(init=False)
@@ -167,6 +170,18 @@ class RolloutRunner:
             rng=self._rng,
         )
 
+    async def _place_files(self, sandbox: AsyncSandbox, task: TaskSpec) -> None:
+        if self.files is None:
+            raise InfrastructureError(
+                FailureLayer.SANDBOX_CREATE,
+                f"task {task.id!r} brings files but this runner has no artifact store",
+                1,
+            )
+        try:
+            await place_files(sandbox, task.files, self.files)
+        except TaskFilesError as exc:
+            raise InfrastructureError(FailureLayer.SANDBOX_CREATE, str(exc), 1) from exc
+
     async def _run(
         self,
         *,
@@ -183,6 +198,8 @@ class RolloutRunner:
         try:
             sandbox = await self._create(task, record, memory)
             record.sandbox_ids.append(sandbox.id)
+            if task.files:
+                await self._place_files(sandbox, task)
             for command in task.setup:
                 setup = await sandbox.exec(["/bin/sh", "-c", command], timeout=300)
                 if setup.signal == KILL_SIGNAL and not setup.timed_out:

@@ -1,20 +1,9 @@
-"""Rollout jobs: their state in etcd, and running one to its end.
+"""Running a rollout job to its end, and its groups as the consumer sees them.
 
-Keys, under the service's namespace:
-
-- ``jobs/<job_id>``: the job as JSON (spec, state, progress, the pairs sampled to their end);
-- ``requests/<request_id>``: the job a client's request id created (retries return it);
-- ``groups/<job_id>/<index>``: the emitted groups (``orchard.types.v1.TrajectoryGroup``, binary),
-  numbered from 0 in emission order;
-- ``cancels/<job_id>``: written by a cancel; every write of the job's runner is conditional on
-  its absence, so a cancel (from any replica) is never overwritten;
-- ``owners/<job_id>``: the process running the job, on that process's lease (it vanishes when
-  the process stops or dies, and another process, or the restarted one, adopts the job).
-
-A group is written in one transaction with the job record that counts it and marks its pair
-done, so a group is emitted exactly once: after a restart the job resumes with the pairs not yet
-done (their rollouts in flight at the restart are lost and the pair is sampled again from the
-start), and consumers resume `StreamGroups` at the index they stopped at.
+A job's state lives in the job store (:mod:`orchard.rollout.job_store`, re-exported here):
+after a restart the job resumes with the pairs not yet done (their rollouts in flight at the
+restart are lost and the pair is sampled again from the start), and consumers resume
+`StreamGroups` at the index they stopped at.
 """
 
 from __future__ import annotations
@@ -24,16 +13,24 @@ import contextlib
 import json
 import logging
 import statistics
-import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from google.protobuf import json_format, timestamp_pb2
-
-from orchard.core.etcd import Compare, CompareOp, EtcdStore, PutOp
 from orchard.rollout.batches import GroupFilter
+from orchard.rollout.job_store import (
+    CANCELS,
+    ENDED,
+    GROUPS,
+    JOBS,
+    OWNERS,
+    REQUESTS,
+    STATE_NAMES,
+    JobCancelled,
+    JobState,
+    JobStore,
+    group_key,
+    new_job_id,
+)
 from orchard.rollout.metrics import RolloutMetrics
 from orchard.rollout.provenance import RolloutRecord
 from orchard.rollout.results import GroupKey, RolloutResult, RolloutStatus, RunRollout
@@ -42,220 +39,29 @@ from orchard.rollout.trajectory_tree import build_tree, tree_trajectories
 from orchard.rollout.v1 import rollout_service_pb2 as api
 from orchard.types.v1 import reward_pb2, trajectory_pb2
 
+__all__ = [
+    "CANCELS",
+    "ENDED",
+    "GROUPS",
+    "JOBS",
+    "OWNERS",
+    "REQUESTS",
+    "STATE_NAMES",
+    "JobCancelled",
+    "JobRun",
+    "JobState",
+    "JobStore",
+    "group_key",
+    "group_proto",
+    "new_job_id",
+    "pair_name",
+]
+
 log = logging.getLogger(__name__)
-
-JOBS = "jobs/"
-REQUESTS = "requests/"
-OWNERS = "owners/"
-CANCELS = "cancels/"
-GROUPS = "groups/"
-INDEX_DIGITS = 10
-
-STATE_NAMES: dict[int, str] = {
-    api.ROLLOUT_JOB_STATE_RUNNING: "RUNNING",
-    api.ROLLOUT_JOB_STATE_SUCCEEDED: "SUCCEEDED",
-    api.ROLLOUT_JOB_STATE_FAILED: "FAILED",
-    api.ROLLOUT_JOB_STATE_CANCELLED: "CANCELLED",
-}
-ENDED = frozenset(
-    {
-        api.ROLLOUT_JOB_STATE_SUCCEEDED,
-        api.ROLLOUT_JOB_STATE_FAILED,
-        api.ROLLOUT_JOB_STATE_CANCELLED,
-    }
-)
 
 
 def pair_name(key: GroupKey) -> str:
     return f"{key.task_id}\x1f{key.harness}"
-
-
-def group_key(job_id: str, index: int) -> str:
-    return f"{GROUPS}{job_id}/{index:0{INDEX_DIGITS}d}"
-
-
-def _timestamp(seconds: float) -> timestamp_pb2.Timestamp:
-    stamp = timestamp_pb2.Timestamp()
-    stamp.FromNanoseconds(int(seconds * 1e9))
-    return stamp
-
-
-@dataclass(slots=True)
-class JobState:
-    """A job as stored: everything `RolloutJob` shows, and the pairs already done."""
-
-    id: str
-    spec: api.RolloutJobSpec
-    request_id: str = ""
-    state: int = int(api.ROLLOUT_JOB_STATE_RUNNING)
-    error: str = ""
-    create_time: float = field(default_factory=time.time)
-    update_time: float = field(default_factory=time.time)
-    rollouts_started: int = 0
-    rollouts_done: int = 0
-    rollouts_excluded: int = 0
-    groups_emitted: int = 0
-    groups_dropped: int = 0
-    pairs_total: int = 0
-    pairs_done: list[str] = field(default_factory=list)
-    resumes: int = 0
-
-    @property
-    def ended(self) -> bool:
-        return self.state in ENDED
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "id": self.id,
-                "spec": json_format.MessageToDict(self.spec, preserving_proto_field_name=True),
-                "request_id": self.request_id,
-                "state": STATE_NAMES[self.state],
-                "error": self.error,
-                "create_time": self.create_time,
-                "update_time": self.update_time,
-                "rollouts_started": self.rollouts_started,
-                "rollouts_done": self.rollouts_done,
-                "rollouts_excluded": self.rollouts_excluded,
-                "groups_emitted": self.groups_emitted,
-                "groups_dropped": self.groups_dropped,
-                "pairs_total": self.pairs_total,
-                "pairs_done": self.pairs_done,
-                "resumes": self.resumes,
-            }
-        )
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> JobState:
-        data: dict[str, Any] = json.loads(text)
-        states = {name: number for number, name in STATE_NAMES.items()}
-        return cls(
-            id=data["id"],
-            spec=json_format.ParseDict(data["spec"], api.RolloutJobSpec()),
-            request_id=data.get("request_id", ""),
-            state=states[data["state"]],
-            error=data.get("error", ""),
-            create_time=data["create_time"],
-            update_time=data.get("update_time", data["create_time"]),
-            rollouts_started=data.get("rollouts_started", 0),
-            rollouts_done=data.get("rollouts_done", 0),
-            rollouts_excluded=data.get("rollouts_excluded", 0),
-            groups_emitted=data.get("groups_emitted", 0),
-            groups_dropped=data.get("groups_dropped", 0),
-            pairs_total=data.get("pairs_total", 0),
-            pairs_done=list(data.get("pairs_done", [])),
-            resumes=data.get("resumes", 0),
-        )
-
-    def to_proto(self) -> api.RolloutJob:
-        return api.RolloutJob(
-            id=self.id,
-            spec=self.spec,
-            state=self.state,  # type: ignore[arg-type]
-            rollouts_done=self.rollouts_done,
-            rollouts_excluded=self.rollouts_excluded,
-            groups_emitted=self.groups_emitted,
-            error=self.error,
-            create_time=_timestamp(self.create_time),
-            rollouts_started=self.rollouts_started,
-            groups_dropped=self.groups_dropped,
-            pairs_total=self.pairs_total,
-            pairs_done=len(self.pairs_done),
-            resumes=self.resumes,
-            update_time=_timestamp(self.update_time),
-        )
-
-
-class JobCancelled(Exception):
-    """The job was cancelled (possibly through another replica): its runner stops writing."""
-
-
-class JobStore:
-    """Jobs and their groups in etcd."""
-
-    def __init__(self, store: EtcdStore) -> None:
-        self.store = store
-
-    async def create(self, job: JobState) -> JobState:
-        """Stores a new job; with a request id already used, returns the job it created."""
-        if job.request_id:
-            created = await self.store.create_if_absent(REQUESTS + job.request_id, job.id)
-            if created is None:
-                existing = await self.store.get(REQUESTS + job.request_id)
-                if existing is not None:
-                    found = await self.get(existing.value_str)
-                    if found is not None:
-                        return found
-        await self.put(job)
-        return job
-
-    async def put(self, job: JobState) -> None:
-        job.update_time = time.time()
-        await self.store.put(JOBS + job.id, job.to_json())
-
-    async def put_running(self, job: JobState) -> None:
-        """The runner's write: refused (JobCancelled) once the job was cancelled."""
-        job.update_time = time.time()
-        result = await self.store.txn(
-            [Compare.version(CANCELS + job.id, CompareOp.EQUAL, 0)],
-            [PutOp.of(JOBS + job.id, job.to_json())],
-        )
-        if not result.succeeded:
-            raise JobCancelled(job.id)
-
-    async def mark_cancelled(self, job_id: str) -> None:
-        await self.store.put(CANCELS + job_id, "1")
-
-    async def claim(self, job_id: str, owner: str, lease: int) -> bool:
-        """Makes `owner` the job's runner unless another live process is; True when it is."""
-        if await self.store.create_if_absent(OWNERS + job_id, owner, lease=lease) is not None:
-            return True
-        current = await self.store.get(OWNERS + job_id)
-        return current is not None and current.value_str == owner
-
-    async def get(self, job_id: str) -> JobState | None:
-        kv = await self.store.get(JOBS + job_id)
-        return None if kv is None else JobState.from_json(kv.value)
-
-    async def all(self) -> list[JobState]:
-        """Every job, newest first."""
-        jobs = [JobState.from_json(kv.value) async for kv in self.store.iter_prefix(JOBS)]
-        return sorted(jobs, key=lambda j: (-j.create_time, j.id))
-
-    async def emit(self, job: JobState, group: trajectory_pb2.TrajectoryGroup) -> int:
-        """Writes the group as the job's next one with the job record, atomically; returns its
-        index."""
-        index = job.groups_emitted
-        job.groups_emitted += 1
-        job.update_time = time.time()
-        result = await self.store.txn(
-            [Compare.version(CANCELS + job.id, CompareOp.EQUAL, 0)],
-            [
-                PutOp.of(group_key(job.id, index), group.SerializeToString()),
-                PutOp.of(JOBS + job.id, job.to_json()),
-            ],
-        )
-        if not result.succeeded:
-            job.groups_emitted -= 1
-            raise JobCancelled(job.id)
-        return index
-
-    async def groups(
-        self, job_id: str, start_index: int, *, page_size: int = 64
-    ) -> list[tuple[int, trajectory_pb2.TrajectoryGroup]]:
-        """The job's groups from `start_index` on, in order (read from that key on)."""
-        prefix = f"{GROUPS}{job_id}/"
-        after: str | None = group_key(job_id, start_index - 1) if start_index > 0 else None
-        out = []
-        while True:
-            page = await self.store.get_prefix(prefix, limit=page_size, start_after=after)
-            for kv in page.kvs:
-                group = trajectory_pb2.TrajectoryGroup()
-                group.ParseFromString(kv.value)
-                out.append((int(kv.key_str.rsplit("/", 1)[1]), group))
-            if not page.more or not page.kvs:
-                return out
-            after = page.kvs[-1].key_str
 
 
 # -- groups as the consumer sees them -------------------------------------------------------
@@ -461,7 +267,3 @@ class JobRun:
 
 def _names(key: GroupKey) -> tuple[str, str]:
     return key.task_id, key.harness
-
-
-def new_job_id() -> str:
-    return uuid.uuid4().hex

@@ -92,6 +92,45 @@ class PolicyScript:
         return None
 
 
+def _proto_steps(steps: Sequence[Any], where: str) -> tuple[ScriptedStep, ...]:
+    """`orchard.rollout.v1.ScriptedStep` messages; ValueError names the bad one."""
+    out = []
+    for i, step in enumerate(steps):
+        if not step.thought:
+            raise ValueError(f"{where}[{i}].thought is empty")
+        arguments: Any = {}
+        if step.arguments_json:
+            try:
+                arguments = json.loads(step.arguments_json)
+            except ValueError as exc:
+                raise ValueError(f"{where}[{i}].arguments_json is not JSON: {exc}") from None
+        if not isinstance(arguments, dict):
+            raise ValueError(f"{where}[{i}].arguments_json must be a JSON object")
+        out.append(ScriptedStep(step.thought, step.tool, arguments))
+    return tuple(out)
+
+
+def script_from_proto(message: Any) -> PolicyScript:
+    """A `PolicyScript` from an `orchard.rollout.v1.ScriptedPolicy` message; ValueError says
+    which field is wrong."""
+    if not message.plans:
+        raise ValueError("plans is empty: give at least one plan")
+    plans = []
+    for i, plan in enumerate(message.plans):
+        where = f"plans[{i}]"
+        if not plan.match:
+            raise ValueError(f"{where}.match is empty: give a piece of the task's instruction")
+        if not 0.0 <= plan.solve_rate <= 1.0:  # also refuses NaN
+            raise ValueError(f"{where}.solve_rate {plan.solve_rate} must lie in [0, 1]")
+        solution = _proto_steps(plan.solution, f"{where}.solution")
+        failure = _proto_steps(plan.failure, f"{where}.failure")
+        try:
+            plans.append(TaskPlan(plan.match, plan.solve_rate, solution, failure))
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+    return PolicyScript(plans=tuple(plans), model=message.model or DEFAULT_MODEL)
+
+
 def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content

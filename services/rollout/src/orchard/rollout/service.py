@@ -1,11 +1,12 @@
 """``orchard.rollout.v1.RolloutService``: rollout jobs started, watched, streamed and cancelled.
 
-`RolloutManager` owns what jobs use: the job store in etcd, the environment service client,
-the scorer, and the policies (a local engine behind a capture proxy, started on first use, or an
-OpenAI-compatible endpoint). Each job runs as one asyncio task in the process that owns it
-(:class:`orchard.rollout.runs.JobRun`): ownership is a key on the process's etcd lease, so with
-several replicas each job runs once, a job whose owner stopped or died is adopted by another
-(or the restarted) process, and a cancel received by any replica reaches the owner.
+The RPC handlers, spec validation and the wiring of the service's parts: the job store
+(:mod:`orchard.rollout.job_store`), the scheduler that decides which replica runs which job
+(:mod:`orchard.rollout.scheduler`), the engine pool of the policies jobs run with
+(:mod:`orchard.rollout.engine_pool`) and group streaming (:mod:`orchard.rollout.streams`), all
+fed by the process's etcd watch (:mod:`orchard.rollout.job_events`). `RolloutManager` joins
+them with the environment service client and the scorer; each job runs as one asyncio task
+(:class:`orchard.rollout.runs.JobRun`) in the replica that claimed it.
 
 Bad input is INVALID_ARGUMENT with what to fix; a job that needs something this service was not
 configured with (a reward service) is FAILED_PRECONDITION. Both are raised as `OrchardError` and
@@ -16,36 +17,41 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import re
 import urllib.parse
-import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
 
-from orchard.core.errors import ErrorReason, OrchardError, Reason
-from orchard.core.etcd import Lease
+from orchard.core.errors import OrchardError, Reason
 from orchard.lm.weights import InvalidWeightVersion, check_model_name
 from orchard.rollout.batches import GroupFilter
 from orchard.rollout.budgets import LayeredRetries, RolloutBudget
 from orchard.rollout.config import ENV_NAME, PolicyConfig, RolloutConfig
+from orchard.rollout.engine_pool import EnginePool, StartedPolicy
 from orchard.rollout.engines.local import LocalEngineConfig
+from orchard.rollout.errors import RolloutReason, find_job
 from orchard.rollout.harnesses.bash_react import (
     bash_react_harness,
     generic_tool_harness,
     shell_harness,
 )
-from orchard.rollout.harnesses.tool_loop import ModelEndpoint, ToolCallingHarness
+from orchard.rollout.harnesses.tool_loop import ToolCallingHarness
+from orchard.rollout.job_events import JobEvents
+from orchard.rollout.job_store import BadPageToken, decode_page_token, encode_page_token
 from orchard.rollout.metrics import RolloutMetrics
 from orchard.rollout.results import GroupKey
-from orchard.rollout.runner import CaptureSource, ProxyCapture, RolloutRunner
-from orchard.rollout.runs import JobRun, JobState, JobStore, new_job_id
+from orchard.rollout.runner import RolloutRunner
+from orchard.rollout.runs import JobCancelled, JobRun, JobState, JobStore, new_job_id
 from orchard.rollout.samplers import BalancedAdaptiveSampler, FixedNSampler, Sampler
+from orchard.rollout.scheduler import JobScheduler, Work
 from orchard.rollout.scoring import LocalScorer, TaskScorer
+from orchard.rollout.scripted_policy import script_from_proto
+from orchard.rollout.streams import GroupStreams
+from orchard.rollout.task_files import FileSource
 from orchard.rollout.tasks import CommandCheck, TaskSpec
 from orchard.rollout.v1 import rollout_service_pb2 as api
 from orchard.rollout.v1 import rollout_service_pb2_grpc
@@ -54,10 +60,8 @@ from orchard.sdk import errors as sdk_errors
 
 if TYPE_CHECKING:
     from orchard.lm.weights import WeightRegistry
-    from orchard.rollout.engines.local import LocalEngine
-    from orchard.rollout.proxy.server import CaptureProxy
 
-__all__ = ["JOB_LABEL", "RolloutManager", "RolloutServicer", "validate_spec"]
+__all__ = ["JOB_LABEL", "RolloutManager", "RolloutReason", "RolloutServicer", "validate_spec"]
 
 log = logging.getLogger(__name__)
 
@@ -65,16 +69,6 @@ JOB_LABEL = "orchard-rollout-job"
 """Label on every sandbox of a job (its id): a resumed job deletes what its last run left."""
 TASK_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_:-]{0,99}$")
 MAX_PAGE = 1000
-
-
-@enum.unique
-class RolloutReason(ErrorReason):
-    """Reasons of the rollout service."""
-
-    GROUPS_PAST_END = (
-        grpc.StatusCode.OUT_OF_RANGE,
-        "start_index is past the last group of a job that has ended.",
-    )
 
 
 def _invalid(message: str) -> OrchardError:
@@ -110,8 +104,9 @@ class ValidSpec:
 
 @dataclass(frozen=True, slots=True)
 class JobPolicyKey:
-    """A policy a job brought: registry weights (jobs with equal keys share one engine) or an
-    endpoint (`base_url` set; nothing to start)."""
+    """A policy a job brought: registry weights (jobs with equal keys share one engine), an
+    endpoint (`base_url` set; nothing to start) or a script (`script` set; played by this
+    service on a loopback server of the job's own)."""
 
     model: str
     version: str
@@ -120,12 +115,21 @@ class JobPolicyKey:
     max_tokens_per_call: int
     base_url: str = ""
     api_key_env: str = ""
+    script: bytes = b""
+    """A serialized `ScriptedPolicy`, checked by `_job_policy`."""
 
     @property
     def name(self) -> str:
+        if self.script:
+            return f"{self.model} (scripted)"
         if self.base_url:
             return f"{self.model} at {self.base_url}"
         return f"{self.model}@{self.version or 'latest'}"
+
+    @property
+    def pooled(self) -> bool:
+        """Registry weights run on an engine that jobs with the same key share."""
+        return not self.base_url and not self.script
 
     def as_config(self, engine: LocalEngineConfig | None = None) -> PolicyConfig:
         """The policy as if configured: an endpoint (kind openai), or a local engine with
@@ -163,6 +167,8 @@ def _job_policy(spec: api.PolicySpec, config: RolloutConfig) -> JobPolicyKey:
         raise _invalid("spec.policy_spec.max_tokens_per_call must not be negative")
     max_tokens = spec.max_tokens_per_call or 1024
     source = spec.WhichOneof("source")
+    if source == "scripted":
+        return _scripted_policy(spec.scripted, config, temperature, max_tokens)
     if source == "endpoint":
         endpoint = spec.endpoint
         url = urllib.parse.urlsplit(endpoint.base_url)
@@ -188,8 +194,8 @@ def _job_policy(spec: api.PolicySpec, config: RolloutConfig) -> JobPolicyKey:
         )
     if source != "weights":
         raise _invalid(
-            "spec.policy_spec needs weights ({model, version} in the weight registry) or an "
-            "endpoint ({base_url, model})"
+            "spec.policy_spec needs weights ({model, version} in the weight registry), an "
+            "endpoint ({base_url, model}) or a scripted policy ({plans})"
         )
     try:
         check_model_name(spec.weights.model)
@@ -200,6 +206,29 @@ def _job_policy(spec: api.PolicySpec, config: RolloutConfig) -> JobPolicyKey:
         version=spec.weights.version,
         temperature=temperature,
         max_tokens_per_call=max_tokens,
+    )
+
+
+def _scripted_policy(
+    script: api.ScriptedPolicy, config: RolloutConfig, temperature: float, max_tokens: int
+) -> JobPolicyKey:
+    """A job's script, bounded and checked whole here so a bad one never starts a job."""
+    size, bound = script.ByteSize(), config.job_policies.max_script_bytes
+    if size > bound:
+        raise _invalid(
+            f"spec.policy_spec.scripted is {size} bytes, more than this service takes ({bound}, "
+            "job_policies.max_script_bytes): give plans only for the job's tasks"
+        )
+    try:
+        parsed = script_from_proto(script)
+    except ValueError as exc:
+        raise _invalid(f"spec.policy_spec.scripted.{exc}") from None
+    return JobPolicyKey(
+        model=parsed.model,
+        version="",
+        temperature=temperature,
+        max_tokens_per_call=max_tokens,
+        script=script.SerializeToString(deterministic=True),
     )
 
 
@@ -248,6 +277,12 @@ def validate_spec(
             tasks[task.id] = TaskSpec.from_proto(task)
         except ValueError as exc:
             raise _invalid(f"spec.tasks[{i}]: {exc}") from None
+        if tasks[task.id].files:
+            # A task archive outside the store would make this service read its own host's
+            # files into a sandbox: refused here with the store's status and reason.
+            store = config.artifacts.store()
+            for item in tasks[task.id].files:
+                store.check(item.url, what=f"spec.tasks[{i}] files URL")
         if not isinstance(tasks[task.id].check, CommandCheck) and not config.reward.endpoint:
             raise OrchardError(
                 Reason.FAILED_PRECONDITION,
@@ -303,32 +338,6 @@ def validate_spec(
 
 
 @dataclass
-class _Policy:
-    """A started policy: where harnesses send calls, and the capture source when captured."""
-
-    endpoint: ModelEndpoint
-    capture: CaptureSource | None = None
-    engine: LocalEngine | None = None
-    proxy: CaptureProxy | None = None
-
-    async def close(self) -> None:
-        if self.proxy is not None:
-            with contextlib.suppress(Exception):
-                await self.proxy.close()
-        if self.engine is not None:
-            with contextlib.suppress(Exception):
-                await self.engine.close()
-
-
-@dataclass
-class _Shared:
-    """A job policy's engine and how many running jobs use it."""
-
-    policy: _Policy
-    users: int = 0
-
-
-@dataclass
 class RolloutManager:
     """Jobs of this process, and what they run with."""
 
@@ -339,55 +348,61 @@ class RolloutManager:
     metrics: RolloutMetrics = field(default_factory=lambda: RolloutMetrics(None))
     registry: WeightRegistry | None = None
     harnesses: dict[str, ToolCallingHarness] = field(default_factory=dict)
-    _tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
-    _changed: dict[str, asyncio.Event] = field(default_factory=dict)
-    _policies: dict[str, _Policy] = field(default_factory=dict)
-    _policy_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    _job_policies: dict[JobPolicyKey, _Shared] = field(default_factory=dict)
-    _job_policies_changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    files: FileSource | None = None
+    """Where task archives are read from (the artifact store)."""
+    engines: EnginePool = field(init=False)
     _create_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    owner: str = field(default_factory=lambda: uuid.uuid4().hex)
     lease_ttl_s: int = 10
-    adopt_interval_s: float = 2.0
-    _lease: Lease | None = None
-    _watcher: asyncio.Task[None] | None = None
+    _events: JobEvents | None = None
+    _scheduler: JobScheduler | None = None
+    _streams: GroupStreams | None = None
 
     def __post_init__(self) -> None:
         if not self.harnesses:
             self.harnesses = builtin_harnesses(self.config.defaults.command_timeout_s)
+        self.engines = EnginePool(self.config, self.metrics, self.registry)
 
     async def open(self) -> None:
-        """Takes a lease for the jobs this process will own, adopts the jobs no live process
-        owns (a restart's), and keeps watching for orphans and cancels from other replicas."""
-        store = self.jobs.store
-        self._lease = await store.grant_lease(self.lease_ttl_s)
-        store.keep_alive(self._lease)
-        await self._adopt_orphans()
-        self._watcher = asyncio.create_task(self._watch(), name="rollout-job-watch")
+        """Starts the job watch, then the scheduler: a lease for the jobs this process will
+        own, the jobs no live process owns (a restart's) adopted, and from then on the
+        claims, cancels and groups of every replica followed as etcd reports them."""
+        jobs_config = self.config.jobs
+        self._events = JobEvents(self.jobs.store, self.metrics)
+        await self._events.start()
+        self._streams = GroupStreams(
+            self.jobs, self._events, recheck_s=jobs_config.recheck_interval_s
+        )
+        self._scheduler = JobScheduler(
+            self.jobs,
+            self._events,
+            self,
+            self.metrics,
+            lease_ttl_s=self.lease_ttl_s,
+            recheck_s=jobs_config.recheck_interval_s,
+            retention_s=jobs_config.retention_s,
+            sweep_interval_s=jobs_config.sweep_interval_s,
+        )
+        await self._scheduler.open()
 
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(self.adopt_interval_s)
-            try:
-                await self._adopt_orphans()
-            except Exception as exc:
-                log.warning("adopting jobs failed: %s", exc)
+    @property
+    def scheduler(self) -> JobScheduler:
+        if self._scheduler is None:
+            raise RuntimeError("open() the manager first")
+        return self._scheduler
+
+    @property
+    def streams(self) -> GroupStreams:
+        if self._streams is None:
+            raise RuntimeError("open() the manager first")
+        return self._streams
 
     # -- policies ------------------------------------------------------------------------
 
-    async def _policy(self, name: str) -> _Policy:
-        async with self._policy_lock:
-            started = self._policies.get(name)
-            if started is not None:
-                return started
-            policy = self.config.policies[name]
-            started = await self._start_policy(name, policy)
-            self._policies[name] = started
-            return started
-
     async def _check_job_policy(self, key: JobPolicyKey) -> None:
         """Raises OrchardError when the job's weights cannot be loaded here (or, for an
-        endpoint, when its API key variable is unset here)."""
+        endpoint, when its API key variable is unset here); a script needs nothing more."""
+        if key.script:
+            return
         if key.base_url:
             try:
                 key.as_config().api_key()
@@ -418,104 +433,12 @@ class RolloutManager:
                 "publish it (orchard-trainer does) or name a published one",
             )
 
-    async def _acquire_job_policy(self, key: JobPolicyKey) -> _Policy:
-        """The engine of `key`, started when no running job uses it; waits while
-        `job_policies.max_engines` others run. Give it back with `_release_job_policy`."""
-        async with self._job_policies_changed:
-            await self._job_policies_changed.wait_for(
-                lambda: (
-                    key in self._job_policies
-                    or len(self._job_policies) < self.config.job_policies.max_engines
-                )
-            )
-            shared = self._job_policies.get(key)
-            if shared is None:
-                # Started under the lock: a second job of the same key waits for this one.
-                shared = _Shared(await self._start_job_policy(key))
-                self._job_policies[key] = shared
-                self.metrics.job_engines.inc()
-            shared.users += 1
-            return shared.policy
-
-    async def _release_job_policy(self, key: JobPolicyKey) -> None:
-        async with self._job_policies_changed:
-            shared = self._job_policies.get(key)
-            if shared is None:
-                return
-            shared.users -= 1
-            if shared.users <= 0:
-                del self._job_policies[key]
-                self.metrics.job_engines.dec()
-                await shared.policy.close()
-                log.info("job policy %s closed", key.name)
-            self._job_policies_changed.notify_all()
-
-    async def _start_job_policy(self, key: JobPolicyKey) -> _Policy:
-        """A job's registry weights on a local engine with `job_policies.engine`'s settings:
-        the pinned version's folder, or the model's latest version, followed."""
-        if self.registry is None:
-            raise RuntimeError("this rollout service has no weight registry to load weights from")
-        template = self.config.job_policies.engine
-        if key.version:
-            published = await self.registry.for_model(key.model).get(key.version)
-            if published is None:
-                raise LookupError(f"version {key.version!r} of {key.model!r} is not published")
-            update = {
-                "model_folder": published.location,
-                "weight_version": published.version,
-                "follow_registry": False,
-            }
-        else:
-            update = {"model_folder": None, "registry_model": key.model, "follow_registry": True}
-        return await self._start_policy(key.name, key.as_config(template.model_copy(update=update)))
-
-    async def _start_policy(self, name: str, policy: PolicyConfig) -> _Policy:
-        if policy.kind == "openai":
-            return _Policy(
-                ModelEndpoint(
-                    base_url=policy.base_url,
-                    model=policy.model,
-                    api_key=policy.api_key(),
-                    temperature=policy.temperature,
-                    max_tokens_per_call=policy.max_tokens_per_call,
-                )
-            )
-        from orchard.rollout.engines.local import LocalEngine  # noqa: PLC0415 - loads torch
-        from orchard.rollout.proxy.server import CaptureProxy  # noqa: PLC0415
-
-        registry = self.registry
-        if registry is not None:
-            registry = registry.for_model(policy.engine.registry_model)
-        engine = LocalEngine(policy.engine, registry=registry)
-        await engine.start()
-        proxy = CaptureProxy(engine, self.config.proxy)
-        try:
-            await proxy.start()
-        except BaseException:
-            await engine.close()
-            raise
-        log.info("policy %s: local engine %s behind %s", name, engine.weight_version, proxy.url)
-        return _Policy(
-            ModelEndpoint(
-                base_url=proxy.url + "/v1",
-                model=policy.model,
-                temperature=policy.temperature,
-                max_tokens_per_call=policy.max_tokens_per_call,
-            ),
-            capture=ProxyCapture(proxy, self.config.settle_timeout_s),
-            engine=engine,
-            proxy=proxy,
-        )
-
     # -- jobs ----------------------------------------------------------------------------
 
-    def changed(self, job_id: str) -> asyncio.Event:
-        return self._changed.setdefault(job_id, asyncio.Event())
-
     def _notify(self, job_id: str) -> None:
-        event = self._changed.pop(job_id, None)
-        if event is not None:
-            event.set()
+        """Wakes this process's streams of the job now (the watch tells them a moment later)."""
+        if self._events is not None:
+            self._events.wake(job_id)
 
     async def create(self, spec: api.RolloutJobSpec, request_id: str) -> JobState:
         valid = validate_spec(spec, self.config, self.harnesses)
@@ -528,48 +451,34 @@ class RolloutManager:
                 request_id=request_id,
                 pairs_total=len(valid.pairs),
             )
-            stored = await self.jobs.create(job)
-            if stored.id == job.id and await self._claim(job.id):
-                self._start(job, valid)
+            scheduler = self.scheduler
+            stored = await self.jobs.create(job, owner=scheduler.owner, lease=scheduler.lease_id)
+            if stored.id == job.id:
+                scheduler.start(job.id, self._run(job, valid))
             return stored
 
-    async def _claim(self, job_id: str) -> bool:
-        assert self._lease is not None, "open() the manager first"
-        return await self.jobs.claim(job_id, self.owner, self._lease.id)
-
-    def _start(self, job: JobState, valid: ValidSpec) -> None:
-        task = asyncio.create_task(self._run(job, valid), name=f"rollout-job-{job.id}")
-        self._tasks[job.id] = task
-        task.add_done_callback(lambda _: self._tasks.pop(job.id, None))
-
     async def _run(self, job: JobState, valid: ValidSpec) -> None:
-        self.metrics.jobs_running.inc()
+        """The scheduler's work for a job: its policy from the engine pool, then its run."""
+        key = valid.job_policy
         try:
-            key = valid.job_policy
-            pooled = key is not None and not key.base_url
-            try:
-                if key is None:
-                    policy = await self._policy(valid.policy)
-                elif key.base_url:
-                    policy = await self._start_policy(key.name, key.as_config())
-                else:
-                    policy = await self._acquire_job_policy(key)
-            except Exception as exc:
-                name = key.name if key else valid.policy
-                job.state = api.ROLLOUT_JOB_STATE_FAILED
-                job.error = f"policy {name!r} did not start: {type(exc).__name__}: {exc}"
-                await self.jobs.put(job)
-                self._notify(job.id)
-                return
-            try:
-                await self._run_with(job, valid, policy)
-            finally:
-                if pooled and key is not None:
-                    await self._release_job_policy(key)
+            if key is None:
+                policy = await self.engines.policy(valid.policy)
+            else:
+                policy = await self.engines.acquire(key)
+        except Exception as exc:
+            name = key.name if key else valid.policy
+            job.state = api.ROLLOUT_JOB_STATE_FAILED
+            job.error = f"policy {name!r} did not start: {type(exc).__name__}: {exc}"
+            await self.jobs.put(job)
+            self._notify(job.id)
+            return
+        try:
+            await self._run_with(job, valid, policy)
         finally:
-            self.metrics.jobs_running.dec()
+            if key is not None:
+                await self.engines.release(key, policy)
 
-    async def _run_with(self, job: JobState, valid: ValidSpec, policy: _Policy) -> None:
+    async def _run_with(self, job: JobState, valid: ValidSpec, policy: StartedPolicy) -> None:
         runner = RolloutRunner(
             sandboxes=self.sandboxes,
             endpoint=policy.endpoint,
@@ -580,6 +489,7 @@ class RolloutManager:
             capture=policy.capture,
             scorer=self.scorer,
             labels={JOB_LABEL: job.id},
+            files=self.files,
         )
         run = JobRun(
             job=job,
@@ -596,40 +506,35 @@ class RolloutManager:
         runner.records = _Discard()
         await run.run()
 
-    async def _adopt_orphans(self) -> None:
-        """Jobs left RUNNING by a process that is gone: resumed here (or marked FAILED); and
-        jobs of ours that another replica cancelled: stopped."""
-        for job in await self.jobs.all():
-            task = self._tasks.get(job.id)
-            if task is not None:
-                if job.ended:
-                    task.cancel()
-                continue
-            if job.ended or not await self._claim(job.id):
-                continue
-            await self._delete_leftovers(job.id)
+    async def resume(self, job: JobState) -> Work | None:
+        """A job the scheduler adopted from a process that is gone: the sandboxes its last run
+        left deleted, then resumed here, or marked FAILED when it cannot resume."""
+        await self._delete_leftovers(job.id)
+        try:
             if not self.config.resume_running_jobs:
                 job.state = api.ROLLOUT_JOB_STATE_FAILED
                 job.error = "the rollout service restarted while the job ran (resume is off)"
-                await self.jobs.put(job)
-                continue
+                await self.jobs.put_running(job)
+                return None
             try:
                 valid = validate_spec(job.spec, self.config, self.harnesses)
             except OrchardError as exc:
                 job.state = api.ROLLOUT_JOB_STATE_FAILED
                 job.error = f"cannot resume under this configuration: {exc.message}"
-                await self.jobs.put(job)
-                continue
+                await self.jobs.put_running(job)
+                return None
             job.resumes += 1
-            await self.jobs.put(job)
-            log.info(
-                "resuming job %s: %d of %d pairs done, %d groups emitted",
-                job.id,
-                len(job.pairs_done),
-                job.pairs_total,
-                job.groups_emitted,
-            )
-            self._start(job, valid)
+            await self.jobs.put_running(job)
+        except JobCancelled:
+            return None  # cancelled meanwhile: the cancel stands
+        log.info(
+            "resuming job %s: %d of %d pairs done, %d groups emitted",
+            job.id,
+            len(job.pairs_done),
+            job.pairs_total,
+            job.groups_emitted,
+        )
+        return self._run(job, valid)
 
     async def _delete_leftovers(self, job_id: str) -> None:
         try:
@@ -640,12 +545,8 @@ class RolloutManager:
             log.warning("job %s: sandboxes of its last run not listed: %s", job_id, exc)
 
     async def get(self, job_id: str) -> JobState:
-        if not job_id:
-            raise _invalid("job_id is empty")
-        job = await self.jobs.get(job_id)
-        if job is None:
-            raise OrchardError(Reason.NOT_FOUND, f"no rollout job {job_id!r}")
-        return job
+        """The job; NOT_FOUND (saying so when the retention removed it) otherwise."""
+        return await find_job(self.jobs, job_id)
 
     async def cancel(self, job_id: str) -> JobState:
         job = await self.get(job_id)
@@ -653,11 +554,7 @@ class RolloutManager:
             return job
         # First the mark: from now on no runner (here or on another replica) writes the job.
         await self.jobs.mark_cancelled(job_id)
-        task = self._tasks.get(job_id)
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self.scheduler.stop(job_id)
         job = await self.get(job_id)
         if not job.ended:
             # Another replica's job: it sees the state and stops its rollouts.
@@ -668,56 +565,32 @@ class RolloutManager:
         self._notify(job_id)
         return job
 
-    async def stream(
-        self, job_id: str, start_index: int
-    ) -> AsyncIterator[api.StreamGroupsResponse]:
-        if start_index < 0:
-            raise _invalid(f"start_index must not be negative, got {start_index}")
-        job = await self.get(job_id)
-        if job.ended and start_index > job.groups_emitted:
-            raise OrchardError(
-                RolloutReason.GROUPS_PAST_END,
-                f"start_index {start_index} is past the end of job {job_id}: it emitted "
-                f"{job.groups_emitted} groups",
-            )
-        next_index = start_index
-        while True:
-            changed = self.changed(job_id)
-            job = await self.get(job_id)
-            for index, group in await self.jobs.groups(job_id, next_index):
-                yield api.StreamGroupsResponse(index=index, group=group)
-                next_index = index + 1
-            if job.ended and next_index >= job.groups_emitted:
-                return
-            # A job of another process (or one resumed later) is polled; ours notify.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(2.0):
-                    await changed.wait()
+    def stream(self, job_id: str, start_index: int) -> AsyncIterator[api.StreamGroupsResponse]:
+        return self.streams.stream(job_id, start_index)
+
+    async def list(self, page_size: int, page_token: str) -> tuple[list[JobState], str]:
+        """One page of jobs, newest first, by key: jobs created or removed meanwhile never
+        shift a page. INVALID_ARGUMENT for a token this service did not give."""
+        if not 0 <= page_size <= MAX_PAGE:
+            raise _invalid(f"page_size must lie in [0, {MAX_PAGE}], got {page_size}")
+        try:
+            after = decode_page_token(page_token) if page_token else None
+        except BadPageToken:
+            raise _invalid(
+                f"page_token {page_token!r} is not one this service gave: pass a previous "
+                "response's next_page_token, or none for the first page"
+            ) from None
+        jobs, last = await self.jobs.page(page_size or 100, after)
+        return jobs, encode_page_token(last) if last is not None else ""
 
     async def close(self) -> None:
         """Stops the jobs of this process without ending them (a restart resumes them) and the
-        policies."""
-        if self._watcher is not None:
-            self._watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watcher
-        tasks = list(self._tasks.values())
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        if self._lease is not None:
-            # The jobs' owner keys go with it: the next process adopts them at once.
-            with contextlib.suppress(Exception):
-                await self.jobs.store.revoke_lease(self._lease)
-            self._lease = None
-        for policy in self._policies.values():
-            await policy.close()
-        self._policies.clear()
-        for shared in self._job_policies.values():
-            await shared.policy.close()
-        self._job_policies.clear()
+        policies. Its claims go with its lease: the next process adopts the jobs at once."""
+        if self._scheduler is not None:
+            await self._scheduler.close()
+        if self._events is not None:
+            await self._events.close()
+        await self.engines.close()
 
 
 class _Discard(list):  # type: ignore[type-arg]
@@ -769,18 +642,5 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
     async def ListRolloutJobs(
         self, request: api.ListRolloutJobsRequest, context: grpc.aio.ServicerContext
     ) -> api.ListRolloutJobsResponse:
-        if not 0 <= request.page_size <= MAX_PAGE:
-            raise _invalid(f"page_size must lie in [0, {MAX_PAGE}], got {request.page_size}")
-        size = request.page_size or 100
-        try:
-            offset = int(request.page_token or "0")
-        except ValueError:
-            raise _invalid(
-                f"page_token {request.page_token!r} is not one this service gave"
-            ) from None
-        jobs = await self.manager.jobs.all()
-        page = jobs[offset : offset + size]
-        more = offset + size < len(jobs)
-        return api.ListRolloutJobsResponse(
-            jobs=[j.to_proto() for j in page], next_page_token=str(offset + size) if more else ""
-        )
+        jobs, token = await self.manager.list(request.page_size, request.page_token)
+        return api.ListRolloutJobsResponse(jobs=[j.to_proto() for j in jobs], next_page_token=token)

@@ -3,6 +3,9 @@
 A task comes from `orchard.rollout.v1.RolloutTask`: id, image, instruction and `scorer_json`,
 a JSON object with
 
+- `files`: [{"url": artifact URL of a tar archive, "path": absolute folder}]: unpacked into the
+  fresh sandbox before setup (`orchard.rollout.task_files`), so a task's repository travels by
+  URL;
 - `setup`: shell commands run in the fresh sandbox before the harness starts,
 - `check`: {"command": shell command, "timeout_s": seconds}: exit code 0 scores 1, else 0,
   run in the sandbox through the environment service,
@@ -83,6 +86,38 @@ Check = CommandCheck | TestsCheck | ServiceTaskCheck
 
 
 @dataclass(frozen=True, slots=True)
+class TaskFile:
+    """An archive in the artifact store (tar, plain or compressed) unpacked at ``path`` in the
+    sandbox before setup (`orchard.rollout.task_files`)."""
+
+    url: str
+    path: str
+
+    def declaration(self) -> dict[str, str]:
+        return {"url": self.url, "path": self.path}
+
+
+def _files(task_id: str, settings: Mapping[str, Any]) -> tuple[TaskFile, ...]:
+    raw = settings.get("files", [])
+    if not isinstance(raw, list):
+        raise ValueError(f'task {task_id!r}: "files" must be a list of {{"url", "path"}}')
+    out = []
+    for item in raw:
+        if not isinstance(item, dict) or set(item) != {"url", "path"}:
+            raise ValueError(
+                f'task {task_id!r}: each of "files" must be {{"url": "<artifact URL of a tar '
+                f'archive>", "path": "/absolute/folder"}}, got {item!r}'
+            )
+        url, path = item["url"], item["path"]
+        if not isinstance(url, str) or "://" not in url:
+            raise ValueError(f"task {task_id!r}: files url {url!r} must be an artifact URL")
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise ValueError(f"task {task_id!r}: files path {path!r} must be absolute")
+        out.append(TaskFile(url, path))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
 class TaskSpec:
     id: str
     instruction: str
@@ -93,6 +128,8 @@ class TaskSpec:
     memory: str = ""
     workdir: str = ""
     """Where the harness's shell commands run; empty: the sandbox's working directory."""
+    files: tuple[TaskFile, ...] = ()
+    """Archives unpacked into the sandbox before `setup` runs."""
 
     def to_proto(self) -> rollout_service_pb2.RolloutTask:
         """The task as a rollout job takes it (`from_proto` gives it back)."""
@@ -108,6 +145,8 @@ class TaskSpec:
             settings["score_task"] = check.task_id
         if self.setup:
             settings["setup"] = list(self.setup)
+        if self.files:
+            settings["files"] = [item.declaration() for item in self.files]
         if self.tools:
             settings["tools"] = [tool.declaration() for tool in self.tools]
         if self.memory:
@@ -167,6 +206,7 @@ class TaskSpec:
             tools=tools,
             memory=str(settings.get("memory", "")),
             workdir=workdir,
+            files=_files(task_id, settings),
         )
 
 

@@ -11,7 +11,7 @@ A checkpoint is one folder, ``<root>/<version>/``, holding
 - ``checkpoint.json`` — the manifest (version, step, metadata), written last: a folder without
   it is an unfinished save and is never listed.
 
-`publish_checkpoint` writes the model folder's location and metadata to the weight registry in
+`publish_checkpoint` writes the model folder's URL and metadata to the weight registry in
 etcd (`orchard.lm.weights.WeightRegistry`); inference engines that follow the registry load it.
 
 Every rank of a world calls `save_checkpoint` and `load_checkpoint` (they are collective); only
@@ -43,8 +43,10 @@ __all__ = [
     "MODEL_DIR",
     "CheckpointError",
     "CheckpointInfo",
+    "StoredCheckpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "parse_manifest",
     "publish_checkpoint",
     "read_checkpoint",
     "save_checkpoint",
@@ -98,6 +100,33 @@ class CheckpointInfo:
             sort_keys=True,
             indent=1,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class StoredCheckpoint:
+    """A checkpoint folder in the artifact store, by URL (what the service records and
+    publishes; `CheckpointInfo` is the same manifest for a local folder)."""
+
+    url: str
+    """The checkpoint folder's URL, ``<checkpoint_url>/<job id>/<version>``."""
+    version: str
+    step: int
+    created_at: float
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def model_url(self) -> str:
+        """The Hugging Face model folder's URL (what `publish_checkpoint` publishes)."""
+        return f"{self.url}/{MODEL_DIR}"
+
+    @classmethod
+    def of(cls, info: CheckpointInfo, url: str) -> StoredCheckpoint:
+        return cls(url, info.version, info.step, info.created_at, dict(info.metadata))
+
+    @classmethod
+    def from_manifest(cls, text: str | bytes, url: str) -> StoredCheckpoint:
+        """The checkpoint at ``url`` whose manifest reads ``text``."""
+        return cls(url=url, **_manifest_fields(text, url))
 
 
 def step_version(step: int, prefix: str = "step") -> str:
@@ -165,14 +194,25 @@ def read_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
             f"{folder} is not a finished checkpoint: it has no {MANIFEST} (the save did not "
             "complete, or the path is wrong)"
         )
-    raw: dict[str, Any] = json.loads(manifest.read_text())
-    return CheckpointInfo(
-        version=str(raw["version"]),
-        step=int(raw["step"]),
-        path=folder,
-        created_at=float(raw["created_at"]),
-        metadata={str(k): str(v) for k, v in raw.get("metadata", {}).items()},
-    )
+    return parse_manifest(manifest.read_text(), folder)
+
+
+def parse_manifest(text: str | bytes, path: Path) -> CheckpointInfo:
+    """The manifest ``text`` of the checkpoint folder ``path``."""
+    return CheckpointInfo(path=path, **_manifest_fields(text, str(path)))
+
+
+def _manifest_fields(text: str | bytes, where: str) -> dict[str, Any]:
+    try:
+        raw: dict[str, Any] = json.loads(text)
+        return {
+            "version": str(raw["version"]),
+            "step": int(raw["step"]),
+            "created_at": float(raw["created_at"]),
+            "metadata": {str(k): str(v) for k, v in raw.get("metadata", {}).items()},
+        }
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{where}/{MANIFEST} is not a checkpoint manifest: {exc}") from None
 
 
 def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
@@ -209,22 +249,29 @@ def load_checkpoint(
 
 async def publish_checkpoint(
     registry: WeightRegistry,
-    checkpoint: CheckpointInfo,
+    checkpoint: CheckpointInfo | StoredCheckpoint,
     *,
     metadata: Mapping[str, str] | None = None,
 ) -> WeightVersion:
     """Publish `checkpoint`'s model folder as weight version `checkpoint.version`.
 
-    The registry record carries the checkpoint's metadata, its step and format, plus
-    `metadata`. Publishing the same checkpoint again returns the existing record.
+    The location is a URL: the stored checkpoint's ``model`` folder, or ``file://`` + the
+    local folder's absolute path (on a volume the engines share). The registry record carries
+    the checkpoint's metadata, its step and format, plus `metadata`. Publishing the same
+    checkpoint again returns the existing record.
     """
-    if not (checkpoint.model_dir / "config.json").is_file():
-        raise CheckpointError(f"{checkpoint.path} has no model folder to publish")
+    if isinstance(checkpoint, StoredCheckpoint):
+        location, where = checkpoint.model_url, checkpoint.url
+    else:
+        if not (checkpoint.model_dir / "config.json").is_file():
+            raise CheckpointError(f"{checkpoint.path} has no model folder to publish")
+        location = checkpoint.model_dir.resolve().as_uri()
+        where = checkpoint.path.resolve().as_uri()
     labels = {
         **checkpoint.metadata,
         "step": str(checkpoint.step),
         "format": "huggingface",
-        "checkpoint": str(checkpoint.path),
+        "checkpoint": where,
         **{str(k): str(v) for k, v in (metadata or {}).items()},
     }
-    return await registry.publish(checkpoint.version, str(checkpoint.model_dir.resolve()), labels)
+    return await registry.publish(checkpoint.version, location, labels)

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
+from orchard.core.artifacts import ArtifactError, ArtifactsConfig, ArtifactStore, parse_url
 from orchard.core.config import ConfigModel, ServerConfig, ServiceConfig
 
-__all__ = ["EtcdConfig", "JobsConfig", "TrainerConfig", "WeightsConfig"]
+__all__ = ["ArtifactsConfig", "EtcdConfig", "JobsConfig", "TrainerConfig", "WeightsConfig"]
 
 
 class EtcdConfig(ConfigModel):
@@ -35,12 +36,17 @@ class EtcdConfig(ConfigModel):
 class WeightsConfig(ConfigModel):
     """Where checkpoints go and under which model name versions are published."""
 
-    checkpoint_dir: str = Field(
-        default="trainer-checkpoints",
+    checkpoint_url: str = Field(
+        default="",
+        description="URL under artifacts.root where checkpoints are stored, "
+        "<checkpoint_url>/<job id>/<version>/; published weight locations point into it, so "
+        "inference engines must reach it. Empty: <artifacts.root>/checkpoints.",
+    )
+    scratch_dir: str = Field(
+        default="trainer-scratch",
         min_length=1,
-        description="Root folder of checkpoints, <checkpoint_dir>/<job id>/<version>/; "
-        "inference engines read published model folders from here, so it must be a path "
-        "they can reach.",
+        description="Local folder of this process: a checkpoint is written here, then put in "
+        "the store, and downloaded checkpoints are cached here; never read by another service.",
     )
     registry_model: str = Field(
         default="policy",
@@ -75,6 +81,11 @@ class TrainerConfig(ServiceConfig):
 
     server: ServerConfig = ServerConfig(listen=["127.0.0.1:7300"])
     etcd: EtcdConfig = EtcdConfig()
+    artifacts: ArtifactsConfig = Field(
+        default_factory=ArtifactsConfig,
+        description="The artifact store: models and datasets jobs name must lie under its root "
+        "or allowed prefixes; checkpoints and published weights are written under its root.",
+    )
     weights: WeightsConfig = WeightsConfig()
     jobs: JobsConfig = JobsConfig()
 
@@ -86,3 +97,23 @@ class TrainerConfig(ServiceConfig):
                 "(--etcd http://127.0.0.1:2379 or --set etcd.endpoints=http://127.0.0.1:2379)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _checkpoints_in_the_store(self) -> TrainerConfig:
+        if self.weights.checkpoint_url:
+            try:
+                url = parse_url(self.weights.checkpoint_url, what="weights.checkpoint_url")
+            except ArtifactError as exc:
+                raise ValueError(exc.message) from None
+            if not url.is_under(parse_url(self.artifacts.root)):
+                raise ValueError(
+                    f"weights.checkpoint_url {url.url!r} must lie under artifacts.root "
+                    f"{self.artifacts.root!r}: engines read published weights from the store"
+                )
+        return self
+
+    def checkpoint_url(self) -> str:
+        """The URL checkpoints are stored under (canonical)."""
+        if self.weights.checkpoint_url:
+            return parse_url(self.weights.checkpoint_url).url
+        return ArtifactStore(self.artifacts.root).url("checkpoints")

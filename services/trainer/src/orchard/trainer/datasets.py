@@ -1,4 +1,4 @@
-"""Trajectory datasets on disk: JSON Lines, one `orchard.types.v1.Trajectory` per line.
+"""Trajectory datasets: JSON Lines, one `orchard.types.v1.Trajectory` per line.
 
 Each line is the protobuf JSON form of a trajectory (`json_format.MessageToJson`, camelCase or
 the proto field names). A line that does not parse raises `DatasetError` naming the file, the
@@ -14,7 +14,7 @@ from google.protobuf import json_format
 
 from orchard.types.v1 import trajectory_pb2
 
-__all__ = ["DatasetError", "read_trajectories", "write_trajectories"]
+__all__ = ["DatasetError", "parse_trajectories", "read_trajectories", "write_trajectories"]
 
 
 class DatasetError(ValueError):
@@ -28,15 +28,21 @@ def read_trajectories(path: Path) -> Iterator[trajectory_pb2.Trajectory]:
     except OSError as exc:
         raise DatasetError(f"cannot read dataset {path}: {exc.strerror}") from exc
     with handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            trajectory = trajectory_pb2.Trajectory()
-            try:
-                json_format.Parse(line, trajectory)
-            except json_format.ParseError as exc:
-                raise DatasetError(f"{path}:{number}: not a trajectory: {exc}") from exc
-            yield trajectory
+        yield from parse_trajectories(handle, str(path))
+
+
+def parse_trajectories(lines: Iterable[str], source: str) -> Iterator[trajectory_pb2.Trajectory]:
+    """The trajectories of JSONL ``lines`` (a file, an artifact stream); ``source`` names them
+    in errors (a path or URL)."""
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        trajectory = trajectory_pb2.Trajectory()
+        try:
+            json_format.Parse(line, trajectory)
+        except json_format.ParseError as exc:
+            raise DatasetError(f"{source}:{number}: not a trajectory: {exc}") from exc
+        yield trajectory
 
 
 def write_trajectories(path: Path, trajectories: Iterable[trajectory_pb2.Trajectory]) -> int:

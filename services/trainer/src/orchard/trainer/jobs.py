@@ -27,15 +27,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchard.core.artifacts import ArtifactNotFound, ArtifactStore, parse_url
 from orchard.lm.weights import InvalidWeightVersion, check_model_name
 from orchard.trainer.checkpoints import (
     MANIFEST,
-    CheckpointInfo,
+    StoredCheckpoint,
     load_checkpoint,
-    read_checkpoint,
     save_checkpoint,
 )
-from orchard.trainer.datasets import read_trajectories
+from orchard.trainer.datasets import parse_trajectories
 from orchard.trainer.distributed import ProcessGroupSpec
 from orchard.trainer.engine import EngineConfig, StepResult, TrainingEngine
 from orchard.trainer.losses import PolicyLossConfig
@@ -60,6 +60,7 @@ __all__ = [
     "NotEnoughData",
     "SpecError",
     "SubmitCounts",
+    "check_artifacts",
     "checkpoint_version",
     "engine_config",
     "resolve_spec",
@@ -100,7 +101,7 @@ def resolve_spec(spec: api.TrainingJobSpec) -> api.TrainingJobSpec:
     if not out.model:
         raise SpecError(
             'spec.model is required: "builtin:<size>" '
-            f"({', '.join(BUILTIN_SIZES)}) or a local Hugging Face model directory"
+            f"({', '.join(BUILTIN_SIZES)}) or the artifact URL of a Hugging Face model folder"
         )
     if out.model.startswith("builtin:"):
         if out.model.removeprefix("builtin:") not in BUILTIN_SIZES:
@@ -109,17 +110,7 @@ def resolve_spec(spec: api.TrainingJobSpec) -> api.TrainingJobSpec:
                 f"{', '.join('builtin:' + s for s in BUILTIN_SIZES)}"
             )
     else:
-        folder = Path(out.model)
-        if not (folder / "config.json").is_file():
-            raise SpecError(
-                f"spec.model {out.model!r} is not a directory with a config.json (a Hugging "
-                "Face causal LM saved with save_pretrained) on the trainer's machine"
-            )
-        if not any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
-            raise SpecError(
-                f"spec.model {out.model!r} has no tokenizer; checkpoints are saved with the "
-                "model's tokenizer, so save it into the folder too"
-            )
+        out.model = parse_url(out.model, what="spec.model").url
     if not 0 <= out.zero_stage <= 3:
         raise SpecError(f"spec.zero_stage must be 0, 1, 2 or 3, got {out.zero_stage}")
     for name in ("warmup_steps", "total_steps", "micro_batch_size", "gradient_accumulation"):
@@ -166,12 +157,38 @@ def resolve_spec(spec: api.TrainingJobSpec) -> api.TrainingJobSpec:
     if out.dataset:
         if out.mode != api.TRAINING_MODE_SFT:
             raise SpecError("spec.dataset is for SFT jobs; RL jobs train on submitted groups")
-        if not Path(out.dataset).is_file():
-            raise SpecError(
-                f"spec.dataset {out.dataset!r} is not a file on the trainer's machine (JSON "
-                "Lines, one orchard.types.v1.Trajectory per line)"
-            )
+        out.dataset = parse_url(out.dataset, what="spec.dataset").url
     return out
+
+
+def check_artifacts(spec: api.TrainingJobSpec, store: ArtifactStore, cache: Path) -> None:
+    """Refuse a resolved spec whose model or dataset URL the store does not allow or hold
+    (PERMISSION_DENIED, NOT_FOUND); reads the store (a model folder from a non-file store is
+    fetched into `cache` for the job), so it runs off the event loop."""
+    if not spec.model.startswith("builtin:"):
+        store.require(spec.model, what="spec.model", folder=True)
+        if not store.is_file(f"{spec.model}/config.json"):
+            raise ArtifactNotFound(
+                spec.model,
+                f"spec.model {spec.model!r} is not a model folder: it has no config.json (a "
+                "Hugging Face causal LM saved with save_pretrained)",
+            )
+        if not any(store.is_file(f"{spec.model}/{n}") for n in _TOKENIZER_FILES):
+            raise SpecError(
+                f"spec.model {spec.model!r} has no tokenizer; checkpoints are saved with the "
+                "model's tokenizer, so save it into the folder too"
+            )
+        store.get_dir(spec.model, cache_dir=cache)  # a link in the folder out of the store
+    if spec.dataset:
+        store.require(spec.dataset, what="spec.dataset")
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def artifact_cache(scratch_dir: Path) -> Path:
+    """Where model folders and checkpoints from non-file stores are downloaded, once each."""
+    return scratch_dir / ".artifact-cache"
 
 
 def engine_config(spec: api.TrainingJobSpec) -> EngineConfig:
@@ -224,19 +241,31 @@ class JobRunner:
         self,
         job_id: str,
         spec: api.TrainingJobSpec,
-        checkpoint_root: Path,
+        store: ArtifactStore,
+        checkpoint_url: str,
+        scratch: Path,
         *,
         resume_from: str | None = None,
         recorder: StepRecorder | None = None,
     ) -> None:
-        """Load the model and build the engine (slow); with `resume_from`, a checkpoint folder,
-        restore its weights, optimizer, schedule and step."""
+        """Load the model and build the engine (slow); with `resume_from`, a checkpoint's URL,
+        restore its weights, optimizer, schedule and step.
+
+        `checkpoint_url` is this job's folder in the store (``<checkpoint_url>/<job id>``);
+        `scratch` a local folder of this process: checkpoints are written there before they
+        are put in the store, downloads are cached there, and the run log is kept there.
+        """
         self.job_id = job_id
         self.spec = spec
         self.mode = MODE_NAMES[spec.mode]
-        self.checkpoint_root = checkpoint_root
+        self.store = store
+        self.checkpoint_url = checkpoint_url
+        self.scratch = scratch
         self._metrics = recorder
-        self.policy: Policy = load_policy(spec.model)
+        model = spec.model
+        if not model.startswith("builtin:"):
+            model = str(store.get_dir(model, cache_dir=self._cache))
+        self.policy: Policy = load_policy(model)
         tokenizer = self.policy.tokenizer
         if tokenizer is None:
             raise SpecError(f"spec.model {spec.model!r} has no tokenizer")
@@ -250,7 +279,9 @@ class JobRunner:
         self._plan: MicroBatchPlan | None = None
         self.cancelled = False
         if spec.dataset:
-            dataset = build_sft_samples(read_trajectories(Path(spec.dataset)), self.samples)
+            with store.open_read(spec.dataset, text=True) as lines:
+                rows = parse_trajectories(lines, spec.dataset)
+                dataset = build_sft_samples(rows, self.samples)
             self.sft_samples.extend(dataset.samples)
         # One rank in this process, on a port of its own, whatever the environment says.
         self.engine = TrainingEngine(
@@ -258,11 +289,16 @@ class JobRunner:
         )
         try:
             if resume_from is not None:
-                load_checkpoint(self.engine, resume_from)
-            self.run_log = StepRecorder(checkpoint_root / "run.jsonl")
+                load_checkpoint(self.engine, store.get_dir(resume_from, cache_dir=self._cache))
+            self._restore_run_log()
+            self.run_log = StepRecorder(scratch / "run.jsonl")
         except BaseException:
             self.engine.close()
             raise
+
+    @property
+    def _cache(self) -> Path:
+        return artifact_cache(self.scratch.parent)
 
     @property
     def step(self) -> int:
@@ -375,22 +411,41 @@ class JobRunner:
         if self._metrics is not None:
             self._metrics.record(record)
 
-    def save(self, metadata: dict[str, str] | None = None) -> CheckpointInfo:
-        """Save a checkpoint at the current step (the existing one when already saved)."""
+    def save(self, metadata: dict[str, str] | None = None) -> StoredCheckpoint:
+        """Save a checkpoint at the current step into the store (the stored one when already
+        saved): written in the scratch folder, put in the store whole, then removed here."""
         version = checkpoint_version(self.job_id, self.step)
-        existing = self.checkpoint_root / version
-        if (existing / MANIFEST).is_file():
-            return read_checkpoint(existing)
-        if existing.exists():
-            # A save of this step that died half-way (the manifest comes last): redo it.
-            shutil.rmtree(existing)
-        return save_checkpoint(
-            self.engine,
-            self.tokenizer,
-            self.checkpoint_root,
-            version=version,
-            metadata={"job": self.job_id, "mode": self.mode, **(metadata or {})},
-        )
+        url = f"{self.checkpoint_url}/{version}"
+        if self.store.exists(f"{url}/{MANIFEST}"):
+            return StoredCheckpoint.from_manifest(self.store.read_bytes(f"{url}/{MANIFEST}"), url)
+        local_root = self.scratch / "saving"
+        shutil.rmtree(local_root, ignore_errors=True)  # a save that died half-way
+        try:
+            info = save_checkpoint(
+                self.engine,
+                self.tokenizer,
+                local_root,
+                version=version,
+                metadata={"job": self.job_id, "mode": self.mode, **(metadata or {})},
+            )
+            stored = self.store.put_dir(info.path, url)
+        finally:
+            shutil.rmtree(local_root, ignore_errors=True)
+        # the run log, a report, goes with each checkpoint (replaced whole, so never torn)
+        self.store.write_bytes(self.run_log_url, (self.scratch / "run.jsonl").read_bytes())
+        return StoredCheckpoint.of(info, stored)
+
+    @property
+    def run_log_url(self) -> str:
+        """Where the job's run log is kept in the store (refreshed at each checkpoint)."""
+        return f"{self.checkpoint_url}/run.jsonl"
+
+    def _restore_run_log(self) -> None:
+        """A process with an empty scratch folder continues the log kept in the store."""
+        local = self.scratch / "run.jsonl"
+        if not local.exists() and self.store.exists(self.run_log_url):
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_bytes(self.store.read_bytes(self.run_log_url))
 
     def close(self) -> None:
         self.engine.close()

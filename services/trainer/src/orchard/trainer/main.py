@@ -3,7 +3,7 @@
 ::
 
     orchard-trainer serve --listen 127.0.0.1:7300 --etcd http://127.0.0.1:2379 \\
-        --metrics-address 127.0.0.1:9300 --set weights.checkpoint_dir=runs/checkpoints
+        --metrics-address 127.0.0.1:9300 --artifacts-root file:///srv/orchard/artifacts
 """
 
 from __future__ import annotations
@@ -35,7 +35,16 @@ FLAGS = [
         "--etcd", "etcd.endpoints", "etcd client URL (repeatable)", repeatable=True, metavar="URL"
     ),
     ConfigFlag(
-        "--checkpoint-dir", "weights.checkpoint_dir", "root folder of checkpoints", metavar="DIR"
+        "--artifacts-root",
+        "artifacts.root",
+        "URL of the artifact store (checkpoints go to <root>/checkpoints)",
+        metavar="URL",
+    ),
+    ConfigFlag(
+        "--scratch-dir",
+        "weights.scratch_dir",
+        "local folder for checkpoints being written",
+        metavar="DIR",
     ),
 ]
 
@@ -83,7 +92,8 @@ class TrainerApplication:
         log.info(
             "trainer service ready",
             extra={
-                "checkpoint_dir": self.config.weights.checkpoint_dir,
+                "artifacts_root": self.config.artifacts.root,
+                "checkpoint_url": self.config.checkpoint_url(),
                 "registry_model": self.config.weights.registry_model,
             },
         )

@@ -33,14 +33,22 @@ from google.protobuf import timestamp_pb2
 from orchard.core.errors import OrchardError, Reason
 from orchard.lm.weights import InvalidWeightVersion, WeightRegistry
 from orchard.trainer.checkpoints import (
+    MANIFEST,
     CheckpointError,
-    CheckpointInfo,
+    StoredCheckpoint,
     publish_checkpoint,
-    read_checkpoint,
 )
 from orchard.trainer.config import TrainerConfig
 from orchard.trainer.engine import StepResult
-from orchard.trainer.jobs import MODE_NAMES, JobRunner, NotEnoughData, SpecError, resolve_spec
+from orchard.trainer.jobs import (
+    MODE_NAMES,
+    JobRunner,
+    NotEnoughData,
+    SpecError,
+    artifact_cache,
+    check_artifacts,
+    resolve_spec,
+)
 from orchard.trainer.masks import TrajectoryError
 from orchard.trainer.metrics import TrainerMetrics
 from orchard.trainer.records import JobRecord, JobStore
@@ -107,7 +115,9 @@ class JobManager:
         self.store = store
         self.registry = registry
         self.metrics = metrics
-        self.checkpoint_dir = Path(config.weights.checkpoint_dir)
+        self.artifacts = config.artifacts.store()
+        self.checkpoint_url = config.checkpoint_url()
+        self.scratch = Path(config.weights.scratch_dir)
         self._running: dict[str, _Running] = {}
         self._starting = 0
 
@@ -154,8 +164,9 @@ class JobManager:
         await self.store.put(record)
         self.metrics.jobs.labels(self._mode(record), _state_name(state).lower()).inc()
 
-    def _runner_root(self, job_id: str) -> Path:
-        return self.checkpoint_dir / job_id
+    def _checkpoints_of(self, job_id: str) -> str:
+        """The job's folder in the store: ``<checkpoint_url>/<job id>``."""
+        return f"{self.checkpoint_url}/{job_id}"
 
     async def _start_runner(self, record: JobRecord, resume_from: str | None) -> None:
         """Build the job's engine off the loop; RUNNING on success, FAILED with the reason."""
@@ -165,7 +176,9 @@ class JobManager:
                 JobRunner,
                 record.id,
                 record.job.spec,
-                self._runner_root(record.id),
+                self.artifacts,
+                self._checkpoints_of(record.id),
+                self.scratch / record.id,
                 resume_from=resume_from,
                 recorder=self.metrics.steps,
             )
@@ -218,6 +231,11 @@ class JobManager:
     async def create(self, spec: api.TrainingJobSpec, request_id: str) -> api.TrainingJob:
         try:
             resolved = resolve_spec(spec)
+            # Before anything runs: a model or dataset the store does not allow or hold fails
+            # the call (PERMISSION_DENIED, NOT_FOUND), never the job.
+            await asyncio.to_thread(
+                check_artifacts, resolved, self.artifacts, artifact_cache(self.scratch)
+            )
         except SpecError as exc:
             raise _invalid(str(exc)) from None
         if request_id:
@@ -415,6 +433,8 @@ class JobManager:
         started = time.monotonic()
         try:
             info = await asyncio.to_thread(runner.save)
+        except OrchardError:
+            raise  # the store's own status (denied, unavailable, ...)
         except (CheckpointError, OSError) as exc:
             raise OrchardError(
                 Reason.INTERNAL, f"job {record.id}: the checkpoint could not be saved: {exc}"
@@ -424,7 +444,7 @@ class JobManager:
         if checkpoint is None:
             self.metrics.checkpoints.labels(mode).inc()
             self.metrics.checkpoint_seconds.observe(time.monotonic() - started)
-            checkpoint = api.Checkpoint(step=info.step, uri=str(info.path))
+            checkpoint = api.Checkpoint(step=info.step, uri=info.url)
             checkpoint.create_time.FromNanoseconds(int(info.created_at * 1e9))
             record.checkpoints.append(checkpoint)
             record.checkpoints.sort(key=lambda c: c.step)
@@ -434,7 +454,7 @@ class JobManager:
         return checkpoint
 
     async def _publish(
-        self, record: JobRecord, checkpoint: api.Checkpoint, info: CheckpointInfo
+        self, record: JobRecord, checkpoint: api.Checkpoint, info: StoredCheckpoint
     ) -> None:
         version = await publish_checkpoint(
             self._registry_of(record.job.spec),
@@ -471,7 +491,7 @@ class JobManager:
         if checkpoint.weight_version:
             return checkpoint
         try:
-            info = read_checkpoint(checkpoint.uri)
+            info = await asyncio.to_thread(self._stored, checkpoint.uri)
         except CheckpointError as exc:
             raise OrchardError(Reason.FAILED_PRECONDITION, str(exc)) from None
         running = self._running.get(job_id)
@@ -488,6 +508,10 @@ class JobManager:
                 await self._publish(record, checkpoint, info)
                 await self.store.put(record)
             return checkpoint
+
+    def _stored(self, url: str) -> StoredCheckpoint:
+        """The checkpoint at `url` in the store, by its manifest."""
+        return StoredCheckpoint.from_manifest(self.artifacts.read_bytes(f"{url}/{MANIFEST}"), url)
 
     async def checkpoints(self, job_id: str) -> list[api.Checkpoint]:
         return list((await self._record(job_id)).checkpoints)

@@ -434,12 +434,15 @@ class AssignCreditRequest(_message.Message):
     EPSILON_FIELD_NUMBER: _builtins.int
     TASK_FIELD_NUMBER: _builtins.int
     FAILURE_FIELD_NUMBER: _builtins.int
+    JUDGE_FIELD_NUMBER: _builtins.int
     epsilon: _builtins.float
     """Least climb of the value curve that makes a rise segment; 0 uses the default (0.05)."""
     task: _builtins.str
     """The task as the judge reads it; empty uses the first turn's `input_text`."""
     failure: _builtins.str
     """How the trajectory failed (e.g. the failing tests); empty uses `trajectory.reward.detail`."""
+    judge: _builtins.str
+    """Judge to use, by configured name (e.g. "scripted"); empty means the default."""
     @_builtins.property
     def trajectory(self) -> _trajectory_pb2.Trajectory:
         """A failed trajectory."""
@@ -451,10 +454,11 @@ class AssignCreditRequest(_message.Message):
         epsilon: _builtins.float = ...,
         task: _builtins.str = ...,
         failure: _builtins.str = ...,
+        judge: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["trajectory", b"trajectory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epsilon", b"epsilon", "failure", b"failure", "task", b"task", "trajectory", b"trajectory"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epsilon", b"epsilon", "failure", b"failure", "judge", b"judge", "task", b"task", "trajectory", b"trajectory"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -89,7 +89,8 @@ class RewardServiceServicer:
         """Asks an LLM judge whether an open-ended task was achieved, from the task intent, the final
         response and the last screenshots. Malformed verdicts are retried, then EXCLUDED.
         Changes nothing. Errors: INVALID_ARGUMENT (empty intent, unknown judge, a screenshot that
-        is not PNG or JPEG, negative policy_format_failures).
+        is not PNG or JPEG, negative policy_format_failures), FAILED_PRECONDITION (the judge is a
+        scripted one, which answers credit questions only).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -97,8 +98,9 @@ class RewardServiceServicer:
 
     def GradeRubric(self, request, context):
         """Grades a whole trajectory on weighted rubric dimensions (each 0.0–1.0 with cited evidence)
-        and combines them by weighted mean. Changes nothing.
-        Errors: INVALID_ARGUMENT (weights do not sum to 1, empty trajectory).
+        and combines them by weighted mean, with the default judge. Changes nothing.
+        Errors: INVALID_ARGUMENT (weights do not sum to 1, empty trajectory), FAILED_PRECONDITION
+        (the default judge is a scripted one, which answers credit questions only).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -118,8 +120,10 @@ class RewardServiceServicer:
     def AssignCredit(self, request, context):
         """Estimates a value after each turn of a failed trajectory and returns the rise segments.
         A judge that gives no annotation passing the calibration rules leaves `credit` empty and
-        `reward` EXCLUDED. Changes nothing.
-        Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1)).
+        `reward` EXCLUDED. The judge is a configured model endpoint or the service's scripted
+        judge (a heuristic that values each turn by what its action does; no model, no network).
+        Changes nothing.
+        Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1), unknown judge).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -51,12 +51,14 @@ class RewardServiceStub:
     """Asks an LLM judge whether an open-ended task was achieved, from the task intent, the final
     response and the last screenshots. Malformed verdicts are retried, then EXCLUDED.
     Changes nothing. Errors: INVALID_ARGUMENT (empty intent, unknown judge, a screenshot that
-    is not PNG or JPEG, negative policy_format_failures).
+    is not PNG or JPEG, negative policy_format_failures), FAILED_PRECONDITION (the judge is a
+    scripted one, which answers credit questions only).
     """
     GradeRubric: _grpc.UnaryUnaryMultiCallable[_reward_service_pb2.GradeRubricRequest, _reward_service_pb2.GradeRubricResponse]
     """Grades a whole trajectory on weighted rubric dimensions (each 0.0–1.0 with cited evidence)
-    and combines them by weighted mean. Changes nothing.
-    Errors: INVALID_ARGUMENT (weights do not sum to 1, empty trajectory).
+    and combines them by weighted mean, with the default judge. Changes nothing.
+    Errors: INVALID_ARGUMENT (weights do not sum to 1, empty trajectory), FAILED_PRECONDITION
+    (the default judge is a scripted one, which answers credit questions only).
     """
     ScoreTask: _grpc.UnaryUnaryMultiCallable[_reward_service_pb2.ScoreTaskRequest, _reward_service_pb2.ScoreTaskResponse]
     """Scores a personal-assistant workflow by running the configured task's checks in the
@@ -68,8 +70,10 @@ class RewardServiceStub:
     AssignCredit: _grpc.UnaryUnaryMultiCallable[_reward_service_pb2.AssignCreditRequest, _reward_service_pb2.AssignCreditResponse]
     """Estimates a value after each turn of a failed trajectory and returns the rise segments.
     A judge that gives no annotation passing the calibration rules leaves `credit` empty and
-    `reward` EXCLUDED. Changes nothing.
-    Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1)).
+    `reward` EXCLUDED. The judge is a configured model endpoint or the service's scripted
+    judge (a heuristic that values each turn by what its action does; no model, no network).
+    Changes nothing.
+    Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1), unknown judge).
     """
 
 @_typing.type_check_only
@@ -95,12 +99,14 @@ class RewardServiceAsyncStub(RewardServiceStub):
     """Asks an LLM judge whether an open-ended task was achieved, from the task intent, the final
     response and the last screenshots. Malformed verdicts are retried, then EXCLUDED.
     Changes nothing. Errors: INVALID_ARGUMENT (empty intent, unknown judge, a screenshot that
-    is not PNG or JPEG, negative policy_format_failures).
+    is not PNG or JPEG, negative policy_format_failures), FAILED_PRECONDITION (the judge is a
+    scripted one, which answers credit questions only).
     """
     GradeRubric: _aio.UnaryUnaryMultiCallable[_reward_service_pb2.GradeRubricRequest, _reward_service_pb2.GradeRubricResponse]  # type: ignore[assignment]
     """Grades a whole trajectory on weighted rubric dimensions (each 0.0–1.0 with cited evidence)
-    and combines them by weighted mean. Changes nothing.
-    Errors: INVALID_ARGUMENT (weights do not sum to 1, empty trajectory).
+    and combines them by weighted mean, with the default judge. Changes nothing.
+    Errors: INVALID_ARGUMENT (weights do not sum to 1, empty trajectory), FAILED_PRECONDITION
+    (the default judge is a scripted one, which answers credit questions only).
     """
     ScoreTask: _aio.UnaryUnaryMultiCallable[_reward_service_pb2.ScoreTaskRequest, _reward_service_pb2.ScoreTaskResponse]  # type: ignore[assignment]
     """Scores a personal-assistant workflow by running the configured task's checks in the
@@ -112,8 +118,10 @@ class RewardServiceAsyncStub(RewardServiceStub):
     AssignCredit: _aio.UnaryUnaryMultiCallable[_reward_service_pb2.AssignCreditRequest, _reward_service_pb2.AssignCreditResponse]  # type: ignore[assignment]
     """Estimates a value after each turn of a failed trajectory and returns the rise segments.
     A judge that gives no annotation passing the calibration rules leaves `credit` empty and
-    `reward` EXCLUDED. Changes nothing.
-    Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1)).
+    `reward` EXCLUDED. The judge is a configured model endpoint or the service's scripted
+    judge (a heuristic that values each turn by what its action does; no model, no network).
+    Changes nothing.
+    Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1), unknown judge).
     """
 
 class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -148,7 +156,8 @@ class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
         """Asks an LLM judge whether an open-ended task was achieved, from the task intent, the final
         response and the last screenshots. Malformed verdicts are retried, then EXCLUDED.
         Changes nothing. Errors: INVALID_ARGUMENT (empty intent, unknown judge, a screenshot that
-        is not PNG or JPEG, negative policy_format_failures).
+        is not PNG or JPEG, negative policy_format_failures), FAILED_PRECONDITION (the judge is a
+        scripted one, which answers credit questions only).
         """
 
     @_abc_1.abstractmethod
@@ -158,8 +167,9 @@ class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_reward_service_pb2.GradeRubricResponse, _abc.Awaitable[_reward_service_pb2.GradeRubricResponse]]:
         """Grades a whole trajectory on weighted rubric dimensions (each 0.0–1.0 with cited evidence)
-        and combines them by weighted mean. Changes nothing.
-        Errors: INVALID_ARGUMENT (weights do not sum to 1, empty trajectory).
+        and combines them by weighted mean, with the default judge. Changes nothing.
+        Errors: INVALID_ARGUMENT (weights do not sum to 1, empty trajectory), FAILED_PRECONDITION
+        (the default judge is a scripted one, which answers credit questions only).
         """
 
     @_abc_1.abstractmethod
@@ -183,8 +193,10 @@ class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_reward_service_pb2.AssignCreditResponse, _abc.Awaitable[_reward_service_pb2.AssignCreditResponse]]:
         """Estimates a value after each turn of a failed trajectory and returns the rise segments.
         A judge that gives no annotation passing the calibration rules leaves `credit` empty and
-        `reward` EXCLUDED. Changes nothing.
-        Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1)).
+        `reward` EXCLUDED. The judge is a configured model endpoint or the service's scripted
+        judge (a heuristic that values each turn by what its action does; no model, no network).
+        Changes nothing.
+        Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1), unknown judge).
         """
 
 def add_RewardServiceServicer_to_server(servicer: RewardServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -238,8 +238,8 @@ class RolloutJobSpec(_message.Message):
     @_builtins.property
     def policy_spec(self) -> Global___PolicySpec:
         """A policy the job brings instead of a configured one (then `policy` is empty): e.g. one
-        weight version to evaluate. Refused with FAILED_PRECONDITION where the service does not
-        allow job policies.
+        weight version to evaluate, or a teacher's script. Refused with FAILED_PRECONDITION where
+        the service does not allow job policies.
         """
 
     def __init__(
@@ -324,6 +324,118 @@ class ChatEndpoint(_message.Message):
 Global___ChatEndpoint: _TypeAlias = ChatEndpoint  # noqa: Y015
 
 @_typing.final
+class ScriptedStep(_message.Message):
+    """One reply of a scripted policy: a thought and, unless it is the final answer, one tool call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    THOUGHT_FIELD_NUMBER: _builtins.int
+    TOOL_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_JSON_FIELD_NUMBER: _builtins.int
+    thought: _builtins.str
+    """The reply's text; non-empty."""
+    tool: _builtins.str
+    """Name of the tool it calls (sent only when the harness offers that tool); empty: a final
+    answer without a tool call.
+    """
+    arguments_json: _builtins.str
+    """The call's arguments as a JSON object, e.g. {"command": "ls"}; empty: {}."""
+    def __init__(
+        self,
+        *,
+        thought: _builtins.str = ...,
+        tool: _builtins.str = ...,
+        arguments_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments_json", b"arguments_json", "thought", b"thought", "tool", b"tool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScriptedStep: _TypeAlias = ScriptedStep  # noqa: Y015
+
+@_typing.final
+class ScriptedPlan(_message.Message):
+    """How a scripted policy works through the tasks whose instruction contains `match`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MATCH_FIELD_NUMBER: _builtins.int
+    SOLVE_RATE_FIELD_NUMBER: _builtins.int
+    SOLUTION_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
+    match: _builtins.str
+    """A piece of the task's instruction that selects this plan; non-empty. The first plan that
+    matches is followed.
+    """
+    solve_rate: _builtins.float
+    """Chance in [0, 1] that a conversation follows `solution` rather than `failure`."""
+    @_builtins.property
+    def solution(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScriptedStep]:
+        """The steps that solve the task; at least one."""
+
+    @_builtins.property
+    def failure(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScriptedStep]:
+        """The steps of a plausible failure; at least one, and its first thought differs from the
+        solution's (the policy tells the path a conversation is on from it).
+        """
+
+    def __init__(
+        self,
+        *,
+        match: _builtins.str = ...,
+        solve_rate: _builtins.float = ...,
+        solution: _abc.Iterable[Global___ScriptedStep] | None = ...,
+        failure: _abc.Iterable[Global___ScriptedStep] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failure", b"failure", "match", b"match", "solution", b"solution", "solve_rate", b"solve_rate"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScriptedPlan: _TypeAlias = ScriptedPlan  # noqa: Y015
+
+@_typing.final
+class ScriptedPolicy(_message.Message):
+    """A script the rollout service plays as a policy: on a conversation's first step it draws
+    solution or failure of the matching plan, then follows that path one step per call. Tasks no
+    plan matches get a final answer saying it does not know. The whole message (serialized) is
+    bounded by the service's `job_policies.max_script_bytes` (default 512 KiB).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    PLANS_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """Model name its replies carry; empty: "orchard-scripted-policy"."""
+    seed: _builtins.int
+    """Seed of the draws, for repeatable jobs; unset: a fresh seed per job."""
+    @_builtins.property
+    def plans(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScriptedPlan]:
+        """The plans; at least one."""
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        plans: _abc.Iterable[Global___ScriptedPlan] | None = ...,
+        seed: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "model", b"model", "plans", b"plans", "seed", b"seed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
+    _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+
+Global___ScriptedPolicy: _TypeAlias = ScriptedPolicy  # noqa: Y015
+
+@_typing.final
 class PolicySpec(_message.Message):
     """A job's own policy."""
 
@@ -331,6 +443,7 @@ class PolicySpec(_message.Message):
 
     WEIGHTS_FIELD_NUMBER: _builtins.int
     ENDPOINT_FIELD_NUMBER: _builtins.int
+    SCRIPTED_FIELD_NUMBER: _builtins.int
     TEMPERATURE_FIELD_NUMBER: _builtins.int
     MAX_TOKENS_PER_CALL_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
@@ -347,21 +460,29 @@ class PolicySpec(_message.Message):
         carry their conversation (`Trajectory.conversation_json`) and no turns.
         """
 
+    @_builtins.property
+    def scripted(self) -> Global___ScriptedPolicy:
+        """A scripted policy (a teacher that needs no model and no network) that the rollout
+        service plays itself, for this job only; like an endpoint its calls are not captured,
+        so trajectories carry their conversation and no turns.
+        """
+
     def __init__(
         self,
         *,
         weights: Global___RegistryWeights | None = ...,
         endpoint: Global___ChatEndpoint | None = ...,
+        scripted: Global___ScriptedPolicy | None = ...,
         temperature: _builtins.float | None = ...,
         max_tokens_per_call: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "endpoint", b"endpoint", "source", b"source", "temperature", b"temperature", "weights", b"weights"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "endpoint", b"endpoint", "scripted", b"scripted", "source", b"source", "temperature", b"temperature", "weights", b"weights"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "endpoint", b"endpoint", "max_tokens_per_call", b"max_tokens_per_call", "source", b"source", "temperature", b"temperature", "weights", b"weights"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "endpoint", b"endpoint", "max_tokens_per_call", b"max_tokens_per_call", "scripted", b"scripted", "source", b"source", "temperature", b"temperature", "weights", b"weights"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
     _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
-    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["weights", "endpoint"]  # noqa: Y015
+    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["weights", "endpoint", "scripted"]  # noqa: Y015
     _WhichOneofArgType_source: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...

@@ -40,7 +40,9 @@ class RolloutServiceStub:
     """Starts a rollout job: sandboxes, harness runs, scoring and group sampling in the
     background. Side effects: a job record in the state store; sandboxes and model calls while
     it runs. A retry with the same `request_id` returns the same job.
-    Errors: INVALID_ARGUMENT (no tasks, unknown harness or sampler, bad budgets).
+    Errors: INVALID_ARGUMENT (no tasks, unknown harness or sampler, bad budgets, a bad or
+    oversized scripted policy), FAILED_PRECONDITION (a policy_spec where the service takes
+    none, a reward service it has not configured), NOT_FOUND (unpublished weights).
     """
     GetRolloutJob: _grpc.UnaryUnaryMultiCallable[_rollout_service_pb2.GetRolloutJobRequest, _rollout_service_pb2.GetRolloutJobResponse]
     """Returns a job with its progress. Changes nothing. Errors: NOT_FOUND."""
@@ -70,7 +72,9 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     """Starts a rollout job: sandboxes, harness runs, scoring and group sampling in the
     background. Side effects: a job record in the state store; sandboxes and model calls while
     it runs. A retry with the same `request_id` returns the same job.
-    Errors: INVALID_ARGUMENT (no tasks, unknown harness or sampler, bad budgets).
+    Errors: INVALID_ARGUMENT (no tasks, unknown harness or sampler, bad budgets, a bad or
+    oversized scripted policy), FAILED_PRECONDITION (a policy_spec where the service takes
+    none, a reward service it has not configured), NOT_FOUND (unpublished weights).
     """
     GetRolloutJob: _aio.UnaryUnaryMultiCallable[_rollout_service_pb2.GetRolloutJobRequest, _rollout_service_pb2.GetRolloutJobResponse]  # type: ignore[assignment]
     """Returns a job with its progress. Changes nothing. Errors: NOT_FOUND."""
@@ -103,7 +107,9 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         """Starts a rollout job: sandboxes, harness runs, scoring and group sampling in the
         background. Side effects: a job record in the state store; sandboxes and model calls while
         it runs. A retry with the same `request_id` returns the same job.
-        Errors: INVALID_ARGUMENT (no tasks, unknown harness or sampler, bad budgets).
+        Errors: INVALID_ARGUMENT (no tasks, unknown harness or sampler, bad budgets, a bad or
+        oversized scripted policy), FAILED_PRECONDITION (a policy_spec where the service takes
+        none, a reward service it has not configured), NOT_FOUND (unpublished weights).
         """
 
     @_abc_1.abstractmethod

@@ -145,7 +145,10 @@ class TrainingJobSpec(_message.Message):
     mode: Global___TrainingMode.ValueType
     """SFT or RL."""
     model: _builtins.str
-    """Local path of a Hugging Face causal LM, or "builtin:<size>" for a model built in code."""
+    """"builtin:<size>" for a model built in code, or the artifact URL of a Hugging Face causal LM
+    folder with its tokenizer (file:///... on the shared volume, s3://...); it must lie under
+    the trainer's artifact store or an allowed prefix. Never a local path.
+    """
     zero_stage: _builtins.int
     """DeepSpeed ZeRO stage, 0–3."""
     learning_rate: _builtins.float
@@ -163,7 +166,9 @@ class TrainingJobSpec(_message.Message):
     drop_long: _builtins.bool
     """Drop over-long samples instead of left-truncating them."""
     dataset: _builtins.str
-    """Dataset path for offline SFT (JSONL of trajectories)."""
+    """SFT only: the artifact URL of a JSON Lines file of orchard.types.v1.Trajectory messages,
+    under the trainer's artifact store or an allowed prefix; empty: submitted groups only.
+    """
     max_staleness: _builtins.int
     """RL: most weight versions a trajectory's policy turns may lag behind the latest published
     version (staleness in the weight registry's numbering); unset: no bound.
@@ -336,7 +341,10 @@ class Checkpoint(_message.Message):
     step: _builtins.int
     """Step it was saved at."""
     uri: _builtins.str
-    """Where it is stored."""
+    """The checkpoint folder's artifact URL in the trainer's store
+    (<checkpoint url>/<job id>/<version>: deepspeed/, model/, checkpoint.json); its model/
+    folder is the location a published weight version names.
+    """
     weight_version: _builtins.str
     """The weight version it was published as; empty when not published."""
     @_builtins.property

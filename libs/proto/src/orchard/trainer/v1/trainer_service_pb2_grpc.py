@@ -93,7 +93,11 @@ class TrainerServiceServicer:
     def CreateTrainingJob(self, request, context):
         """Starts a training job. Side effects: a job record; a training process.
         A retry with the same `request_id` returns the same job.
-        Errors: INVALID_ARGUMENT (unknown model path, bad hyperparameters), RESOURCE_EXHAUSTED.
+        Errors: INVALID_ARGUMENT (bad hyperparameters, unknown built-in model, a model or dataset
+        that is not an artifact URL: reason ARTIFACT_URL_INVALID), PERMISSION_DENIED (a model or
+        dataset URL outside the service's artifact store and allowed prefixes:
+        ARTIFACT_ACCESS_DENIED), NOT_FOUND (nothing at that URL, or a model folder without
+        config.json: ARTIFACT_NOT_FOUND), RESOURCE_EXHAUSTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -39,7 +39,11 @@ class TrainerServiceStub:
     CreateTrainingJob: _grpc.UnaryUnaryMultiCallable[_trainer_service_pb2.CreateTrainingJobRequest, _trainer_service_pb2.CreateTrainingJobResponse]
     """Starts a training job. Side effects: a job record; a training process.
     A retry with the same `request_id` returns the same job.
-    Errors: INVALID_ARGUMENT (unknown model path, bad hyperparameters), RESOURCE_EXHAUSTED.
+    Errors: INVALID_ARGUMENT (bad hyperparameters, unknown built-in model, a model or dataset
+    that is not an artifact URL: reason ARTIFACT_URL_INVALID), PERMISSION_DENIED (a model or
+    dataset URL outside the service's artifact store and allowed prefixes:
+    ARTIFACT_ACCESS_DENIED), NOT_FOUND (nothing at that URL, or a model folder without
+    config.json: ARTIFACT_NOT_FOUND), RESOURCE_EXHAUSTED.
     """
     GetTrainingJob: _grpc.UnaryUnaryMultiCallable[_trainer_service_pb2.GetTrainingJobRequest, _trainer_service_pb2.GetTrainingJobResponse]
     """Returns a job with its progress and latest metrics. Changes nothing. Errors: NOT_FOUND."""
@@ -84,7 +88,11 @@ class TrainerServiceAsyncStub(TrainerServiceStub):
     CreateTrainingJob: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.CreateTrainingJobRequest, _trainer_service_pb2.CreateTrainingJobResponse]  # type: ignore[assignment]
     """Starts a training job. Side effects: a job record; a training process.
     A retry with the same `request_id` returns the same job.
-    Errors: INVALID_ARGUMENT (unknown model path, bad hyperparameters), RESOURCE_EXHAUSTED.
+    Errors: INVALID_ARGUMENT (bad hyperparameters, unknown built-in model, a model or dataset
+    that is not an artifact URL: reason ARTIFACT_URL_INVALID), PERMISSION_DENIED (a model or
+    dataset URL outside the service's artifact store and allowed prefixes:
+    ARTIFACT_ACCESS_DENIED), NOT_FOUND (nothing at that URL, or a model folder without
+    config.json: ARTIFACT_NOT_FOUND), RESOURCE_EXHAUSTED.
     """
     GetTrainingJob: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.GetTrainingJobRequest, _trainer_service_pb2.GetTrainingJobResponse]  # type: ignore[assignment]
     """Returns a job with its progress and latest metrics. Changes nothing. Errors: NOT_FOUND."""
@@ -132,7 +140,11 @@ class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_trainer_service_pb2.CreateTrainingJobResponse, _abc.Awaitable[_trainer_service_pb2.CreateTrainingJobResponse]]:
         """Starts a training job. Side effects: a job record; a training process.
         A retry with the same `request_id` returns the same job.
-        Errors: INVALID_ARGUMENT (unknown model path, bad hyperparameters), RESOURCE_EXHAUSTED.
+        Errors: INVALID_ARGUMENT (bad hyperparameters, unknown built-in model, a model or dataset
+        that is not an artifact URL: reason ARTIFACT_URL_INVALID), PERMISSION_DENIED (a model or
+        dataset URL outside the service's artifact store and allowed prefixes:
+        ARTIFACT_ACCESS_DENIED), NOT_FOUND (nothing at that URL, or a model folder without
+        config.json: ARTIFACT_NOT_FOUND), RESOURCE_EXHAUSTED.
         """
 
     @_abc_1.abstractmethod

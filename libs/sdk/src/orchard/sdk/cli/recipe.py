@@ -81,6 +81,14 @@ def add_recipe_commands(subparsers: Any, formatter: type[argparse.HelpFormatter]
         help="the state dir of the `orchard up` to use (default: $ORCHARD_STATE_DIR, else "
         "the standard one)",
     )
+    run.add_argument(
+        "--stack",
+        type=Path,
+        default=None,
+        help="a JSON or YAML file naming the services to use instead of `orchard up`'s: env, "
+        "reward, rollout, trainer (HOST:PORT), etcd (URL), artifacts (the store's URL); the "
+        "token of orchard-env from $ORCHARD_TOKEN",
+    )
     run.set_defaults(run=_run)
 
 
@@ -135,8 +143,11 @@ def _run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        stack = StackEndpoints.from_state_dir(args.state_dir)
-    except FileNotFoundError as exc:
+        if args.stack is not None:
+            stack = StackEndpoints.from_file(args.stack)
+        else:
+            stack = StackEndpoints.from_state_dir(args.state_dir)
+    except (FileNotFoundError, ValueError) as exc:
         sys.stderr.write(f"orchard: {exc}\n")
         return 2
     try:
@@ -150,6 +161,13 @@ def _run(args: argparse.Namespace) -> int:
         )
     except (StageError, RecipeMismatch, ValueError) as exc:
         sys.stderr.write(f"orchard: {exc}\n")
+        return 1
+    except OSError as exc:
+        # The output folder (or a file in it) cannot be written: say which, not a traceback.
+        sys.stderr.write(
+            f"orchard: {exc.strerror or exc}: {exc.filename or recipe.output_dir}; give the "
+            "recipe an output_dir this user can write\n"
+        )
         return 1
     except KeyboardInterrupt:
         sys.stderr.write(

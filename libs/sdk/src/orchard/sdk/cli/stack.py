@@ -97,6 +97,12 @@ class LocalStack:
         self.processes: dict[str, ServiceProcess] = {}
         """The running services by name ("env" first), in start order."""
 
+    @property
+    def artifacts_url(self) -> str:
+        """The stack's artifact store, a ``file://`` folder in the state dir: models, datasets,
+        checkpoints and published weights, by URL (recorded in ``up.json``)."""
+        return (self.state_dir / "artifacts").absolute().as_uri()
+
     # -- what runs ---------------------------------------------------------------------------
 
     @property
@@ -236,6 +242,8 @@ def _reward_config(stack: LocalStack, address: str) -> dict[str, Any]:
     return {
         "server": {"listen": [address]},
         "env": {"endpoint": stack.listen, "token_env": ENV_TOKEN_VARIABLE},
+        # The default model judge, and the scripted credit judge recipes name "scripted".
+        "judges": {"default": {}, "scripted": {"kind": "scripted"}},
     }
 
 
@@ -244,6 +252,8 @@ def _rollout_config(stack: LocalStack, address: str) -> dict[str, Any]:
         "server": {"listen": [address]},
         "etcd": {"endpoints": [stack.etcd_endpoint]},
         "env": {"endpoint": stack.listen, "token_env": ENV_TOKEN_VARIABLE},
+        # the store recipes put task files in and the trainer publishes weights to
+        "artifacts": {"root": stack.artifacts_url},
     }
     reward = stack.extra_services.get("reward")
     if reward:
@@ -255,7 +265,10 @@ def _trainer_config(stack: LocalStack, address: str) -> dict[str, Any]:
     return {
         "server": {"listen": [address]},
         "etcd": {"endpoints": [stack.etcd_endpoint]},
-        "weights": {"checkpoint_dir": str(stack.state_dir / "trainer-checkpoints")},
+        # Models and datasets by URL from the stack's one artifact store; checkpoints and
+        # published weights go there too (the rollout's engines read them from it).
+        "artifacts": {"root": stack.artifacts_url},
+        "weights": {"scratch_dir": str(stack.state_dir / "trainer-scratch")},
     }
 
 

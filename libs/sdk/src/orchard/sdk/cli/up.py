@@ -13,11 +13,14 @@ Everything lives under the state dir (``$ORCHARD_STATE_DIR``, else ``$XDG_STATE_
 else ``~/.local/state/orchard``)::
 
     profile.json     endpoint and token (mode 0600)
-    up.json          pid of the running ``orchard up`` and its components
+    up.json          pid of the running ``orchard up``, its components and the artifact
+                     store's URL
     env.yaml         the configuration orchard-env runs with (token digests only)
     reward.yaml      the configuration orchard-reward runs with (the env token comes from
                      its environment, never the file); rollout.yaml and trainer.yaml likewise
-    trainer-checkpoints/  what orchard-trainer saves and publishes
+    artifacts/       the artifact store (file://): models and datasets recipes hand over,
+                     checkpoints and weights orchard-trainer saves and publishes
+    trainer-scratch/ orchard-trainer's own working folder (checkpoints being written)
     etcd/            etcd's data
     logs/            env.log, reward.log, up.log (detached runs)
     runtime/         the local runtime's per-sandbox state and writable layers
@@ -235,7 +238,14 @@ def _run(args: argparse.Namespace, state: Path, stop: threading.Event) -> int:
             Component(p.program, p.address, p.pid, str(p.log)) for p in stack.processes.values()
         ]
         run_file.write_text(
-            json.dumps({"pid": os.getpid(), "components": [asdict(c) for c in components]})
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "components": [asdict(c) for c in components],
+                    # where recipes put what they hand the services (StackEndpoints.artifacts)
+                    "artifacts": stack.artifacts_url,
+                }
+            )
         )
         _show(components, profile_path, args.json)
         while not stop.wait(0.5):

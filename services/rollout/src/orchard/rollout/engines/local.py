@@ -15,12 +15,14 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from orchard.core.artifacts import ArtifactError, ArtifactStore, as_url
 from orchard.core.etcd import EtcdError
 from orchard.lm.model_folder import ModelFolderError, load_model_folder
 from orchard.lm.weights import WeightRegistry, WeightVersion
@@ -313,5 +315,23 @@ class LocalEngine:
 
 
 def _load_folder(location: str, version: str) -> LoadedWeights:
-    loaded = load_model_folder(location)
+    """Load the model folder at `location`: an artifact URL (a published version) or, for an
+    operator's `model_folder`, a path on this machine."""
+    loaded = load_model_folder(fetch_model_folder(location))
     return LoadedWeights(model=loaded.model, tokenizer=loaded.tokenizer, version=version)
+
+
+def fetch_model_folder(location: str) -> Path:
+    """A local folder holding the model folder at `location`, read through the artifact layer
+    (file:// in place on the shared volume; other stores downloaded once per URL).
+
+    The registry is the operator's (only the trainer publishes), so a published URL is the one
+    prefix this read may touch; it is still checked for its form (no '..', no chaining).
+    A bare path (an operator's `model_folder` setting) is taken as ``file://`` + its absolute
+    form.
+    """
+    try:
+        url = as_url(location)
+        return ArtifactStore(url).get_dir(url)
+    except ArtifactError as e:
+        raise ModelFolderError(f"model folder {location}: {e.message}") from None

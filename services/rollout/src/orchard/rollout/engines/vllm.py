@@ -325,8 +325,12 @@ class VllmEngine:
             await asyncio.sleep(self.config.retry_interval_s)
 
     async def _load_published(self, version: WeightVersion) -> None:
+        # the published location is an artifact URL: vLLM reads the folder it resolves to
+        from orchard.rollout.engines.local import fetch_model_folder  # noqa: PLC0415
+
         try:
-            await self.load_version(version.version, version.location)
+            folder = await asyncio.to_thread(fetch_model_folder, version.location)
+            await self.load_version(version.version, str(folder))
         except Exception as e:  # a bad folder must not stop the follower
             log.error(
                 "cannot load weight version %s from %s: %s", version.version, version.location, e

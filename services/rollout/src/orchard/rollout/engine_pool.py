@@ -1,0 +1,230 @@
+"""The engine pool: the policies jobs run with, started on first use and shared.
+
+A configured policy (``policies`` in the configuration) starts on the first job that names it
+and stays for the process's life. A policy a job brings (`RolloutJobSpec.policy_spec`) is
+reference counted: registry weights run on a local engine that every running job with the same
+key (model, version, sampling settings) shares, closed when the last of them ends, and at most
+`job_policies.max_engines` of them run at once (a job needing another waits); an endpoint or a
+script is the job's own, closed when it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from orchard.rollout.config import PolicyConfig, RolloutConfig
+from orchard.rollout.harnesses.tool_loop import ModelEndpoint
+from orchard.rollout.metrics import RolloutMetrics
+from orchard.rollout.runner import CaptureSource, ProxyCapture
+from orchard.rollout.scripted_policy import ScriptedPolicyServer, script_from_proto
+from orchard.rollout.v1 import rollout_service_pb2 as api
+
+if TYPE_CHECKING:
+    from orchard.lm.weights import WeightRegistry
+    from orchard.rollout.engines.local import LocalEngine
+    from orchard.rollout.proxy.server import CaptureProxy
+    from orchard.rollout.service import JobPolicyKey
+
+__all__ = ["EnginePool", "StartedPolicy"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StartedPolicy:
+    """A started policy: where harnesses send calls, and the capture source when captured."""
+
+    endpoint: ModelEndpoint
+    capture: CaptureSource | None = None
+    engine: LocalEngine | None = None
+    proxy: CaptureProxy | None = None
+    scripted: ScriptedPolicyServer | None = None
+
+    async def close(self) -> None:
+        if self.scripted is not None:
+            with contextlib.suppress(Exception):
+                await self.scripted.close()
+        if self.proxy is not None:
+            with contextlib.suppress(Exception):
+                await self.proxy.close()
+        if self.engine is not None:
+            with contextlib.suppress(Exception):
+                await self.engine.close()
+
+
+@dataclass
+class _Shared:
+    """A job policy's engine and how many running jobs use it."""
+
+    policy: StartedPolicy
+    users: int = 0
+
+
+async def _start_scripted(key: JobPolicyKey) -> StartedPolicy:
+    """The job's script served on loopback in this process: the harnesses reach it as they reach
+    an endpoint, and nothing outside this service ever dials it."""
+    message = api.ScriptedPolicy.FromString(key.script)
+    seed = message.seed if message.HasField("seed") else None
+    server = ScriptedPolicyServer(script_from_proto(message), seed=seed)
+    await server.start()
+    log.info(
+        "job policy %s: scripted, %d plans, at %s", key.name, len(message.plans), server.base_url
+    )
+    return StartedPolicy(
+        ModelEndpoint(
+            base_url=server.base_url,
+            model=key.model,
+            temperature=key.temperature,
+            max_tokens_per_call=key.max_tokens_per_call,
+        ),
+        scripted=server,
+    )
+
+
+class EnginePool:
+    """The policies of this process's jobs."""
+
+    def __init__(
+        self,
+        config: RolloutConfig,
+        metrics: RolloutMetrics,
+        registry: WeightRegistry | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.registry = registry
+        self._policies: dict[str, StartedPolicy] = {}
+        self._policy_lock = asyncio.Lock()
+        self._job_policies: dict[JobPolicyKey, _Shared] = {}
+        self._job_policies_changed = asyncio.Condition()
+
+    async def acquire(self, key: JobPolicyKey) -> StartedPolicy:
+        """The policy a job brought: shared registry weights (waiting for a free engine), or
+        the job's own endpoint or script. Give it back with `release`."""
+        if key.pooled:
+            return await self._acquire_shared(key)
+        return await self.start_job_policy(key)
+
+    async def release(self, key: JobPolicyKey, policy: StartedPolicy) -> None:
+        """The job that acquired `policy` ended: the last user of a shared engine closes it."""
+        if key.pooled:
+            await self._release_shared(key)
+        else:
+            await policy.close()
+
+    async def close(self) -> None:
+        """Closes every policy (the process stops)."""
+        for policy in self._policies.values():
+            await policy.close()
+        self._policies.clear()
+        for shared in self._job_policies.values():
+            await shared.policy.close()
+        self._job_policies.clear()
+
+    async def policy(self, name: str) -> StartedPolicy:
+        async with self._policy_lock:
+            started = self._policies.get(name)
+            if started is not None:
+                return started
+            policy = self.config.policies[name]
+            started = await self.start_policy(name, policy)
+            self._policies[name] = started
+            return started
+
+    async def _acquire_shared(self, key: JobPolicyKey) -> StartedPolicy:
+        """The engine of `key`, started when no running job uses it; waits while
+        `job_policies.max_engines` others run. Give it back with `_release_shared`."""
+        async with self._job_policies_changed:
+            await self._job_policies_changed.wait_for(
+                lambda: (
+                    key in self._job_policies
+                    or len(self._job_policies) < self.config.job_policies.max_engines
+                )
+            )
+            shared = self._job_policies.get(key)
+            if shared is None:
+                # Started under the lock: a second job of the same key waits for this one.
+                shared = _Shared(await self.start_job_policy(key))
+                self._job_policies[key] = shared
+                self.metrics.job_engines.inc()
+            shared.users += 1
+            return shared.policy
+
+    async def _release_shared(self, key: JobPolicyKey) -> None:
+        async with self._job_policies_changed:
+            shared = self._job_policies.get(key)
+            if shared is None:
+                return
+            shared.users -= 1
+            if shared.users <= 0:
+                del self._job_policies[key]
+                self.metrics.job_engines.dec()
+                await shared.policy.close()
+                log.info("job policy %s closed", key.name)
+            self._job_policies_changed.notify_all()
+
+    async def start_job_policy(self, key: JobPolicyKey) -> StartedPolicy:
+        """A job's script on a loopback server of its own; its endpoint; or its registry
+        weights on a local engine with `job_policies.engine`'s settings: the pinned version's
+        folder, or the model's latest version, followed."""
+        if key.script:
+            return await _start_scripted(key)
+        if key.base_url:
+            return await self.start_policy(key.name, key.as_config())
+        if self.registry is None:
+            raise RuntimeError("this rollout service has no weight registry to load weights from")
+        template = self.config.job_policies.engine
+        if key.version:
+            published = await self.registry.for_model(key.model).get(key.version)
+            if published is None:
+                raise LookupError(f"version {key.version!r} of {key.model!r} is not published")
+            update = {
+                "model_folder": published.location,
+                "weight_version": published.version,
+                "follow_registry": False,
+            }
+        else:
+            update = {"model_folder": None, "registry_model": key.model, "follow_registry": True}
+        return await self.start_policy(key.name, key.as_config(template.model_copy(update=update)))
+
+    async def start_policy(self, name: str, policy: PolicyConfig) -> StartedPolicy:
+        if policy.kind == "openai":
+            return StartedPolicy(
+                ModelEndpoint(
+                    base_url=policy.base_url,
+                    model=policy.model,
+                    api_key=policy.api_key(),
+                    temperature=policy.temperature,
+                    max_tokens_per_call=policy.max_tokens_per_call,
+                )
+            )
+        from orchard.rollout.engines.local import LocalEngine  # noqa: PLC0415 - loads torch
+        from orchard.rollout.proxy.server import CaptureProxy  # noqa: PLC0415
+
+        registry = self.registry
+        if registry is not None:
+            registry = registry.for_model(policy.engine.registry_model)
+        engine = LocalEngine(policy.engine, registry=registry)
+        await engine.start()
+        proxy = CaptureProxy(engine, self.config.proxy)
+        try:
+            await proxy.start()
+        except BaseException:
+            await engine.close()
+            raise
+        log.info("policy %s: local engine %s behind %s", name, engine.weight_version, proxy.url)
+        return StartedPolicy(
+            ModelEndpoint(
+                base_url=proxy.url + "/v1",
+                model=policy.model,
+                temperature=policy.temperature,
+                max_tokens_per_call=policy.max_tokens_per_call,
+            ),
+            capture=ProxyCapture(proxy, self.config.settle_timeout_s),
+            engine=engine,
+            proxy=proxy,
+        )
