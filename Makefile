@@ -60,7 +60,7 @@ lint: setup ## buf lint, ruff and mypy on every package
 	cd protos && ../$(BUF) lint
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy libs/core/src libs/sdk/src libs/lm/src services/inagent/src services/env/src services/reward/src services/rollout/src services/trainer/src libs/recipes/src tools bench
+	$(BIN)/mypy libs/core/src libs/sdk/src libs/tasks/src libs/lm/src services/inagent/src services/env/src services/reward/src services/rollout/src services/trainer/src libs/recipes/src tools bench
 
 test: setup proto-check versions lint charts inagent-binary ## check generated code, lint, validate charts, run every test
 	$(BIN)/pytest $(PYTEST_ARGS)

@@ -356,8 +356,14 @@ def test_a_reduced_recipe_runs_end_to_end_across_machines(
 ) -> None:
     collect = _done(recipe_run, "collect")
     assert collect["rollouts"] == 5 and collect["resolved"] >= 1, collect
+    # The trainer rendered the teacher's conversations and curated them on its own machine,
+    # reading what the client put in the store and writing the dataset the SFT job trained on.
+    assert collect["trajectories"] == collect["rollouts"] - sum(collect["excluded"].values())
+    curate = _done(recipe_run, "curate")
+    assert curate["dataset"].startswith(f"{STORE_URL}/recipes/datasets/"), curate
+    assert (cluster.net.store / curate["dataset"].removeprefix(f"{STORE_URL}/")).is_file()
     sft = _done(recipe_run, "sft")
-    assert sft["steps"] >= 1
+    assert sft["steps"] >= 1 and sft["samples"] == curate["samples"] >= 1
     location = sft["weights"]["location"]
     # What the trainer published is a URL in the shared store, which the rollout service read
     # (RL sampled that version on its own machine).

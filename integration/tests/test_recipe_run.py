@@ -21,11 +21,10 @@ from typing import Any
 import pytest
 import yaml
 
-from orchard.core.etcd import EtcdStore
-from orchard.lm.weights import WeightRegistry
 from orchard.recipes.pipeline import run_recipe
 from orchard.recipes.recipe_tasks import prepare_tasks
-from orchard.recipes.stages import REGISTRY_NAMESPACE, read_groups
+from orchard.recipes.stages import read_groups
+from orchard.recipes.weights_client import WeightVersions
 from orchard.recipes.workspace import RunDir, StackEndpoints
 from orchard.sdk.recipe import Recipe, load_recipe
 from orchard.trainer.datasets import read_trajectories
@@ -123,8 +122,11 @@ def test_collect_scores_the_teacher_and_tokenizes_its_conversations(
         conversation = json.loads(trajectory.conversation_json)
         assert [m["role"] for m in conversation[:2]] == ["system", "user"]
         assert any(m["role"] == "assistant" for m in conversation)
+    # The scored conversations went to orchard-trainer as they were; it rendered them.
+    sent = list(read_trajectories(recipe.output_dir / "collect" / "conversations.jsonl"))
+    assert len(sent) == 10 and all(t.conversation_json and not t.turns for t in sent)
     rows = list(read_trajectories(recipe.output_dir / "collect" / "trajectories.jsonl"))
-    assert len(rows) == 10
+    assert len(rows) == collect["trajectories"] == 10 and "unrendered" not in collect
     for row in rows:
         assert row.turns and all(t.output_token_ids for t in row.turns)
         assert all(len(t.output_loss_mask) == len(t.output_token_ids) for t in row.turns)
@@ -154,16 +156,30 @@ def test_sft_trains_on_curated_rows_and_publishes_a_version(
     curated = list(read_trajectories(recipe.output_dir / "curate" / "sft.jsonl"))
     successes = {r.task_id for r in curated if r.reward.value > 0}
     assert len([r for r in curated if r.reward.value > 0]) == len(successes)  # shortest only
+    # orchard-trainer curated and counted: the SFT job trained on the dataset it wrote to the
+    # store (the run folder holds a copy) and its sample count sized the schedule.
+    curate = _done(recipe, "curate")
+    assert curate["kept"] == len(curated) and sft["samples"] == curate["samples"]
+    assert curate["dataset"].startswith(services.endpoints.artifacts + "/recipes/datasets/")
+    stored = Path(curate["dataset"].removeprefix("file://"))
+    assert stored.read_bytes() == (recipe.output_dir / "curate" / "sft.jsonl").read_bytes()
+    shortest = next(s for s in curate["steps"] if s["step"].startswith("shortest_successful"))
+    assert shortest["rows_in"] - shortest["kept"] == sum(shortest["by_reason"].values())
 
     weights = sft["weights"]
     # Trained by orchard-trainer: its job published the version under the run's model.
     assert weights["version"] == f"{sft['job']}-step-{sft['steps']:06d}"
 
     async def published() -> tuple[str, str, str]:
-        async with EtcdStore(services.endpoints.etcd, namespace=REGISTRY_NAMESPACE) as store:
-            version = await WeightRegistry(store, "reduced-student").get(weights["version"])
-            assert version is not None
-            return version.location, version.metadata["job"], version.metadata["mode"]
+        # read through orchard-trainer's GetWeightVersion, as the recipe reads it
+        async with WeightVersions(services.endpoints.trainer) as registry:
+            version = await registry.get("reduced-student", weights["version"])
+            base = await registry.get("reduced-student", "base")
+        assert version is not None and base is not None
+        # the base the SFT job started from: built by orchard-trainer, published before SFT
+        assert base.number < version.number and base.metadata["source"] == recipe.student.model
+        assert base.location.startswith(services.endpoints.artifacts + "/models/"), base
+        return version.location, version.metadata["job"], version.metadata["mode"]
 
     location, job, mode = asyncio.run(published())
     assert (job, mode) == (sft["job"], "sft")

@@ -1,6 +1,6 @@
-"""The recipe runner's parts that need no service: teacher conversations in the student's
-tokens, the scripted teacher's script as the rollout service takes it, the run folder's guard
-against mixing recipes, and how the RL stage picks the weights it hands on."""
+"""The recipe runner's parts that need no service: the scripted teacher's script as the rollout
+service takes it, the run folder's guard against mixing recipes, and how the RL stage picks the
+weights it hands on."""
 
 from __future__ import annotations
 
@@ -9,95 +9,15 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from orchard.lm.chat import ChatRenderer
-from orchard.lm.tokenizer import build_tokenizer
 from orchard.recipes.stages import _scripted_policy, group_counts, pick_validated
 from orchard.recipes.swe_suite import generate_suite, teacher_script
-from orchard.recipes.trajectories import TrajectoryBuildError, teacher_trajectory
 from orchard.recipes.workspace import RecipeMismatch, RunDir, StackEndpoints
-from orchard.rollout.harnesses.bash_react import shell_harness
 from orchard.sdk.connection import Profile, write_profile
 from orchard.sdk.recipe import Recipe
 from orchard.types.v1 import reward_pb2, trajectory_pb2
-
-
-def _call(index: int, name: str, arguments: dict[str, str]) -> dict[str, object]:
-    return {
-        "id": f"c{index}",
-        "type": "function",
-        "function": {"name": name, "arguments": json.dumps(arguments)},
-    }
-
-
-def _conversation() -> list[dict[str, object]]:
-    return [
-        {"role": "system", "content": "You fix bugs."},
-        {"role": "user", "content": "`f(3)` is wrong; fix src/a/rules.py."},
-        {"role": "assistant", "content": "I read it.",
-         "tool_calls": [_call(0, "bash", {"command": "cat src/*/rules.py"})]},
-        {"role": "tool", "tool_call_id": "c0",
-         "content": "exit code 0\ndef f(x):\n    return x > 3\n"},
-        {"role": "assistant", "content": "Done.", "tool_calls": [_call(1, "submit", {})]},
-        {"role": "tool", "tool_call_id": "c1", "content": "submitted"},
-    ]  # fmt: skip
-
-
-def _teacher_rollout(**fields: Any) -> trajectory_pb2.Trajectory:
-    """A teacher's trajectory as orchard-rollout streams it: reward, outcome, conversation."""
-    given: dict[str, Any] = {
-        "id": "r1/0",
-        "rollout_id": "r1",
-        "task_id": "t1",
-        "harness": "builtin:swe",
-        "group_id": "job/t1/builtin:swe",
-        "outcome": trajectory_pb2.TRAJECTORY_OUTCOME_COMPLETED,
-        "reward": reward_pb2.Reward(
-            status=reward_pb2.REWARD_STATUS_SCORED, value=1.0, scorer="tests"
-        ),
-        "conversation_json": json.dumps(_conversation()),
-    }
-    return trajectory_pb2.Trajectory(**(given | fields))
-
-
-def test_a_teacher_conversation_becomes_the_students_exact_tokens() -> None:
-    tokenizer = build_tokenizer()
-    renderer = ChatRenderer(tokenizer)
-    tools = [t.schema() for t in shell_harness().tools]
-    source = _teacher_rollout(metadata={"status": "completed"})
-    trajectory = teacher_trajectory(source, renderer, tools, teacher_model="teacher")
-    assert len(trajectory.turns) == 2
-    # What the rollout service said about it stays: reward, outcome, ids, metadata.
-    assert trajectory.reward == source.reward and trajectory.outcome == source.outcome
-    assert (trajectory.rollout_id, trajectory.group_id) == ("r1", "job/t1/builtin:swe")
-    assert trajectory.metadata["status"] == "completed"
-    assert trajectory.metadata["source"] == "teacher" and not trajectory.conversation_json
-    tokens: list[int] = []
-    for turn in trajectory.turns:
-        tokens += [*turn.input_token_ids, *turn.output_token_ids]
-        assert all(turn.output_loss_mask) and not turn.output_logprobs
-        assert turn.output_token_ids[-1] in renderer.stop_token_ids  # ends its turn
-        assert turn.weight_version == "teacher:teacher"
-    # Inputs and outputs in order are the student's rendering of the conversation up to the
-    # last answer: nothing re-tokenized differently, nothing lost between turns.
-    whole = renderer.render(_conversation()[:5], tools, add_generation_prompt=False).token_ids
-    assert tuple(tokens) == tuple(whole[: len(tokens)])
-    assert renderer.decode(whole[len(tokens) :]).strip() == ""
-    assert [c.name for t in trajectory.turns for c in t.tool_calls] == ["bash", "submit"]
-    # What each turn saw, as text for judges: the task first, then each tool's output.
-    assert "fix src/a/rules.py" in trajectory.turns[0].input_text
-    assert trajectory.turns[1].input_text == "exit code 0\ndef f(x):\n    return x > 3\n"
-
-
-def test_a_rollout_without_a_conversation_is_refused_by_name() -> None:
-    renderer = ChatRenderer(build_tokenizer())
-    with pytest.raises(TrajectoryBuildError, match="rollout r1: no conversation"):
-        teacher_trajectory(
-            _teacher_rollout(conversation_json=""), renderer, [], teacher_model="teacher"
-        )
 
 
 def test_the_scripted_teacher_travels_as_a_scripted_policy_spec() -> None:

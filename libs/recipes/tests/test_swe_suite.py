@@ -17,8 +17,8 @@ from orchard.recipes.swe_suite import (
     split_suite,
     teacher_script,
 )
-from orchard.reward.swe_tasks import materialize
 from orchard.rollout.scripted_policy import PolicyScript
+from orchard.tasks.swe_tasks import materialize
 
 
 def _pytest(repo: Path, tests: tuple[str, ...]) -> int:

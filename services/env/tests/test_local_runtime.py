@@ -175,8 +175,27 @@ class TestWithTheAgent:
             await runtime.close()
             assert runtime.remove_cgroup_parents() == []
 
-    async def test_start_timeout_fails_and_cleans_up(self, config: LocalRuntimeConfig) -> None:
-        runtime = LocalRuntime(config.model_copy(update={"start_timeout_s": 0.01}))
+    async def test_start_timeout_fails_and_cleans_up(
+        self, config: LocalRuntimeConfig, tmp_path: Path
+    ) -> None:
+        # An agent forked from the zygote can serve within milliseconds, so a short timeout alone
+        # does not make a start slow: the agent is executed through a bundle whose executable
+        # first sleeps well past the timeout ("host" images see the real bundle at its path).
+        real_agent = os.path.realpath(os.path.join(config.agent_bundle, "orchard-inagent"))
+        slow_bundle = tmp_path / "slow-bundle"
+        slow_bundle.mkdir()
+        wrapper = slow_bundle / "orchard-inagent"
+        wrapper.write_text(f'#!/bin/sh\nsleep 5\nexec {real_agent} "$@"\n')
+        wrapper.chmod(0o755)
+        runtime = LocalRuntime(
+            config.model_copy(
+                update={
+                    "start_timeout_s": 0.5,
+                    "agent_launch": "exec",
+                    "agent_bundle": str(slow_bundle),
+                }
+            )
+        )
         await runtime.start()
         try:
             with pytest.raises(RuntimeFailure) as caught:

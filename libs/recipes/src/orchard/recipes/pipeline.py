@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from orchard.recipes.preflight import check_recipe
 from orchard.recipes.recipe_tasks import prepare_tasks
 from orchard.recipes.stages import (
     StageContext,
@@ -89,6 +90,7 @@ def run_recipe(
             f"student.engine {recipe.student.engine!r}: this runner samples the student with the "
             "local engine only; use engine: local (a Hugging Face model path works with it)"
         )
+    check_recipe(recipe, stack)
     run = RunDir.open(recipe)
     ctx = StageContext(
         recipe=recipe,

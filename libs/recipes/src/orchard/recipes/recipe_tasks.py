@@ -24,15 +24,15 @@ from typing import TYPE_CHECKING
 
 from orchard.recipes.swe_suite import Split, SuiteTask, generate_suite, split_suite
 from orchard.recipes.workspace import RunDir
-from orchard.reward.swe_instances import (
+from orchard.sdk.recipe import Recipe
+from orchard.tasks.spec import TaskFile, TaskSpec, TestsCheck
+from orchard.tasks.swe_instances import (
     DEFAULT_REPO_PATH,
     SweInstance,
     load_instances,
     parse_instance,
 )
-from orchard.reward.swe_tasks import materialize
-from orchard.rollout.tasks import TaskFile, TaskSpec, TestsCheck
-from orchard.sdk.recipe import Recipe
+from orchard.tasks.swe_tasks import materialize
 
 if TYPE_CHECKING:
     from orchard.core.artifacts import ArtifactStore

@@ -62,6 +62,13 @@ class RolloutJobs(ServiceConnection):
         job: api.RolloutJob = response.job
         return job
 
+    async def harnesses(self) -> dict[str, api.Harness]:
+        """The harnesses the service drives, by name (ListHarnesses)."""
+        response = await self._call(
+            "ListHarnesses", self._stub.ListHarnesses(api.ListHarnessesRequest())
+        )
+        return {harness.name: harness for harness in response.harnesses}
+
     async def get(self, job_id: str) -> api.RolloutJob:
         response = await self._call(
             "GetRolloutJob", self._stub.GetRolloutJob(api.GetRolloutJobRequest(job_id=job_id))

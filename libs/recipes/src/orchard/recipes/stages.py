@@ -3,9 +3,11 @@
 - **collect**: a rollout job in orchard-rollout of the teacher (an endpoint, or the scripted
   teacher the rollout service plays from the job spec) on every SFT task ``attempts_per_task``
   times through the harness, in sandboxes of the environment service, scored by the reward
-  service's ScoreTests; its conversations become trajectories in the student's tokens.
+  service's ScoreTests; orchard-trainer renders its conversations in the student's tokens
+  (PrepareDataset: the student's tokenizer is the trainer's).
 - **curate**: successful trajectories (and failed ones with credit, when the credit stage gave
-  some) filtered for SFT.
+  some) filtered for SFT by orchard-trainer's curation (PrepareDataset), which also counts the
+  SFT samples the job will build.
 - **sft**: an SFT job in orchard-trainer (DeepSpeed engine) on the curated trajectories, stepped
   to its end and published to the weight registry under the run's model.
 - **rl**: an RL job in orchard-trainer, starting from the SFT model; each step is a rollout job
@@ -24,7 +26,6 @@ Each stage function takes a `StageContext` and returns the summary `done.json` k
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -34,7 +35,7 @@ import shutil
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,15 +43,12 @@ from typing import Any
 from google.protobuf import json_format
 from tqdm import tqdm
 
-from orchard.lm.chat import ChatRenderer
 from orchard.recipes.recipe_tasks import WORKDIR, RecipeTask, task_spec
 from orchard.recipes.rollout_client import RolloutJobs
 from orchard.recipes.swe_suite import teacher_script
 from orchard.recipes.trainer_client import TrainerJobs, step_entry
-from orchard.recipes.trajectories import teacher_trajectory
+from orchard.recipes.weights_client import WeightVersions
 from orchard.recipes.workspace import RunDir, StackEndpoints, write_json
-from orchard.rollout.harnesses.bash_react import bash_react_harness, shell_harness
-from orchard.rollout.harnesses.tool_loop import ToolCallingHarness
 from orchard.rollout.v1 import rollout_service_pb2 as rollout_api
 from orchard.sdk.recipe import Budget, Recipe
 from orchard.trainer.v1 import trainer_service_pb2 as trainer_api
@@ -69,8 +67,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-REGISTRY_NAMESPACE = "orchard/"
-"""Where in etcd the weight registry lives (the rollout and trainer services use the same)."""
 MAX_TOKENS_PER_CALL = 192
 """Output budget of one student call: the built-in tasks' longest turn is about 120 tokens."""
 
@@ -93,29 +89,28 @@ class StageContext:
         return f"{self.recipe.name}-student"
 
 
-def harnesses_for(recipe: Recipe) -> dict[str, ToolCallingHarness]:
-    """The recipe's harnesses by name, as orchard-rollout runs them (the tasks say where their
-    shell runs); raises ValueError for one that is not built in."""
-    out: dict[str, ToolCallingHarness] = {}
-    for name in recipe.harnesses:
-        if name == "builtin:swe":
-            out[name] = shell_harness(name=name)
-        elif name == "builtin:bash":
-            out[name] = bash_react_harness(name=name)
-        else:
+async def harnesses_for(ctx: StageContext) -> dict[str, rollout_api.Harness]:
+    """The recipe's harnesses as orchard-rollout drives them (ListHarnesses: name, system
+    prompt, tools); raises ValueError for one the service does not drive."""
+    async with RolloutJobs(ctx.stack.rollout) as rollouts:
+        known = await rollouts.harnesses()
+    for name in ctx.recipe.harnesses:
+        if name not in known:
             raise ValueError(
-                f"harness {name!r} is not one this recipe runner drives; use builtin:swe or "
-                "builtin:bash"
+                f"harness {name!r} is not one orchard-rollout at {ctx.stack.rollout} drives; "
+                f"it drives: {', '.join(sorted(known)) or 'none'}"
             )
-    return out
+    return {name: known[name] for name in ctx.recipe.harnesses}
 
 
 def _bar(ctx: StageContext, total: int, desc: str) -> tqdm[Any]:
     return tqdm(total=total, desc=desc, unit="rollout", disable=not ctx.progress, leave=True)
 
 
-def _tools_of(harness: ToolCallingHarness) -> list[dict[str, Any]]:
-    return [tool.schema() for tool in harness.tools]
+def _tools_of(harness: rollout_api.Harness) -> list[dict[str, Any]]:
+    """The harness's tools as its model sees them (OpenAI `tools` entries)."""
+    tools: list[dict[str, Any]] = json.loads(harness.tools_json or "[]")
+    return tools
 
 
 # -- rollout jobs in orchard-rollout ------------------------------------------------------------
@@ -292,44 +287,103 @@ async def _collect(ctx: StageContext, out: Path) -> dict[str, Any]:
     path = out / "groups.jsonl"
     path.unlink(missing_ok=True)
     _write_groups(path, groups)
-    renderer = _student_renderer(ctx)
-    tools = {name: _tools_of(h) for name, h in harnesses_for(ctx.recipe).items()}
     repository = {t.id: t.instance.repo for t in tasks}
     rows = []
     for group in groups:
         for source in _main_line(group):
             if not _scored(source) or not source.conversation_json:
                 continue
-            row = teacher_trajectory(
-                source, renderer, tools[group.harness], teacher_model=ctx.recipe.teacher.model
-            )
+            row = trajectory_pb2.Trajectory()
+            row.CopyFrom(source)
             row.metadata["repository"] = repository.get(group.task_id, "")
             rows.append(row)
-    _write_trajectories(out / "trajectories.jsonl", rows)
-    return {**group_counts(groups), "trajectories": len(rows), "rollout_job": job.id}
+    # The conversations as orchard-rollout gave them; the trainer renders them.
+    conversations = out / "conversations.jsonl"
+    _write_trajectories(conversations, rows)
+    result = await _prepare(ctx, conversations, out / "trajectories.jsonl", "collect")
+    return {
+        **group_counts(groups),
+        "trajectories": result.rows_kept,
+        **_unrendered(result),
+        "rollout_job": job.id,
+    }
 
 
-def _student_renderer(ctx: StageContext) -> ChatRenderer:
-    """The student's chat rendering, with the tokenizer read from the student's model folder
-    the way every engine reads it, so training rows hold the ids the engines will produce."""
-    from transformers import AutoTokenizer  # noqa: PLC0415
+async def _harness_tools(ctx: StageContext) -> list[trainer_api.HarnessTools]:
+    """The tools each harness declares to the model: the student's chat template renders them
+    into every prompt, so the trainer renders the teacher's conversations with them."""
+    return [
+        trainer_api.HarnessTools(harness=name, tools_json=json.dumps(_tools_of(harness)))
+        for name, harness in (await harnesses_for(ctx)).items()
+    ]
 
-    folder = base_model_folder(ctx)
-    return ChatRenderer(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
+
+async def _prepare(
+    ctx: StageContext,
+    rows: Path,
+    copy: Path,
+    stage: str,
+    curation: trainer_api.CurationSettings | None = None,
+) -> trainer_api.PrepareDatasetResult:
+    """orchard-trainer's PrepareDataset on the trajectories in `rows` (put in the stack's
+    artifact store): conversations rendered in the student's tokens, curated when `curation`
+    is given; the dataset it wrote is copied to `copy`, for people and later stages to read."""
+    store = ctx.stack.artifact_store()
+    output = f"{ctx.recipe.name}-{stage}-{uuid.uuid4().hex}.jsonl"
+    request = trainer_api.PrepareDatasetRequest(
+        model=await base_model_url(ctx),
+        trajectories=_put_file(ctx, rows, "trajectories"),
+        tools=await _harness_tools(ctx),
+        output=store.url("recipes", "datasets", output),
+        source_model=ctx.recipe.teacher.model,
+        examples_per_reason=2,
+    )
+    if curation is not None:
+        request.curation.CopyFrom(curation)
+    bar = tqdm(total=0, desc=f"{stage}: prepare", unit="row", disable=not ctx.progress)
+
+    def progress(update: trainer_api.PrepareDatasetProgress) -> None:
+        bar.total = int(update.rows_total)
+        bar.n = int(update.rows_done)
+        bar.refresh()
+
+    with bar:
+        async with TrainerJobs(ctx.stack.trainer) as trainer:
+            result = await trainer.prepare_dataset(request, progress)
+    staging = copy.with_suffix(".partial")
+    with store.open_read(result.dataset) as source, staging.open("wb") as target:
+        shutil.copyfileobj(source, target)
+    staging.rename(copy)
+    return result
+
+
+def _unrendered(result: trainer_api.PrepareDatasetResult) -> dict[str, Any]:
+    """The rows the trainer could not render, counted by reason with the first few named."""
+    if not result.rows_unrendered:
+        return {}
+    return {
+        "unrendered": int(result.rows_unrendered),
+        "unrendered_by_reason": {k: int(v) for k, v in result.unrendered_by_reason.items()},
+        "unrendered_examples": [
+            {"trajectory_id": u.trajectory_id, "reason": u.reason, "detail": u.detail}
+            for u in result.unrendered[:3]
+        ],
+    }
 
 
 def _write_trajectories(path: Path, rows: Sequence[trajectory_pb2.Trajectory]) -> None:
-    from orchard.trainer.datasets import write_trajectories  # noqa: PLC0415
-
+    """JSON Lines of trajectories, one compact object a line, renamed into place whole."""
     staging = path.with_suffix(".partial")
-    write_trajectories(staging, rows)
+    with staging.open("w", encoding="utf-8") as out:
+        for row in rows:
+            out.write(json_format.MessageToJson(row, indent=None) + "\n")
     staging.rename(path)
 
 
 def _read_trajectories(path: Path) -> list[trajectory_pb2.Trajectory]:
-    from orchard.trainer.datasets import read_trajectories  # noqa: PLC0415
-
-    return list(read_trajectories(path))
+    """The trajectories a stage wrote (``_write_trajectories``)."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [json_format.Parse(line, trajectory_pb2.Trajectory()) for line in lines if line.strip()]
 
 
 def run_collect(ctx: StageContext) -> dict[str, Any]:
@@ -444,88 +498,63 @@ def run_credit(ctx: StageContext) -> dict[str, Any]:
 
 
 def run_curate(ctx: StageContext) -> dict[str, Any]:
-    """The trainer's curation steps over the collected trajectories (credit-assigned ones in
-    place of their originals when the credit stage ran); failed trajectories without rise
-    segments pass here and carry no loss in SFT."""
-    from orchard.trainer.curation import (  # noqa: PLC0415
-        CapPerSource,
-        CurationStep,
-        KnownTools,
-        ParsableActions,
-        ShortestSuccessful,
-        TokenLimit,
-        ToolSchema,
-        curate,
-        default_order,
-    )
-
+    """orchard-trainer's curation (PrepareDataset) over the collected trajectories
+    (credit-assigned ones in place of their originals when the credit stage ran); failed
+    trajectories without rise segments pass here and carry no loss in SFT. The dataset stays
+    in the artifact store (its URL in the summary, for the SFT job), a copy in ``sft.jsonl``."""
     stage = ctx.recipe.stages.curate
     rows = _read_trajectories(ctx.run.root / "collect" / "trajectories.jsonl")
     credited = ctx.run.root / "credit" / "trajectories.jsonl"
     if credited.exists():
         by_id = {t.id: t for t in _read_trajectories(credited)}
         rows = [by_id.get(t.id, t) for t in rows]
-    steps: list[CurationStep] = [TokenLimit(stage.max_tokens)]
-    if stage.drop_unparsable:
-        steps.append(ParsableActions())
-    if stage.drop_unknown_tools:
-        schemas: dict[str | None, ToolSchema] = {
-            name: ToolSchema.of(_tools_of(h)) for name, h in harnesses_for(ctx.recipe).items()
-        }
-        steps.append(KnownTools(schemas))
-    if stage.shortest_success_per_task:
-        steps.append(ShortestSuccessful())
-    if stage.cap_per_source is not None:
-        steps.append(CapPerSource(stage.cap_per_source, "repository"))
-    result = curate(rows, default_order(steps))
     out = ctx.run.stage("curate")
-    _write_trajectories(out / "sft.jsonl", result.rows)
-    (out / "report.txt").write_text(result.summary() + "\n", encoding="utf-8")
+    given = out / "input.jsonl"
+    _write_trajectories(given, rows)
+    curation = trainer_api.CurationSettings(
+        max_tokens=stage.max_tokens,
+        drop_unparsable=stage.drop_unparsable,
+        drop_unknown_tools=stage.drop_unknown_tools,
+        shortest_success_per_task=stage.shortest_success_per_task,
+        cap_per_source=stage.cap_per_source or 0,
+        source_key="repository",
+    )
+    result = asyncio.run(_prepare(ctx, given, out / "sft.jsonl", "curate", curation))
+    (out / "report.txt").write_text(result.curation_summary + "\n", encoding="utf-8")
     return {
         "input": len(rows),
-        "kept": len(result.rows),
-        "steps": [r.as_dict(examples=2) for r in result.reports],
+        "kept": int(result.rows_kept),
+        "samples": int(result.sft_samples),
+        "dataset": result.dataset,
+        **_unrendered(result),
+        "steps": [_step_summary(r) for r in result.curation],
+    }
+
+
+def _step_summary(report: trainer_api.CurationStepReport) -> dict[str, Any]:
+    """One curation step's report as ``done.json`` keeps it."""
+    examples: dict[str, list[dict[str, str]]] = {}
+    for drop in report.examples:
+        examples.setdefault(drop.reason, []).append(
+            {"trajectory_id": drop.trajectory_id, "detail": drop.detail}
+        )
+    return {
+        "step": report.step,
+        "rows_in": int(report.rows_in),
+        "kept": int(report.kept),
+        "dropped": int(report.dropped),
+        "by_reason": {k: int(v) for k, v in sorted(report.dropped_by_reason.items())},
+        "examples": examples,
     }
 
 
 # -- sft -----------------------------------------------------------------------------------------
 
 
-@contextlib.asynccontextmanager
-async def _registry(ctx: StageContext) -> AsyncIterator[Any]:
-    """The run's student in the weight registry (a `WeightRegistry`), connected to etcd."""
-    from orchard.core.etcd import EtcdStore  # noqa: PLC0415
-    from orchard.lm.weights import WeightRegistry  # noqa: PLC0415
-
-    async with EtcdStore(ctx.stack.etcd, namespace=REGISTRY_NAMESPACE) as store:
-        yield WeightRegistry(store, ctx.registry_model)
-
-
-def base_model_folder(ctx: StageContext) -> Path:
-    """The untrained student as a model folder (written once): what SFT starts from and the
-    base line of the evaluation."""
-    folder = ctx.run.root / "base" / "model"
-    if folder.exists():
-        return folder
-    model = ctx.recipe.student.model
-    if not model.startswith("builtin:"):
-        return Path(model)
-    from orchard.lm.model_folder import save_model_folder  # noqa: PLC0415
-    from orchard.trainer.policy import load_policy  # noqa: PLC0415
-
-    policy = load_policy(model, seed=ctx.seed)
-    assert policy.tokenizer is not None
-    save_model_folder(folder, policy.model, policy.tokenizer, metadata={"version": "base"})
-    return folder
-
-
-def base_model_url(ctx: StageContext) -> str:
-    """The untrained student's artifact URL, what the services load: a URL the recipe names
-    as it is, else the model folder put in the stack's artifact store."""
-    model = ctx.recipe.student.model
-    if "://" in model:
-        return model
-    return _put_folder(ctx, base_model_folder(ctx), "models")
+async def base_model_url(ctx: StageContext) -> str:
+    """The untrained student's artifact URL: what SFT starts from and the base line of the
+    evaluation, published as version "base" (`_publish_base`)."""
+    return str((await _publish_base(ctx))["location"])
 
 
 def _content_digest(paths: Sequence[tuple[str, Path]]) -> str:
@@ -565,14 +594,15 @@ SFT_STEPS_PER_CALL = 12
 
 
 def run_sft(ctx: StageContext) -> dict[str, Any]:
-    from orchard.trainer.masks import SampleConfig, build_sft_samples  # noqa: PLC0415
-
     stage = ctx.recipe.stages.sft
-    data = ctx.run.root / "curate" / "sft.jsonl"
-    rows = _read_trajectories(data)
-    # The trainer builds the same samples from the same file; counted here to size the
-    # schedule in epochs of samples (a failed row without rise segments gives none).
-    samples = len(build_sft_samples(rows, SampleConfig()).samples)
+    curated = ctx.run.done("curate") or {}
+    if not curated.get("dataset"):
+        raise RuntimeError(
+            f"the curate stage left no dataset URL: run it again (remove {ctx.run.root / 'curate'})"
+        )
+    # Counted by the trainer when it prepared the dataset: the schedule is sized in epochs
+    # of samples (a failed row without rise segments gives none).
+    samples = int(curated.get("samples", 0))
     if not samples:
         raise RuntimeError(
             "curation kept no trajectory to train on: the teacher resolved nothing; look at "
@@ -582,21 +612,22 @@ def run_sft(ctx: StageContext) -> dict[str, Any]:
     out = ctx.run.stage("sft")
     spec = trainer_api.TrainingJobSpec(
         mode=trainer_api.TRAINING_MODE_SFT,
-        model=base_model_url(ctx),
+        model="",  # the published base, filled in by go()
         zero_stage=stage.zero_stage,
         learning_rate=stage.learning_rate,
         warmup_steps=min(stage.warmup_steps, steps),
         total_steps=steps,
         micro_batch_size=stage.batch_size,
         gradient_accumulation=stage.gradient_accumulation,
-        # handed over through the artifact store: the trainer may run on another machine
-        dataset=_put_file(ctx, data, "datasets"),
+        # the dataset the trainer prepared, in the artifact store (by URL, never a path)
+        dataset=str(curated["dataset"]),
         weight_model=ctx.registry_model,
     )
     log_path = out / "run.jsonl"
     log_path.unlink(missing_ok=True)
 
     async def go() -> dict[str, Any]:
+        spec.model = await base_model_url(ctx)
         async with TrainerJobs(ctx.stack.trainer) as trainer:
             job = await trainer.create(spec, request_id=f"{ctx.recipe.name}-sft-{time.time_ns()}")
             losses: list[float] = []
@@ -614,8 +645,8 @@ def run_sft(ctx: StageContext) -> dict[str, Any]:
                     bar.update(len(response.steps))
                     bar.set_postfix(loss=f"{losses[-1]:.4f}")
                     version = response.weight_version or version
-        async with _registry(ctx) as registry:
-            published = await registry.get(version)
+        async with WeightVersions(ctx.stack.trainer) as weights:
+            published = await weights.get(ctx.registry_model, version)
         if published is None:
             raise RuntimeError(f"orchard-trainer reported version {version!r}, not in the registry")
         return {
@@ -624,11 +655,7 @@ def run_sft(ctx: StageContext) -> dict[str, Any]:
             "steps": len(losses),
             "first_loss": losses[0] if losses else None,
             "last_loss": losses[-1] if losses else None,
-            "weights": {
-                "version": published.version,
-                "number": published.number,
-                "location": published.location,
-            },
+            "weights": _weights_summary(published),
         }
 
     return asyncio.run(go())
@@ -699,7 +726,7 @@ async def _evaluate_model(
 
 def run_evaluate(ctx: StageContext) -> dict[str, Any]:
     out = ctx.run.stage("evaluate")
-    _publish_base(ctx, base_model_folder(ctx))
+    asyncio.run(_publish_base(ctx))
     results: dict[str, dict[str, Any]] = {}
     for name, version in models_to_evaluate(ctx):
         earlier = next((n for n, r in results.items() if r["weight_version"] == version), None)
@@ -752,7 +779,10 @@ async def _rl(
     every_group: list[trajectory_pb2.TrajectoryGroup] = []
     current = start
     rotation = random.Random(ctx.seed)
-    async with _registry(ctx) as registry, RolloutJobs(ctx.stack.rollout) as rollouts:
+    async with (
+        WeightVersions(ctx.stack.trainer) as weights,
+        RolloutJobs(ctx.stack.rollout) as rollouts,
+    ):
         bar = tqdm(total=stage.steps, desc="rl", unit="step", disable=not ctx.progress)
         with bar:
             for step in range(stage.steps):
@@ -821,18 +851,14 @@ async def _rl(
                     response = await trainer.step(job_id, 1, publish=True)
                     metrics = step_entry(response.steps[-1])
                     entry.update(loss=metrics.pop("loss"), metrics=metrics)
-                    published = await registry.get(response.weight_version)
+                    published = await weights.get(ctx.registry_model, response.weight_version)
                     if published is None:
                         raise RuntimeError(
                             f"orchard-trainer reported version {response.weight_version!r}, "
                             "not in the registry"
                         )
                     current = published.version
-                    summary["weights"] = {
-                        "version": published.version,
-                        "number": published.number,
-                        "location": published.location,
-                    }
+                    summary["weights"] = _weights_summary(published)
                     entry["published"] = published.version
                     entry["weights"] = summary["weights"]
                 else:
@@ -862,10 +888,9 @@ def run_rl(ctx: StageContext) -> dict[str, Any]:
     stage = ctx.recipe.stages.rl
     sft = ctx.run.done("sft")
     # a published location is already an artifact URL
-    start = str(sft["weights"]["location"]) if sft else base_model_url(ctx)
+    # a published location is an artifact URL; without SFT the run starts from "base"
+    start = str(sft["weights"]["location"]) if sft else asyncio.run(base_model_url(ctx))
     start_version = str(sft["weights"]["version"]) if sft else "base"
-    if sft is None:
-        _publish_base(ctx, start)
     out = ctx.run.stage("rl")
     spec = trainer_api.TrainingJobSpec(
         mode=trainer_api.TRAINING_MODE_RL,
@@ -935,14 +960,24 @@ def _validate(ctx: StageContext, candidates: Sequence[dict[str, Any]], out: Path
     }
 
 
-def _publish_base(ctx: StageContext, model: Path | str) -> None:
-    """Publish the base model as version "base": `model` is its artifact URL, or a local
-    folder first put in the stack's artifact store (engines read the store, not this host)."""
-    location = _put_folder(ctx, model, "models") if isinstance(model, Path) else model
+async def _publish_base(ctx: StageContext) -> dict[str, Any]:
+    """The untrained student published as version "base" of the run's model by
+    orchard-trainer's PublishModel: a built-in model is built there from the run's seed (as a
+    training job builds it), a URL published as it is, a local folder first put in the stack's
+    artifact store (engines read the store, not this host). Idempotent: a resumed run gets
+    the same version."""
+    model = ctx.recipe.student.model
+    if not model.startswith("builtin:") and "://" not in model:
+        model = _put_folder(ctx, Path(model), "models")
+    async with WeightVersions(ctx.stack.trainer) as weights:
+        published = await weights.publish_model(model, ctx.registry_model, "base", ctx.seed)
+    return _weights_summary(published)
 
-    async def go() -> None:
-        async with _registry(ctx) as registry:
-            if await registry.get("base") is None:
-                await registry.publish("base", location, {"stage": "base"})
 
-    asyncio.run(go())
+def _weights_summary(published: trainer_api.WeightVersion) -> dict[str, Any]:
+    """A published version as ``done.json`` keeps it."""
+    return {
+        "version": published.version,
+        "number": int(published.number),
+        "location": published.location,
+    }

@@ -1,14 +1,16 @@
 """The recipe's side of orchard-trainer: training jobs driven over gRPC.
 
-The SFT stage hands the trainer the curated dataset as a path on the trainer's machine and
-steps the job to its end; the RL stage submits each step's groups and asks for one optimizer
-step and a published weight version. Jobs publish under the run's own registry model
-(`TrainingJobSpec.weight_model`), so the engines of this run follow this run's versions only.
+The collect and curate stages have the trainer prepare the SFT dataset (PrepareDataset: the
+teacher's conversations rendered in the student's tokens, curated, counted); the SFT stage
+hands the trainer that dataset by URL and steps the job to its end; the RL stage submits each
+step's groups and asks for one optimizer step and a published weight version. Jobs publish
+under the run's own registry model (`TrainingJobSpec.weight_model`), so the engines of this
+run follow this run's versions only.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,3 +98,25 @@ class TrainerJobs(ServiceConnection):
                 "CancelTrainingJob",
                 self._stub.CancelTrainingJob(api.CancelTrainingJobRequest(job_id=job_id)),
             )
+
+    async def prepare_dataset(
+        self,
+        request: api.PrepareDatasetRequest,
+        progress: Callable[[api.PrepareDatasetProgress], None] | None = None,
+    ) -> api.PrepareDatasetResult:
+        """PrepareDataset: the trainer renders, curates and counts the rows in the student's
+        tokens; `progress` sees each progress message. Raises TrainerError."""
+
+        async def follow() -> api.PrepareDatasetResult:
+            async for message in self._stub.PrepareDataset(request):
+                if message.HasField("result"):
+                    result: api.PrepareDatasetResult = message.result
+                    return result
+                if progress is not None:
+                    progress(message.progress)
+            raise TrainerError(
+                f"{self.service} at {self.address}: PrepareDataset ended without a result"
+            )
+
+        result: api.PrepareDatasetResult = await self._call("PrepareDataset", follow())
+        return result

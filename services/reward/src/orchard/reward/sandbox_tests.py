@@ -38,6 +38,7 @@ from orchard.reward.tests_score import (
 from orchard.sdk import errors
 from orchard.sdk.aio import AsyncSandbox
 from orchard.sdk.types import ExecResult, SandboxState
+from orchard.tasks.commands import JUNIT_ENV, pytest_command
 
 __all__ = [
     "JUNIT_ENV",
@@ -51,9 +52,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-JUNIT_ENV = "ORCHARD_JUNIT_XML"
-"""Set for the test command: where it should write its JUnit XML report."""
 
 _DIFF_GIT = re.compile(r"^diff --git a/(\S+) b/(\S+)$")
 _PLUS_FILE = re.compile(r"^\+\+\+ (?:b/)?(\S+)")
@@ -123,18 +121,6 @@ def patched_paths(diff: str) -> list[str]:
             if path not in paths:
                 paths.append(path)
     return paths
-
-
-def pytest_command(python: str, test_ids: Sequence[str]) -> str:
-    """pytest over the files the tests live in (``path.py::test`` ids, in order), with a JUnit
-    report where :data:`JUNIT_ENV` says; the whole suite when no id names a file."""
-    files: list[str] = []
-    for test_id in test_ids:
-        path, sep, _ = test_id.partition("::")
-        if sep and path not in files:
-            files.append(path)
-    argv = [python, "-m", "pytest", "-rA", "-p", "no:cacheprovider"]
-    return f'{shlex.join(argv)} --junitxml="${JUNIT_ENV}" {shlex.join(files)}'.rstrip()
 
 
 async def run_tests_in_sandbox(sandbox: AsyncSandbox, run: TestRun) -> TestRunResult:

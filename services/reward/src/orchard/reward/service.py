@@ -28,6 +28,7 @@ from orchard.reward.outcome import Exclusion, ScoreResult, excluded, scored
 from orchard.reward.rubric import Dimension
 from orchard.reward.sandbox_tests import TestRun, TestRunResult, run_tests_in_sandbox
 from orchard.reward.task_checks import score_task_in_sandbox
+from orchard.reward.task_suites import task_suites
 from orchard.reward.tests_score import SCORER as TESTS_SCORER
 from orchard.reward.tests_score import parser_named, require_fail_to_pass
 from orchard.reward.v1 import reward_service_pb2 as api
@@ -329,3 +330,8 @@ class RewardServicer(reward_service_pb2_grpc.RewardServiceServicer):
             credit=convert.credit_message(answer.curve, f"judge:{judge.model}"),
             reward=convert.reward_message(result),
         )
+
+    async def ListTaskSuites(
+        self, request: api.ListTaskSuitesRequest, context: grpc.aio.ServicerContext
+    ) -> api.ListTaskSuitesResponse:
+        return api.ListTaskSuitesResponse(suites=task_suites())

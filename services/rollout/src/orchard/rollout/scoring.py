@@ -67,13 +67,32 @@ class LocalScorer:
 
     async def score(self, task: TaskSpec, sandbox: AsyncSandbox) -> RewardRecord:
         if isinstance(task.check, CommandCheck):
-            return await task.check.score(sandbox)
+            return await score_command(task.check, sandbox)
         raise InfrastructureError(
             FailureLayer.REWARD,
             f"task {task.id!r} is scored by the reward service, and none is configured "
             "(set reward.endpoint)",
             1,
         )
+
+
+async def score_command(check: CommandCheck, sandbox: AsyncSandbox) -> RewardRecord:
+    """1 when the check's command exits 0 in the sandbox, else 0, with its output as evidence."""
+    result = await sandbox.exec(["/bin/sh", "-c", check.command], timeout=check.timeout_s)
+    passed = result.ok
+    output = (result.stdout_text + result.stderr_text)[-2000:]
+    if passed:
+        detail = "the check passed"
+    elif result.timed_out:
+        detail = "the check timed out"
+    else:
+        detail = f"the check exited {result.exit_code}"
+    return RewardRecord(
+        value=1.0 if passed else 0.0,
+        scorer="command_check",
+        detail=detail,
+        evidence=(RewardEvidence(f"$ {check.command}", output),),
+    )
 
 
 def reward_record(reward: reward_pb2.Reward) -> RewardRecord:

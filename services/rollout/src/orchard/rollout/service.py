@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import urllib.parse
@@ -593,6 +594,16 @@ class RolloutManager:
         await self.engines.close()
 
 
+def harness_proto(harness: ToolCallingHarness) -> api.Harness:
+    """A harness as ListHarnesses describes it: what its model sees, in OpenAI tool JSON."""
+    return api.Harness(
+        name=harness.name,
+        description=harness.description,
+        tools_json=json.dumps([tool.schema() for tool in harness.tools], sort_keys=True),
+        system_prompt=harness.system_prompt,
+    )
+
+
 class _Discard(list):  # type: ignore[type-arg]
     """A records list that keeps nothing."""
 
@@ -644,3 +655,11 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
     ) -> api.ListRolloutJobsResponse:
         jobs, token = await self.manager.list(request.page_size, request.page_token)
         return api.ListRolloutJobsResponse(jobs=[j.to_proto() for j in jobs], next_page_token=token)
+
+    async def ListHarnesses(
+        self, request: api.ListHarnessesRequest, context: grpc.aio.ServicerContext
+    ) -> api.ListHarnessesResponse:
+        harnesses = self.manager.harnesses
+        return api.ListHarnessesResponse(
+            harnesses=[harness_proto(harnesses[name]) for name in sorted(harnesses)]
+        )

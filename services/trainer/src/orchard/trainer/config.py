@@ -69,6 +69,12 @@ class JobsConfig(ConfigModel):
         description="Samples a job buffers between steps; SubmitGroups past it fails with "
         "RESOURCE_EXHAUSTED until a Step consumes them.",
     )
+    max_preparing: int = Field(
+        default=2,
+        ge=1,
+        description="PrepareDataset calls rendering at once in this process (each takes a "
+        "core); more get RESOURCE_EXHAUSTED.",
+    )
     resume_on_start: bool = Field(
         default=True,
         description="On start, jobs left RUNNING or PENDING by a previous process resume from "

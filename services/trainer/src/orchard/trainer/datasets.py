@@ -14,7 +14,13 @@ from google.protobuf import json_format
 
 from orchard.types.v1 import trajectory_pb2
 
-__all__ = ["DatasetError", "parse_trajectories", "read_trajectories", "write_trajectories"]
+__all__ = [
+    "DatasetError",
+    "parse_numbered",
+    "parse_trajectories",
+    "read_trajectories",
+    "write_trajectories",
+]
 
 
 class DatasetError(ValueError):
@@ -34,6 +40,15 @@ def read_trajectories(path: Path) -> Iterator[trajectory_pb2.Trajectory]:
 def parse_trajectories(lines: Iterable[str], source: str) -> Iterator[trajectory_pb2.Trajectory]:
     """The trajectories of JSONL ``lines`` (a file, an artifact stream); ``source`` names them
     in errors (a path or URL)."""
+    for _, trajectory in parse_numbered(lines, source):
+        yield trajectory
+
+
+def parse_numbered(
+    lines: Iterable[str], source: str
+) -> Iterator[tuple[int, trajectory_pb2.Trajectory]]:
+    """Each trajectory of JSONL ``lines`` with its line number (from 1), so a report can
+    point at the line."""
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -42,7 +57,7 @@ def parse_trajectories(lines: Iterable[str], source: str) -> Iterator[trajectory
             json_format.Parse(line, trajectory)
         except json_format.ParseError as exc:
             raise DatasetError(f"{source}:{number}: not a trajectory: {exc}") from exc
-        yield trajectory
+        yield number, trajectory
 
 
 def write_trajectories(path: Path, trajectories: Iterable[trajectory_pb2.Trajectory]) -> int:

@@ -51,10 +51,12 @@ from orchard.trainer.jobs import (
 )
 from orchard.trainer.masks import TrajectoryError
 from orchard.trainer.metrics import TrainerMetrics
+from orchard.trainer.prepare import DatasetPreparer
 from orchard.trainer.records import JobRecord, JobStore
 from orchard.trainer.rl import StaleBatchError
 from orchard.trainer.v1 import trainer_service_pb2 as api
 from orchard.trainer.v1 import trainer_service_pb2_grpc
+from orchard.trainer.weight_versions import WeightVersions
 from orchard.types.v1 import trajectory_pb2
 
 __all__ = ["JobManager", "TrainerServicer"]
@@ -118,6 +120,12 @@ class JobManager:
         self.artifacts = config.artifacts.store()
         self.checkpoint_url = config.checkpoint_url()
         self.scratch = Path(config.weights.scratch_dir)
+        self.datasets = DatasetPreparer(
+            self.artifacts, artifact_cache(self.scratch), limit=config.jobs.max_preparing
+        )
+        self.weights = WeightVersions(
+            registry, self.artifacts, self.scratch, artifact_cache(self.scratch)
+        )
         self._running: dict[str, _Running] = {}
         self._starting = 0
 
@@ -584,3 +592,28 @@ class TrainerServicer(trainer_service_pb2_grpc.TrainerServiceServicer):
     ) -> api.PublishCheckpointResponse:
         checkpoint = await self.jobs.publish(request.job_id, request.step)
         return api.PublishCheckpointResponse(checkpoint=checkpoint)
+
+    async def PrepareDataset(
+        self, request: api.PrepareDatasetRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[api.PrepareDatasetResponse]:
+        async for message in self.jobs.datasets.stream(request):
+            yield message
+
+    async def GetWeightVersion(
+        self, request: api.GetWeightVersionRequest, context: grpc.aio.ServicerContext
+    ) -> api.GetWeightVersionResponse:
+        found = await self.jobs.weights.get(request.model, request.version)
+        return api.GetWeightVersionResponse(weight_version=found)
+
+    async def ListWeightVersions(
+        self, request: api.ListWeightVersionsRequest, context: grpc.aio.ServicerContext
+    ) -> api.ListWeightVersionsResponse:
+        versions, token = await self.jobs.weights.list(
+            request.model, request.page_size, request.page_token
+        )
+        return api.ListWeightVersionsResponse(weight_versions=versions, next_page_token=token)
+
+    async def PublishModel(
+        self, request: api.PublishModelRequest, context: grpc.aio.ServicerContext
+    ) -> api.PublishModelResponse:
+        return await self.jobs.weights.publish_model(request)

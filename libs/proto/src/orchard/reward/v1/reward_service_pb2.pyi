@@ -495,3 +495,122 @@ class AssignCreditResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AssignCreditResponse: _TypeAlias = AssignCreditResponse  # noqa: Y015
+
+@_typing.final
+class TaskFamily(_message.Message):
+    """A kind of bug a task suite generates tasks of."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DIFFICULTY_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Its name, as tasks carry it (e.g. "boundary", "off_by_one")."""
+    difficulty: _builtins.int
+    """1 (one token is wrong) to 3 (several places must change together)."""
+    description: _builtins.str
+    """One line for a person: the bug and its fix."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        difficulty: _builtins.int = ...,
+        description: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "difficulty", b"difficulty", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TaskFamily: _TypeAlias = TaskFamily  # noqa: Y015
+
+@_typing.final
+class TaskSuite(_message.Message):
+    """A task suite generated in code from a count and a seed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    FAMILIES_FIELD_NUMBER: _builtins.int
+    MIN_TASKS_FIELD_NUMBER: _builtins.int
+    MAX_TASKS_FIELD_NUMBER: _builtins.int
+    SCORED_BY_FIELD_NUMBER: _builtins.int
+    TEST_PARSER_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The suite's name, e.g. "builtin:swe"."""
+    description: _builtins.str
+    """One line for a person: what the tasks are."""
+    min_tasks: _builtins.int
+    """Fewest tasks one (count, seed) makes."""
+    max_tasks: _builtins.int
+    """Most tasks one (count, seed) makes: names and markers stay unique up to here."""
+    scored_by: _builtins.str
+    """The RewardService call that scores its tasks, e.g. "ScoreTests"."""
+    test_parser: _builtins.str
+    """The test parser its tasks name (`TestTask.parser`), e.g. "pytest"."""
+    @_builtins.property
+    def families(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskFamily]:
+        """Its families; tasks cycle through them in this order, so every family gets a share."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        description: _builtins.str = ...,
+        families: _abc.Iterable[Global___TaskFamily] | None = ...,
+        min_tasks: _builtins.int = ...,
+        max_tasks: _builtins.int = ...,
+        scored_by: _builtins.str = ...,
+        test_parser: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "families", b"families", "max_tasks", b"max_tasks", "min_tasks", b"min_tasks", "name", b"name", "scored_by", b"scored_by", "test_parser", b"test_parser"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TaskSuite: _TypeAlias = TaskSuite  # noqa: Y015
+
+@_typing.final
+class ListTaskSuitesRequest(_message.Message):
+    """Request of RewardService.ListTaskSuites."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListTaskSuitesRequest: _TypeAlias = ListTaskSuitesRequest  # noqa: Y015
+
+@_typing.final
+class ListTaskSuitesResponse(_message.Message):
+    """Response of RewardService.ListTaskSuites."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUITES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def suites(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskSuite]:
+        """Every suite, by name."""
+
+    def __init__(
+        self,
+        *,
+        suites: _abc.Iterable[Global___TaskSuite] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["suites", b"suites"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListTaskSuitesResponse: _TypeAlias = ListTaskSuitesResponse  # noqa: Y015

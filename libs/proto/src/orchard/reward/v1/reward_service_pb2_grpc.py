@@ -62,6 +62,11 @@ class RewardServiceStub:
                 request_serializer=orchard_dot_reward_dot_v1_dot_reward__service__pb2.AssignCreditRequest.SerializeToString,
                 response_deserializer=orchard_dot_reward_dot_v1_dot_reward__service__pb2.AssignCreditResponse.FromString,
                 _registered_method=True)
+        self.ListTaskSuites = channel.unary_unary(
+                '/orchard.reward.v1.RewardService/ListTaskSuites',
+                request_serializer=orchard_dot_reward_dot_v1_dot_reward__service__pb2.ListTaskSuitesRequest.SerializeToString,
+                response_deserializer=orchard_dot_reward_dot_v1_dot_reward__service__pb2.ListTaskSuitesResponse.FromString,
+                _registered_method=True)
 
 
 class RewardServiceServicer:
@@ -129,6 +134,16 @@ class RewardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListTaskSuites(self, request, context):
+        """Lists the task suites this service knows: suites generated in code whose tasks it scores
+        (with ScoreTests), with what a client needs to ask for tasks of one (the bug families, how
+        many tasks one seed makes). A handful, so the list comes whole (no pages). Changes nothing.
+        Errors: none beyond the transport's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RewardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -156,6 +171,11 @@ def add_RewardServiceServicer_to_server(servicer, server):
                     servicer.AssignCredit,
                     request_deserializer=orchard_dot_reward_dot_v1_dot_reward__service__pb2.AssignCreditRequest.FromString,
                     response_serializer=orchard_dot_reward_dot_v1_dot_reward__service__pb2.AssignCreditResponse.SerializeToString,
+            ),
+            'ListTaskSuites': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTaskSuites,
+                    request_deserializer=orchard_dot_reward_dot_v1_dot_reward__service__pb2.ListTaskSuitesRequest.FromString,
+                    response_serializer=orchard_dot_reward_dot_v1_dot_reward__service__pb2.ListTaskSuitesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -296,6 +316,33 @@ class RewardService:
             '/orchard.reward.v1.RewardService/AssignCredit',
             orchard_dot_reward_dot_v1_dot_reward__service__pb2.AssignCreditRequest.SerializeToString,
             orchard_dot_reward_dot_v1_dot_reward__service__pb2.AssignCreditResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTaskSuites(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.reward.v1.RewardService/ListTaskSuites',
+            orchard_dot_reward_dot_v1_dot_reward__service__pb2.ListTaskSuitesRequest.SerializeToString,
+            orchard_dot_reward_dot_v1_dot_reward__service__pb2.ListTaskSuitesResponse.FromString,
             options,
             channel_credentials,
             insecure,

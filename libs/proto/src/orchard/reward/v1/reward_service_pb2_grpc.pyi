@@ -75,6 +75,12 @@ class RewardServiceStub:
     Changes nothing.
     Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1), unknown judge).
     """
+    ListTaskSuites: _grpc.UnaryUnaryMultiCallable[_reward_service_pb2.ListTaskSuitesRequest, _reward_service_pb2.ListTaskSuitesResponse]
+    """Lists the task suites this service knows: suites generated in code whose tasks it scores
+    (with ScoreTests), with what a client needs to ask for tasks of one (the bug families, how
+    many tasks one seed makes). A handful, so the list comes whole (no pages). Changes nothing.
+    Errors: none beyond the transport's.
+    """
 
 @_typing.type_check_only
 class RewardServiceAsyncStub(RewardServiceStub):
@@ -122,6 +128,12 @@ class RewardServiceAsyncStub(RewardServiceStub):
     judge (a heuristic that values each turn by what its action does; no model, no network).
     Changes nothing.
     Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1), unknown judge).
+    """
+    ListTaskSuites: _aio.UnaryUnaryMultiCallable[_reward_service_pb2.ListTaskSuitesRequest, _reward_service_pb2.ListTaskSuitesResponse]  # type: ignore[assignment]
+    """Lists the task suites this service knows: suites generated in code whose tasks it scores
+    (with ScoreTests), with what a client needs to ask for tasks of one (the bug families, how
+    many tasks one seed makes). A handful, so the list comes whole (no pages). Changes nothing.
+    Errors: none beyond the transport's.
     """
 
 class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -197,6 +209,18 @@ class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
         judge (a heuristic that values each turn by what its action does; no model, no network).
         Changes nothing.
         Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1), unknown judge).
+        """
+
+    @_abc_1.abstractmethod
+    def ListTaskSuites(
+        self,
+        request: _reward_service_pb2.ListTaskSuitesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_reward_service_pb2.ListTaskSuitesResponse, _abc.Awaitable[_reward_service_pb2.ListTaskSuitesResponse]]:
+        """Lists the task suites this service knows: suites generated in code whose tasks it scores
+        (with ScoreTests), with what a client needs to ask for tasks of one (the bug families, how
+        many tasks one seed makes). A handful, so the list comes whole (no pages). Changes nothing.
+        Errors: none beyond the transport's.
         """
 
 def add_RewardServiceServicer_to_server(servicer: RewardServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

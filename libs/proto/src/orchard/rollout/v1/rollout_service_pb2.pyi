@@ -822,3 +822,81 @@ class ListRolloutJobsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListRolloutJobsResponse: _TypeAlias = ListRolloutJobsResponse  # noqa: Y015
+
+@_typing.final
+class Harness(_message.Message):
+    """A harness this service drives."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    TOOLS_JSON_FIELD_NUMBER: _builtins.int
+    SYSTEM_PROMPT_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The name jobs give it in `RolloutJobSpec.harnesses`, e.g. "builtin:swe"."""
+    description: _builtins.str
+    """One line for a person: what the harness does."""
+    tools_json: _builtins.str
+    """Its tools as the model sees them: a JSON array of OpenAI `tools` entries
+    ({"type": "function", "function": {"name", "description", "parameters"}}), in the order
+    the harness sends them. A task's own tools (`RolloutTask`) come on top of these.
+    """
+    system_prompt: _builtins.str
+    """The system message the harness starts every conversation with."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        description: _builtins.str = ...,
+        tools_json: _builtins.str = ...,
+        system_prompt: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "system_prompt", b"system_prompt", "tools_json", b"tools_json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Harness: _TypeAlias = Harness  # noqa: Y015
+
+@_typing.final
+class ListHarnessesRequest(_message.Message):
+    """Request of RolloutService.ListHarnesses."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListHarnessesRequest: _TypeAlias = ListHarnessesRequest  # noqa: Y015
+
+@_typing.final
+class ListHarnessesResponse(_message.Message):
+    """Response of RolloutService.ListHarnesses."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HARNESSES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def harnesses(self) -> _containers.RepeatedCompositeFieldContainer[Global___Harness]:
+        """Every harness, by name."""
+
+    def __init__(
+        self,
+        *,
+        harnesses: _abc.Iterable[Global___Harness] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["harnesses", b"harnesses"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListHarnessesResponse: _TypeAlias = ListHarnessesResponse  # noqa: Y015

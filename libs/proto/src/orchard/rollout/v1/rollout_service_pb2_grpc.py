@@ -62,6 +62,11 @@ class RolloutServiceStub:
                 request_serializer=orchard_dot_rollout_dot_v1_dot_rollout__service__pb2.ListRolloutJobsRequest.SerializeToString,
                 response_deserializer=orchard_dot_rollout_dot_v1_dot_rollout__service__pb2.ListRolloutJobsResponse.FromString,
                 _registered_method=True)
+        self.ListHarnesses = channel.unary_unary(
+                '/orchard.rollout.v1.RolloutService/ListHarnesses',
+                request_serializer=orchard_dot_rollout_dot_v1_dot_rollout__service__pb2.ListHarnessesRequest.SerializeToString,
+                response_deserializer=orchard_dot_rollout_dot_v1_dot_rollout__service__pb2.ListHarnessesResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -114,6 +119,16 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListHarnesses(self, request, context):
+        """Lists the harnesses this service drives (the names `RolloutJobSpec.harnesses` takes), each
+        with the system prompt and tool declarations its model sees. The list is the service's
+        built-in harnesses, a handful, so it comes whole (no pages). Changes nothing.
+        Errors: UNAVAILABLE (the service is starting or stopping).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -141,6 +156,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.ListRolloutJobs,
                     request_deserializer=orchard_dot_rollout_dot_v1_dot_rollout__service__pb2.ListRolloutJobsRequest.FromString,
                     response_serializer=orchard_dot_rollout_dot_v1_dot_rollout__service__pb2.ListRolloutJobsResponse.SerializeToString,
+            ),
+            'ListHarnesses': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListHarnesses,
+                    request_deserializer=orchard_dot_rollout_dot_v1_dot_rollout__service__pb2.ListHarnessesRequest.FromString,
+                    response_serializer=orchard_dot_rollout_dot_v1_dot_rollout__service__pb2.ListHarnessesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -281,6 +301,33 @@ class RolloutService:
             '/orchard.rollout.v1.RolloutService/ListRolloutJobs',
             orchard_dot_rollout_dot_v1_dot_rollout__service__pb2.ListRolloutJobsRequest.SerializeToString,
             orchard_dot_rollout_dot_v1_dot_rollout__service__pb2.ListRolloutJobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListHarnesses(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.rollout.v1.RolloutService/ListHarnesses',
+            orchard_dot_rollout_dot_v1_dot_rollout__service__pb2.ListHarnessesRequest.SerializeToString,
+            orchard_dot_rollout_dot_v1_dot_rollout__service__pb2.ListHarnessesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -59,6 +59,12 @@ class RolloutServiceStub:
     """Lists the jobs in the state store, newest first, with their progress. Changes nothing.
     Errors: INVALID_ARGUMENT (bad page token or size).
     """
+    ListHarnesses: _grpc.UnaryUnaryMultiCallable[_rollout_service_pb2.ListHarnessesRequest, _rollout_service_pb2.ListHarnessesResponse]
+    """Lists the harnesses this service drives (the names `RolloutJobSpec.harnesses` takes), each
+    with the system prompt and tool declarations its model sees. The list is the service's
+    built-in harnesses, a handful, so it comes whole (no pages). Changes nothing.
+    Errors: UNAVAILABLE (the service is starting or stopping).
+    """
 
 @_typing.type_check_only
 class RolloutServiceAsyncStub(RolloutServiceStub):
@@ -90,6 +96,12 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     ListRolloutJobs: _aio.UnaryUnaryMultiCallable[_rollout_service_pb2.ListRolloutJobsRequest, _rollout_service_pb2.ListRolloutJobsResponse]  # type: ignore[assignment]
     """Lists the jobs in the state store, newest first, with their progress. Changes nothing.
     Errors: INVALID_ARGUMENT (bad page token or size).
+    """
+    ListHarnesses: _aio.UnaryUnaryMultiCallable[_rollout_service_pb2.ListHarnessesRequest, _rollout_service_pb2.ListHarnessesResponse]  # type: ignore[assignment]
+    """Lists the harnesses this service drives (the names `RolloutJobSpec.harnesses` takes), each
+    with the system prompt and tool declarations its model sees. The list is the service's
+    built-in harnesses, a handful, so it comes whole (no pages). Changes nothing.
+    Errors: UNAVAILABLE (the service is starting or stopping).
     """
 
 class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -149,6 +161,18 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_rollout_service_pb2.ListRolloutJobsResponse, _abc.Awaitable[_rollout_service_pb2.ListRolloutJobsResponse]]:
         """Lists the jobs in the state store, newest first, with their progress. Changes nothing.
         Errors: INVALID_ARGUMENT (bad page token or size).
+        """
+
+    @_abc_1.abstractmethod
+    def ListHarnesses(
+        self,
+        request: _rollout_service_pb2.ListHarnessesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollout_service_pb2.ListHarnessesResponse, _abc.Awaitable[_rollout_service_pb2.ListHarnessesResponse]]:
+        """Lists the harnesses this service drives (the names `RolloutJobSpec.harnesses` takes), each
+        with the system prompt and tool declarations its model sees. The list is the service's
+        built-in harnesses, a handful, so it comes whole (no pages). Changes nothing.
+        Errors: UNAVAILABLE (the service is starting or stopping).
         """
 
 def add_RolloutServiceServicer_to_server(servicer: RolloutServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

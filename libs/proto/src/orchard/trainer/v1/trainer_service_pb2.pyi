@@ -826,3 +826,716 @@ class PublishCheckpointResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PublishCheckpointResponse: _TypeAlias = PublishCheckpointResponse  # noqa: Y015
+
+@_typing.final
+class HarnessTools(_message.Message):
+    """The tools one harness declares to the model, which the chat template renders."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HARNESS_FIELD_NUMBER: _builtins.int
+    TOOLS_JSON_FIELD_NUMBER: _builtins.int
+    harness: _builtins.str
+    """Harness name, as trajectories name it (`Trajectory.harness`)."""
+    tools_json: _builtins.str
+    """A JSON array of its tools: OpenAI `tools` entries ({"type": "function", "function":
+    {...}}) or bare declarations ({"name", "description", "parameters"}).
+    """
+    def __init__(
+        self,
+        *,
+        harness: _builtins.str = ...,
+        tools_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["harness", b"harness", "tools_json", b"tools_json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HarnessTools: _TypeAlias = HarnessTools  # noqa: Y015
+
+@_typing.final
+class CurationSettings(_message.Message):
+    """Which curation steps run over the rows, in this order: token limit, parsable actions, known
+    tools, shortest success per task, cap per source.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    DROP_UNPARSABLE_FIELD_NUMBER: _builtins.int
+    DROP_UNKNOWN_TOOLS_FIELD_NUMBER: _builtins.int
+    SHORTEST_SUCCESS_PER_TASK_FIELD_NUMBER: _builtins.int
+    CAP_PER_SOURCE_FIELD_NUMBER: _builtins.int
+    SOURCE_KEY_FIELD_NUMBER: _builtins.int
+    max_tokens: _builtins.int
+    """Drop trajectories with more tokens in all (every turn's inputs and outputs); 0: no limit."""
+    drop_unparsable: _builtins.bool
+    """Drop trajectories with a tool call whose arguments are not a JSON object, or a tool-call
+    block in the output that does not parse.
+    """
+    drop_unknown_tools: _builtins.bool
+    """Drop trajectories that call a tool their harness does not declare (`tools`), or with
+    arguments off the tool's schema.
+    """
+    shortest_success_per_task: _builtins.bool
+    """Of a task's successful trajectories keep only the one with the fewest tokens."""
+    cap_per_source: _builtins.int
+    """Most trajectories per value of `metadata[source_key]`; 0: no cap."""
+    source_key: _builtins.str
+    """The metadata key `cap_per_source` counts by; empty: "repository"."""
+    def __init__(
+        self,
+        *,
+        max_tokens: _builtins.int = ...,
+        drop_unparsable: _builtins.bool = ...,
+        drop_unknown_tools: _builtins.bool = ...,
+        shortest_success_per_task: _builtins.bool = ...,
+        cap_per_source: _builtins.int = ...,
+        source_key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cap_per_source", b"cap_per_source", "drop_unknown_tools", b"drop_unknown_tools", "drop_unparsable", b"drop_unparsable", "max_tokens", b"max_tokens", "shortest_success_per_task", b"shortest_success_per_task", "source_key", b"source_key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CurationSettings: _TypeAlias = CurationSettings  # noqa: Y015
+
+@_typing.final
+class CurationDrop(_message.Message):
+    """One row a curation step left out."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRAJECTORY_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    trajectory_id: _builtins.str
+    """The trajectory's id."""
+    reason: _builtins.str
+    """A short, stable name to count by (over_token_limit, unknown_tool, longer_success...)."""
+    detail: _builtins.str
+    """What exactly was wrong, for a person."""
+    def __init__(
+        self,
+        *,
+        trajectory_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "reason", b"reason", "trajectory_id", b"trajectory_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CurationDrop: _TypeAlias = CurationDrop  # noqa: Y015
+
+@_typing.final
+class CurationStepReport(_message.Message):
+    """What one curation step did."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class DroppedByReasonEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    STEP_FIELD_NUMBER: _builtins.int
+    ROWS_IN_FIELD_NUMBER: _builtins.int
+    KEPT_FIELD_NUMBER: _builtins.int
+    DROPPED_FIELD_NUMBER: _builtins.int
+    DROPPED_BY_REASON_FIELD_NUMBER: _builtins.int
+    EXAMPLES_FIELD_NUMBER: _builtins.int
+    step: _builtins.str
+    """The step and its settings, e.g. "token_limit(max_tokens=4096)"."""
+    rows_in: _builtins.int
+    """Rows that reached it."""
+    kept: _builtins.int
+    """Rows it kept."""
+    dropped: _builtins.int
+    """Rows it dropped."""
+    @_builtins.property
+    def dropped_by_reason(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Rows dropped, by reason."""
+
+    @_builtins.property
+    def examples(self) -> _containers.RepeatedCompositeFieldContainer[Global___CurationDrop]:
+        """The first drops of each reason (`examples_per_reason` of the request)."""
+
+    def __init__(
+        self,
+        *,
+        step: _builtins.str = ...,
+        rows_in: _builtins.int = ...,
+        kept: _builtins.int = ...,
+        dropped: _builtins.int = ...,
+        dropped_by_reason: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        examples: _abc.Iterable[Global___CurationDrop] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped", b"dropped", "dropped_by_reason", b"dropped_by_reason", "examples", b"examples", "kept", b"kept", "rows_in", b"rows_in", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CurationStepReport: _TypeAlias = CurationStepReport  # noqa: Y015
+
+@_typing.final
+class UnrenderedRow(_message.Message):
+    """A row that could not be rendered in the model's tokens; it is left out of the dataset."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRAJECTORY_ID_FIELD_NUMBER: _builtins.int
+    LINE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    trajectory_id: _builtins.str
+    """The trajectory's id."""
+    line: _builtins.int
+    """Its line in `trajectories` (from 1)."""
+    reason: _builtins.str
+    """A short, stable name: no_conversation, bad_conversation, no_assistant_turn,
+    template_mismatch, unknown_harness, token_out_of_vocabulary, malformed_trajectory (turns
+    or credit spans no SFT sample can be cut from).
+    """
+    detail: _builtins.str
+    """What exactly was wrong, for a person."""
+    def __init__(
+        self,
+        *,
+        trajectory_id: _builtins.str = ...,
+        line: _builtins.int = ...,
+        reason: _builtins.str = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "line", b"line", "reason", b"reason", "trajectory_id", b"trajectory_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnrenderedRow: _TypeAlias = UnrenderedRow  # noqa: Y015
+
+@_typing.final
+class PrepareDatasetRequest(_message.Message):
+    """Request of TrainerService.PrepareDataset."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    TRAJECTORIES_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
+    CURATION_FIELD_NUMBER: _builtins.int
+    OUTPUT_FIELD_NUMBER: _builtins.int
+    SOURCE_MODEL_FIELD_NUMBER: _builtins.int
+    MAX_SEQUENCE_TOKENS_FIELD_NUMBER: _builtins.int
+    DROP_LONG_FIELD_NUMBER: _builtins.int
+    EXAMPLES_PER_REASON_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """"builtin:<size>", or the artifact URL of a Hugging Face model folder with its tokenizer:
+    the model the dataset trains, whose tokenizer and chat template render the conversations.
+    """
+    trajectories: _builtins.str
+    """Artifact URL of a JSON Lines file of orchard.types.v1.Trajectory messages: rollouts as
+    orchard-rollout streams them (reward, outcome, conversation), with credit when assigned.
+    """
+    output: _builtins.str
+    """Artifact URL to write the dataset at (JSON Lines of orchard.types.v1.Trajectory); nothing
+    may be there yet.
+    """
+    source_model: _builtins.str
+    """The model that wrote the conversations (a teacher's name): rendered turns carry the weight
+    version "teacher:<source_model>"; empty: "teacher:unknown".
+    """
+    max_sequence_tokens: _builtins.int
+    """Longest sample in tokens of the SFT job that will train on the dataset (its
+    `max_sequence_tokens`), so `sft_samples` counts what that job builds; 0: no limit.
+    """
+    drop_long: _builtins.bool
+    """Whether that job drops over-long samples instead of left-truncating them (`drop_long`)."""
+    examples_per_reason: _builtins.int
+    """Drops shown per reason in each step's report; 0: 3."""
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[Global___HarnessTools]:
+        """The tools of every harness the rows name; a row whose harness is not here is not rendered."""
+
+    @_builtins.property
+    def curation(self) -> Global___CurationSettings:
+        """The curation steps to run; unset: none (every rendered row is kept)."""
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        trajectories: _builtins.str = ...,
+        tools: _abc.Iterable[Global___HarnessTools] | None = ...,
+        curation: Global___CurationSettings | None = ...,
+        output: _builtins.str = ...,
+        source_model: _builtins.str = ...,
+        max_sequence_tokens: _builtins.int = ...,
+        drop_long: _builtins.bool = ...,
+        examples_per_reason: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["curation", b"curation"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["curation", b"curation", "drop_long", b"drop_long", "examples_per_reason", b"examples_per_reason", "max_sequence_tokens", b"max_sequence_tokens", "model", b"model", "output", b"output", "source_model", b"source_model", "tools", b"tools", "trajectories", b"trajectories"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrepareDatasetRequest: _TypeAlias = PrepareDatasetRequest  # noqa: Y015
+
+@_typing.final
+class PrepareDatasetProgress(_message.Message):
+    """Progress of a PrepareDataset call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROWS_TOTAL_FIELD_NUMBER: _builtins.int
+    ROWS_DONE_FIELD_NUMBER: _builtins.int
+    rows_total: _builtins.int
+    """Rows read from `trajectories`."""
+    rows_done: _builtins.int
+    """Rows rendered (or kept as they were, or found unrenderable) so far."""
+    def __init__(
+        self,
+        *,
+        rows_total: _builtins.int = ...,
+        rows_done: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rows_done", b"rows_done", "rows_total", b"rows_total"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrepareDatasetProgress: _TypeAlias = PrepareDatasetProgress  # noqa: Y015
+
+@_typing.final
+class PrepareDatasetResult(_message.Message):
+    """The outcome of a PrepareDataset call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class SftSkippedEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class UnrenderedByReasonEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    DATASET_FIELD_NUMBER: _builtins.int
+    ROWS_IN_FIELD_NUMBER: _builtins.int
+    ROWS_RENDERED_FIELD_NUMBER: _builtins.int
+    ROWS_PASSED_FIELD_NUMBER: _builtins.int
+    ROWS_UNRENDERED_FIELD_NUMBER: _builtins.int
+    ROWS_KEPT_FIELD_NUMBER: _builtins.int
+    SFT_SAMPLES_FIELD_NUMBER: _builtins.int
+    SFT_SKIPPED_FIELD_NUMBER: _builtins.int
+    CURATION_FIELD_NUMBER: _builtins.int
+    CURATION_SUMMARY_FIELD_NUMBER: _builtins.int
+    UNRENDERED_FIELD_NUMBER: _builtins.int
+    UNRENDERED_BY_REASON_FIELD_NUMBER: _builtins.int
+    dataset: _builtins.str
+    """The dataset's canonical artifact URL (`output`)."""
+    rows_in: _builtins.int
+    """Rows read from `trajectories`."""
+    rows_rendered: _builtins.int
+    """Rows rendered from a conversation in the model's tokens."""
+    rows_passed: _builtins.int
+    """Rows that carried turns already and were kept as they were."""
+    rows_unrendered: _builtins.int
+    """Rows that could not be rendered (`unrendered` lists the first of them)."""
+    rows_kept: _builtins.int
+    """Rows written to the dataset: what curation kept."""
+    sft_samples: _builtins.int
+    """Samples an SFT job on the dataset builds (with `max_sequence_tokens` and `drop_long`)."""
+    curation_summary: _builtins.str
+    """The curation report as a few lines a person reads."""
+    @_builtins.property
+    def sft_skipped(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Kept rows that give an SFT job no sample, by reason (no_loss_tokens, too_long, ...)."""
+
+    @_builtins.property
+    def curation(self) -> _containers.RepeatedCompositeFieldContainer[Global___CurationStepReport]:
+        """One report per curation step, in the order they ran."""
+
+    @_builtins.property
+    def unrendered(self) -> _containers.RepeatedCompositeFieldContainer[Global___UnrenderedRow]:
+        """The first 100 rows that could not be rendered, with why."""
+
+    @_builtins.property
+    def unrendered_by_reason(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Every row that could not be rendered, counted by reason."""
+
+    def __init__(
+        self,
+        *,
+        dataset: _builtins.str = ...,
+        rows_in: _builtins.int = ...,
+        rows_rendered: _builtins.int = ...,
+        rows_passed: _builtins.int = ...,
+        rows_unrendered: _builtins.int = ...,
+        rows_kept: _builtins.int = ...,
+        sft_samples: _builtins.int = ...,
+        sft_skipped: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        curation: _abc.Iterable[Global___CurationStepReport] | None = ...,
+        curation_summary: _builtins.str = ...,
+        unrendered: _abc.Iterable[Global___UnrenderedRow] | None = ...,
+        unrendered_by_reason: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["curation", b"curation", "curation_summary", b"curation_summary", "dataset", b"dataset", "rows_in", b"rows_in", "rows_kept", b"rows_kept", "rows_passed", b"rows_passed", "rows_rendered", b"rows_rendered", "rows_unrendered", b"rows_unrendered", "sft_samples", b"sft_samples", "sft_skipped", b"sft_skipped", "unrendered", b"unrendered", "unrendered_by_reason", b"unrendered_by_reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrepareDatasetResult: _TypeAlias = PrepareDatasetResult  # noqa: Y015
+
+@_typing.final
+class PrepareDatasetResponse(_message.Message):
+    """One message of TrainerService.PrepareDataset's stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROGRESS_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def progress(self) -> Global___PrepareDatasetProgress:
+        """How far it got."""
+
+    @_builtins.property
+    def result(self) -> Global___PrepareDatasetResult:
+        """What it wrote and why; the last message."""
+
+    def __init__(
+        self,
+        *,
+        progress: Global___PrepareDatasetProgress | None = ...,
+        result: Global___PrepareDatasetResult | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "progress", b"progress", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "progress", b"progress", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["progress", "result"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___PrepareDatasetResponse: _TypeAlias = PrepareDatasetResponse  # noqa: Y015
+
+@_typing.final
+class WeightVersion(_message.Message):
+    """One published set of weights of a registry model."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    NUMBER_FIELD_NUMBER: _builtins.int
+    LOCATION_FIELD_NUMBER: _builtins.int
+    PUBLISH_TIME_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The registry model it belongs to (`TrainingJobSpec.weight_model`)."""
+    version: _builtins.str
+    """The publisher's name for it, e.g. "base" or "step-000120"."""
+    number: _builtins.int
+    """Publication order within the model, from 1."""
+    location: _builtins.str
+    """The model folder's artifact URL, which engines and training jobs load."""
+    @_builtins.property
+    def publish_time(self) -> _timestamp_pb2.Timestamp:
+        """When it was published."""
+
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Free-form labels the publisher gave it (job, mode, source model, seed...)."""
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        version: _builtins.str = ...,
+        number: _builtins.int = ...,
+        location: _builtins.str = ...,
+        publish_time: _timestamp_pb2.Timestamp | None = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["publish_time", b"publish_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["location", b"location", "metadata", b"metadata", "model", b"model", "number", b"number", "publish_time", b"publish_time", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WeightVersion: _TypeAlias = WeightVersion  # noqa: Y015
+
+@_typing.final
+class GetWeightVersionRequest(_message.Message):
+    """Request of TrainerService.GetWeightVersion."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The registry model; empty: this service's own (`weights.registry_model`)."""
+    version: _builtins.str
+    """The version's name; empty: the latest."""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        version: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetWeightVersionRequest: _TypeAlias = GetWeightVersionRequest  # noqa: Y015
+
+@_typing.final
+class GetWeightVersionResponse(_message.Message):
+    """Response of TrainerService.GetWeightVersion."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def weight_version(self) -> Global___WeightVersion:
+        """The version."""
+
+    def __init__(
+        self,
+        *,
+        weight_version: Global___WeightVersion | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["weight_version", b"weight_version"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["weight_version", b"weight_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetWeightVersionResponse: _TypeAlias = GetWeightVersionResponse  # noqa: Y015
+
+@_typing.final
+class ListWeightVersionsRequest(_message.Message):
+    """Request of TrainerService.ListWeightVersions."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The registry model; empty: this service's own (`weights.registry_model`)."""
+    page_size: _builtins.int
+    """Most versions per page, 0..1000; 0: 100."""
+    page_token: _builtins.str
+    """From a previous response's `next_page_token`; empty: the first page."""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListWeightVersionsRequest: _TypeAlias = ListWeightVersionsRequest  # noqa: Y015
+
+@_typing.final
+class ListWeightVersionsResponse(_message.Message):
+    """Response of TrainerService.ListWeightVersions."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WEIGHT_VERSIONS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Pass it to get the next page; empty on the last one."""
+    @_builtins.property
+    def weight_versions(self) -> _containers.RepeatedCompositeFieldContainer[Global___WeightVersion]:
+        """The versions of this page, oldest first."""
+
+    def __init__(
+        self,
+        *,
+        weight_versions: _abc.Iterable[Global___WeightVersion] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "weight_versions", b"weight_versions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListWeightVersionsResponse: _TypeAlias = ListWeightVersionsResponse  # noqa: Y015
+
+@_typing.final
+class PublishModelRequest(_message.Message):
+    """Request of TrainerService.PublishModel."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    WEIGHT_MODEL_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """"builtin:<size>" (built here from `seed`), or the artifact URL of a Hugging Face model
+    folder with its tokenizer.
+    """
+    weight_model: _builtins.str
+    """The registry model to publish under; empty: this service's own (`weights.registry_model`)."""
+    version: _builtins.str
+    """The version's name, e.g. "base"."""
+    seed: _builtins.int
+    """Seed of a built-in model's weights: the same seed gives the same weights on every machine."""
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Labels recorded with the version; the service adds `source` and `seed`."""
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        weight_model: _builtins.str = ...,
+        version: _builtins.str = ...,
+        seed: _builtins.int = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["metadata", b"metadata", "model", b"model", "seed", b"seed", "version", b"version", "weight_model", b"weight_model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PublishModelRequest: _TypeAlias = PublishModelRequest  # noqa: Y015
+
+@_typing.final
+class PublishModelResponse(_message.Message):
+    """Response of TrainerService.PublishModel."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
+    created: _builtins.bool
+    """False when the version was already published (from the same model and seed)."""
+    @_builtins.property
+    def weight_version(self) -> Global___WeightVersion:
+        """The published version."""
+
+    def __init__(
+        self,
+        *,
+        weight_version: Global___WeightVersion | None = ...,
+        created: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["weight_version", b"weight_version"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "weight_version", b"weight_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PublishModelResponse: _TypeAlias = PublishModelResponse  # noqa: Y015

@@ -82,6 +82,26 @@ class TrainerServiceStub:
                 request_serializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.PublishCheckpointRequest.SerializeToString,
                 response_deserializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.PublishCheckpointResponse.FromString,
                 _registered_method=True)
+        self.PrepareDataset = channel.unary_stream(
+                '/orchard.trainer.v1.TrainerService/PrepareDataset',
+                request_serializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.PrepareDatasetRequest.SerializeToString,
+                response_deserializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.PrepareDatasetResponse.FromString,
+                _registered_method=True)
+        self.GetWeightVersion = channel.unary_unary(
+                '/orchard.trainer.v1.TrainerService/GetWeightVersion',
+                request_serializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.GetWeightVersionRequest.SerializeToString,
+                response_deserializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.GetWeightVersionResponse.FromString,
+                _registered_method=True)
+        self.ListWeightVersions = channel.unary_unary(
+                '/orchard.trainer.v1.TrainerService/ListWeightVersions',
+                request_serializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.ListWeightVersionsRequest.SerializeToString,
+                response_deserializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.ListWeightVersionsResponse.FromString,
+                _registered_method=True)
+        self.PublishModel = channel.unary_unary(
+                '/orchard.trainer.v1.TrainerService/PublishModel',
+                request_serializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.PublishModelRequest.SerializeToString,
+                response_deserializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.PublishModelResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer:
@@ -168,6 +188,58 @@ class TrainerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareDataset(self, request, context):
+        """Prepares an SFT dataset: reads the JSON Lines trajectories at `trajectories`, renders each
+        one that carries a conversation (`conversation_json`, no turns: a teacher's rollout) in the
+        model's tokenizer and chat template turn by turn (turns in the model's tokens with loss
+        masks), keeps each one that carries turns as it is, runs the curation steps of `curation`,
+        and writes the kept rows as JSON Lines at `output`. Streams progress while it renders; the
+        last message holds the result (counts, the curation report, the rows that could not be
+        rendered and why). Side effects: the dataset at `output`, written whole and only when the
+        call succeeds. Errors: INVALID_ARGUMENT (unknown built-in model, bad tool declarations or
+        curation settings, a line that is not a trajectory), the artifact errors of `model`,
+        `trajectories` and `output` (ARTIFACT_URL_INVALID, ARTIFACT_ACCESS_DENIED,
+        ARTIFACT_NOT_FOUND, ARTIFACT_STORE_DENIED), ALREADY_EXISTS (something is at `output`:
+        artifacts never change), RESOURCE_EXHAUSTED (too many preparations at once).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetWeightVersion(self, request, context):
+        """Returns one published weight version of a registry model (what engines load for it).
+        Changes nothing. Errors: INVALID_ARGUMENT (a model or version name that cannot be one),
+        NOT_FOUND (never published), UNAVAILABLE (the registry's store is unreachable).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListWeightVersions(self, request, context):
+        """Lists the published weight versions of a registry model, oldest first, a page at a time
+        (a training run publishes one per step, so a model may hold thousands). Changes nothing.
+        Errors: INVALID_ARGUMENT (bad model name, page size or page token), UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PublishModel(self, request, context):
+        """Publishes a model as a weight version: a built-in model ("builtin:<size>") is built here
+        from its seed, saved as a model folder into this service's artifact store and published;
+        a model folder's artifact URL is checked and published as it is. A training job started
+        from the published location starts from exactly these weights. Idempotent per version: a
+        version already published from the same model (and seed) is returned as it is, with
+        `created` false. Side effects: a model folder in the artifact store (built-in models), a
+        version in the weight registry (it becomes the model's latest). Errors: INVALID_ARGUMENT
+        (unknown built-in size, a bad name or URL), ALREADY_EXISTS (the version is published from
+        another model or seed), the artifact errors of `model` (ARTIFACT_URL_INVALID,
+        ARTIFACT_ACCESS_DENIED, ARTIFACT_NOT_FOUND, ARTIFACT_STORE_DENIED), UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -215,6 +287,26 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.PublishCheckpoint,
                     request_deserializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.PublishCheckpointRequest.FromString,
                     response_serializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.PublishCheckpointResponse.SerializeToString,
+            ),
+            'PrepareDataset': grpc.unary_stream_rpc_method_handler(
+                    servicer.PrepareDataset,
+                    request_deserializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.PrepareDatasetRequest.FromString,
+                    response_serializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.PrepareDatasetResponse.SerializeToString,
+            ),
+            'GetWeightVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetWeightVersion,
+                    request_deserializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.GetWeightVersionRequest.FromString,
+                    response_serializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.GetWeightVersionResponse.SerializeToString,
+            ),
+            'ListWeightVersions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWeightVersions,
+                    request_deserializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.ListWeightVersionsRequest.FromString,
+                    response_serializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.ListWeightVersionsResponse.SerializeToString,
+            ),
+            'PublishModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishModel,
+                    request_deserializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.PublishModelRequest.FromString,
+                    response_serializer=orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.PublishModelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -463,6 +555,114 @@ class TrainerService:
             '/orchard.trainer.v1.TrainerService/PublishCheckpoint',
             orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.PublishCheckpointRequest.SerializeToString,
             orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.PublishCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareDataset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/orchard.trainer.v1.TrainerService/PrepareDataset',
+            orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.PrepareDatasetRequest.SerializeToString,
+            orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.PrepareDatasetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWeightVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.trainer.v1.TrainerService/GetWeightVersion',
+            orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.GetWeightVersionRequest.SerializeToString,
+            orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.GetWeightVersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListWeightVersions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.trainer.v1.TrainerService/ListWeightVersions',
+            orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.ListWeightVersionsRequest.SerializeToString,
+            orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.ListWeightVersionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.trainer.v1.TrainerService/PublishModel',
+            orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.PublishModelRequest.SerializeToString,
+            orchard_dot_trainer_dot_v1_dot_trainer__service__pb2.PublishModelResponse.FromString,
             options,
             channel_credentials,
             insecure,

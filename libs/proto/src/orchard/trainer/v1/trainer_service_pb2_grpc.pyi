@@ -76,6 +76,42 @@ class TrainerServiceStub:
     """Publishes a saved checkpoint of a job as a weight version; publishing it again returns the
     same version. Errors: NOT_FOUND (job or checkpoint).
     """
+    PrepareDataset: _grpc.UnaryStreamMultiCallable[_trainer_service_pb2.PrepareDatasetRequest, _trainer_service_pb2.PrepareDatasetResponse]
+    """Prepares an SFT dataset: reads the JSON Lines trajectories at `trajectories`, renders each
+    one that carries a conversation (`conversation_json`, no turns: a teacher's rollout) in the
+    model's tokenizer and chat template turn by turn (turns in the model's tokens with loss
+    masks), keeps each one that carries turns as it is, runs the curation steps of `curation`,
+    and writes the kept rows as JSON Lines at `output`. Streams progress while it renders; the
+    last message holds the result (counts, the curation report, the rows that could not be
+    rendered and why). Side effects: the dataset at `output`, written whole and only when the
+    call succeeds. Errors: INVALID_ARGUMENT (unknown built-in model, bad tool declarations or
+    curation settings, a line that is not a trajectory), the artifact errors of `model`,
+    `trajectories` and `output` (ARTIFACT_URL_INVALID, ARTIFACT_ACCESS_DENIED,
+    ARTIFACT_NOT_FOUND, ARTIFACT_STORE_DENIED), ALREADY_EXISTS (something is at `output`:
+    artifacts never change), RESOURCE_EXHAUSTED (too many preparations at once).
+    """
+    GetWeightVersion: _grpc.UnaryUnaryMultiCallable[_trainer_service_pb2.GetWeightVersionRequest, _trainer_service_pb2.GetWeightVersionResponse]
+    """Returns one published weight version of a registry model (what engines load for it).
+    Changes nothing. Errors: INVALID_ARGUMENT (a model or version name that cannot be one),
+    NOT_FOUND (never published), UNAVAILABLE (the registry's store is unreachable).
+    """
+    ListWeightVersions: _grpc.UnaryUnaryMultiCallable[_trainer_service_pb2.ListWeightVersionsRequest, _trainer_service_pb2.ListWeightVersionsResponse]
+    """Lists the published weight versions of a registry model, oldest first, a page at a time
+    (a training run publishes one per step, so a model may hold thousands). Changes nothing.
+    Errors: INVALID_ARGUMENT (bad model name, page size or page token), UNAVAILABLE.
+    """
+    PublishModel: _grpc.UnaryUnaryMultiCallable[_trainer_service_pb2.PublishModelRequest, _trainer_service_pb2.PublishModelResponse]
+    """Publishes a model as a weight version: a built-in model ("builtin:<size>") is built here
+    from its seed, saved as a model folder into this service's artifact store and published;
+    a model folder's artifact URL is checked and published as it is. A training job started
+    from the published location starts from exactly these weights. Idempotent per version: a
+    version already published from the same model (and seed) is returned as it is, with
+    `created` false. Side effects: a model folder in the artifact store (built-in models), a
+    version in the weight registry (it becomes the model's latest). Errors: INVALID_ARGUMENT
+    (unknown built-in size, a bad name or URL), ALREADY_EXISTS (the version is published from
+    another model or seed), the artifact errors of `model` (ARTIFACT_URL_INVALID,
+    ARTIFACT_ACCESS_DENIED, ARTIFACT_NOT_FOUND, ARTIFACT_STORE_DENIED), UNAVAILABLE.
+    """
 
 @_typing.type_check_only
 class TrainerServiceAsyncStub(TrainerServiceStub):
@@ -124,6 +160,42 @@ class TrainerServiceAsyncStub(TrainerServiceStub):
     PublishCheckpoint: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.PublishCheckpointRequest, _trainer_service_pb2.PublishCheckpointResponse]  # type: ignore[assignment]
     """Publishes a saved checkpoint of a job as a weight version; publishing it again returns the
     same version. Errors: NOT_FOUND (job or checkpoint).
+    """
+    PrepareDataset: _aio.UnaryStreamMultiCallable[_trainer_service_pb2.PrepareDatasetRequest, _trainer_service_pb2.PrepareDatasetResponse]  # type: ignore[assignment]
+    """Prepares an SFT dataset: reads the JSON Lines trajectories at `trajectories`, renders each
+    one that carries a conversation (`conversation_json`, no turns: a teacher's rollout) in the
+    model's tokenizer and chat template turn by turn (turns in the model's tokens with loss
+    masks), keeps each one that carries turns as it is, runs the curation steps of `curation`,
+    and writes the kept rows as JSON Lines at `output`. Streams progress while it renders; the
+    last message holds the result (counts, the curation report, the rows that could not be
+    rendered and why). Side effects: the dataset at `output`, written whole and only when the
+    call succeeds. Errors: INVALID_ARGUMENT (unknown built-in model, bad tool declarations or
+    curation settings, a line that is not a trajectory), the artifact errors of `model`,
+    `trajectories` and `output` (ARTIFACT_URL_INVALID, ARTIFACT_ACCESS_DENIED,
+    ARTIFACT_NOT_FOUND, ARTIFACT_STORE_DENIED), ALREADY_EXISTS (something is at `output`:
+    artifacts never change), RESOURCE_EXHAUSTED (too many preparations at once).
+    """
+    GetWeightVersion: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.GetWeightVersionRequest, _trainer_service_pb2.GetWeightVersionResponse]  # type: ignore[assignment]
+    """Returns one published weight version of a registry model (what engines load for it).
+    Changes nothing. Errors: INVALID_ARGUMENT (a model or version name that cannot be one),
+    NOT_FOUND (never published), UNAVAILABLE (the registry's store is unreachable).
+    """
+    ListWeightVersions: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.ListWeightVersionsRequest, _trainer_service_pb2.ListWeightVersionsResponse]  # type: ignore[assignment]
+    """Lists the published weight versions of a registry model, oldest first, a page at a time
+    (a training run publishes one per step, so a model may hold thousands). Changes nothing.
+    Errors: INVALID_ARGUMENT (bad model name, page size or page token), UNAVAILABLE.
+    """
+    PublishModel: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.PublishModelRequest, _trainer_service_pb2.PublishModelResponse]  # type: ignore[assignment]
+    """Publishes a model as a weight version: a built-in model ("builtin:<size>") is built here
+    from its seed, saved as a model folder into this service's artifact store and published;
+    a model folder's artifact URL is checked and published as it is. A training job started
+    from the published location starts from exactly these weights. Idempotent per version: a
+    version already published from the same model (and seed) is returned as it is, with
+    `created` false. Side effects: a model folder in the artifact store (built-in models), a
+    version in the weight registry (it becomes the model's latest). Errors: INVALID_ARGUMENT
+    (unknown built-in size, a bad name or URL), ALREADY_EXISTS (the version is published from
+    another model or seed), the artifact errors of `model` (ARTIFACT_URL_INVALID,
+    ARTIFACT_ACCESS_DENIED, ARTIFACT_NOT_FOUND, ARTIFACT_STORE_DENIED), UNAVAILABLE.
     """
 
 class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -224,6 +296,66 @@ class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_trainer_service_pb2.PublishCheckpointResponse, _abc.Awaitable[_trainer_service_pb2.PublishCheckpointResponse]]:
         """Publishes a saved checkpoint of a job as a weight version; publishing it again returns the
         same version. Errors: NOT_FOUND (job or checkpoint).
+        """
+
+    @_abc_1.abstractmethod
+    def PrepareDataset(
+        self,
+        request: _trainer_service_pb2.PrepareDatasetRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_trainer_service_pb2.PrepareDatasetResponse], _abc.AsyncIterator[_trainer_service_pb2.PrepareDatasetResponse]]:
+        """Prepares an SFT dataset: reads the JSON Lines trajectories at `trajectories`, renders each
+        one that carries a conversation (`conversation_json`, no turns: a teacher's rollout) in the
+        model's tokenizer and chat template turn by turn (turns in the model's tokens with loss
+        masks), keeps each one that carries turns as it is, runs the curation steps of `curation`,
+        and writes the kept rows as JSON Lines at `output`. Streams progress while it renders; the
+        last message holds the result (counts, the curation report, the rows that could not be
+        rendered and why). Side effects: the dataset at `output`, written whole and only when the
+        call succeeds. Errors: INVALID_ARGUMENT (unknown built-in model, bad tool declarations or
+        curation settings, a line that is not a trajectory), the artifact errors of `model`,
+        `trajectories` and `output` (ARTIFACT_URL_INVALID, ARTIFACT_ACCESS_DENIED,
+        ARTIFACT_NOT_FOUND, ARTIFACT_STORE_DENIED), ALREADY_EXISTS (something is at `output`:
+        artifacts never change), RESOURCE_EXHAUSTED (too many preparations at once).
+        """
+
+    @_abc_1.abstractmethod
+    def GetWeightVersion(
+        self,
+        request: _trainer_service_pb2.GetWeightVersionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_trainer_service_pb2.GetWeightVersionResponse, _abc.Awaitable[_trainer_service_pb2.GetWeightVersionResponse]]:
+        """Returns one published weight version of a registry model (what engines load for it).
+        Changes nothing. Errors: INVALID_ARGUMENT (a model or version name that cannot be one),
+        NOT_FOUND (never published), UNAVAILABLE (the registry's store is unreachable).
+        """
+
+    @_abc_1.abstractmethod
+    def ListWeightVersions(
+        self,
+        request: _trainer_service_pb2.ListWeightVersionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_trainer_service_pb2.ListWeightVersionsResponse, _abc.Awaitable[_trainer_service_pb2.ListWeightVersionsResponse]]:
+        """Lists the published weight versions of a registry model, oldest first, a page at a time
+        (a training run publishes one per step, so a model may hold thousands). Changes nothing.
+        Errors: INVALID_ARGUMENT (bad model name, page size or page token), UNAVAILABLE.
+        """
+
+    @_abc_1.abstractmethod
+    def PublishModel(
+        self,
+        request: _trainer_service_pb2.PublishModelRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_trainer_service_pb2.PublishModelResponse, _abc.Awaitable[_trainer_service_pb2.PublishModelResponse]]:
+        """Publishes a model as a weight version: a built-in model ("builtin:<size>") is built here
+        from its seed, saved as a model folder into this service's artifact store and published;
+        a model folder's artifact URL is checked and published as it is. A training job started
+        from the published location starts from exactly these weights. Idempotent per version: a
+        version already published from the same model (and seed) is returned as it is, with
+        `created` false. Side effects: a model folder in the artifact store (built-in models), a
+        version in the weight registry (it becomes the model's latest). Errors: INVALID_ARGUMENT
+        (unknown built-in size, a bad name or URL), ALREADY_EXISTS (the version is published from
+        another model or seed), the artifact errors of `model` (ARTIFACT_URL_INVALID,
+        ARTIFACT_ACCESS_DENIED, ARTIFACT_NOT_FOUND, ARTIFACT_STORE_DENIED), UNAVAILABLE.
         """
 
 def add_TrainerServiceServicer_to_server(servicer: TrainerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

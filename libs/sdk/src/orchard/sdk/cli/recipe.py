@@ -139,7 +139,7 @@ def _run(args: argparse.Namespace) -> int:
     except ImportError:
         sys.stderr.write(
             "orchard: running recipes needs the orchard-recipes package (pip install "
-            "orchard-recipes), which brings the rollout and trainer libraries\n"
+            "orchard-recipes), the client that runs a recipe's stages against the services\n"
         )
         return 2
     try:

@@ -19,6 +19,7 @@ def bash_react_harness(
     return ToolCallingHarness(
         name=name,
         system_prompt=SYSTEM_PROMPT,
+        description="The full software loop: a shell, view, edit and create a file, submit.",
         tools=tuple(software_tools(command_timeout_s=command_timeout_s, cwd=cwd)),
     )
 
@@ -36,6 +37,7 @@ def shell_harness(
     return ToolCallingHarness(
         name=name,
         system_prompt=SHELL_SYSTEM_PROMPT,
+        description="The lean software loop for small models: a shell and submit.",
         tools=(BashTool(timeout_s=command_timeout_s, cwd=cwd), SubmitTool()),
     )
 
@@ -47,4 +49,8 @@ answer with your final result without a tool call."""
 
 def generic_tool_harness(name: str = "builtin:tools") -> ToolCallingHarness:
     """The generic loop: no tools of its own; each task declares its tools."""
-    return ToolCallingHarness(name=name, system_prompt=GENERIC_SYSTEM_PROMPT)
+    return ToolCallingHarness(
+        name=name,
+        system_prompt=GENERIC_SYSTEM_PROMPT,
+        description="A generic tool loop with no tools of its own: each task declares its tools.",
+    )

@@ -89,6 +89,8 @@ class ToolCallingHarness:
     tools: tuple[Tool, ...] = ()
     observation_limit: int = 8000
     """Most characters of one tool output the model is shown."""
+    description: str = ""
+    """One line for a person (what ListHarnesses says about it)."""
 
     def in_directory(self, workdir: str) -> ToolCallingHarness:
         """This harness with its shell running in `workdir` (a task's), unless its shell has

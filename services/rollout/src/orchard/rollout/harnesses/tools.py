@@ -7,18 +7,33 @@ unreachable) raises, and the rollout is excluded.
 
 - `BashTool`, `ViewTool`, `EditTool`, `CreateTool`, `SubmitTool`: the software-task set.
 - `CommandTool`: a tool declared per task (name, description, JSON schema, argv); the
-  arguments reach the command as JSON on stdin.
+  arguments reach the command as JSON on stdin (`orchard.tasks.tools`, shared with recipes).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from orchard.sdk import AsyncSandbox
 from orchard.sdk import errors as sdk_errors
+from orchard.tasks.tools import CommandTool, ToolOutput, exec_text
+
+__all__ = [
+    "INFRASTRUCTURE_ERRORS",
+    "POLICY_ERRORS",
+    "BashTool",
+    "CommandTool",
+    "CreateTool",
+    "EditTool",
+    "SubmitTool",
+    "Tool",
+    "ToolOutput",
+    "ViewTool",
+    "software_tools",
+    "tools_by_name",
+]
 
 POLICY_ERRORS: tuple[type[Exception], ...] = (
     sdk_errors.FileNotFound,
@@ -39,13 +54,6 @@ INFRASTRUCTURE_ERRORS: tuple[type[Exception], ...] = (
     sdk_errors.ResourceExhausted,
     sdk_errors.UnknownError,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class ToolOutput:
-    text: str
-    exit_code: int | None = None
-    submitted: bool = False
 
 
 class Tool(Protocol):
@@ -79,16 +87,6 @@ def _string_arg(arguments: Mapping[str, Any], key: str) -> str:
     return value
 
 
-def _exec_text(exit_code: int | None, timed_out: bool, stdout: str, stderr: str) -> str:
-    head = "timed out" if timed_out else f"exit code {exit_code}"
-    parts = [head]
-    if stdout:
-        parts.append(stdout.rstrip("\n"))
-    if stderr:
-        parts.append("stderr:\n" + stderr.rstrip("\n"))
-    return "\n".join(parts)
-
-
 @dataclass(frozen=True, slots=True)
 class BashTool:
     timeout_s: float = 60.0
@@ -112,9 +110,7 @@ class BashTool:
             output_limit=self.output_limit,
             cwd=self.cwd or None,
         )
-        text = _exec_text(
-            result.exit_code, result.timed_out, result.stdout_text, result.stderr_text
-        )
+        text = exec_text(result.exit_code, result.timed_out, result.stdout_text, result.stderr_text)
         return ToolOutput(text, result.exit_code)
 
 
@@ -206,70 +202,6 @@ class SubmitTool:
 
     async def run(self, sandbox: AsyncSandbox, arguments: Mapping[str, Any]) -> ToolOutput:
         return ToolOutput("submitted", 0, submitted=True)
-
-
-@dataclass(frozen=True, slots=True)
-class CommandTool:
-    """A tool declared by a task: the model's arguments go to `argv` as JSON on stdin; the
-    command's exit code and output come back."""
-
-    name: str
-    description: str
-    parameters: dict[str, Any]
-    argv: tuple[str, ...]
-    timeout_s: float = 60.0
-    output_limit: int = 16_384
-    env: dict[str, str] = field(default_factory=dict)
-
-    @classmethod
-    def from_declaration(cls, declaration: Mapping[str, Any]) -> CommandTool:
-        """From {"name", "description", "parameters", "command": [argv...], "timeout_s"?}."""
-        missing = [k for k in ("name", "parameters", "command") if k not in declaration]
-        if missing:
-            raise ValueError(f"tool declaration lacks {', '.join(missing)}")
-        argv = declaration["command"]
-        if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
-            raise ValueError(f"tool {declaration['name']!r}: command must be a non-empty argv list")
-        return cls(
-            name=str(declaration["name"]),
-            description=str(declaration.get("description", "")),
-            parameters=dict(declaration["parameters"]),
-            argv=tuple(argv),
-            timeout_s=float(declaration.get("timeout_s", 60.0)),
-        )
-
-    def declaration(self) -> dict[str, Any]:
-        """What `from_declaration` reads back."""
-        return {
-            "name": self.name,
-            "description": self.description,
-            "parameters": self.parameters,
-            "command": list(self.argv),
-            "timeout_s": self.timeout_s,
-        }
-
-    def schema(self) -> dict[str, Any]:
-        return {
-            "type": "function",
-            "function": {
-                "name": self.name,
-                "description": self.description,
-                "parameters": self.parameters,
-            },
-        }
-
-    async def run(self, sandbox: AsyncSandbox, arguments: Mapping[str, Any]) -> ToolOutput:
-        result = await sandbox.exec(
-            list(self.argv),
-            stdin=json.dumps(dict(arguments)),
-            timeout=self.timeout_s,
-            output_limit=self.output_limit,
-            env=self.env or None,
-        )
-        text = _exec_text(
-            result.exit_code, result.timed_out, result.stdout_text, result.stderr_text
-        )
-        return ToolOutput(text, result.exit_code)
 
 
 def software_tools(*, command_timeout_s: float = 60.0, cwd: str = "") -> list[Tool]:

@@ -1,13 +1,13 @@
-"""Rollout records as training trajectories (`orchard.types.v1.Trajectory`).
+"""A teacher's conversation as a training trajectory in the student's tokens.
 
 The student's own rollouts come back from orchard-rollout as trajectories already: the calls
 its capture proxy recorded, with the exact token ids sampled and their logprobs. A teacher
-behind an OpenAI-compatible API gives text only. Its conversation is rendered with the
-*student's* tokenizer and chat template, turn by turn, exactly as the capture proxy would have
-rendered it had the student written the same words: each turn's input is what the prompt added
-since the previous turn, its output the assistant message up to and including the end-of-turn
-token. Teacher turns have no logprobs (`output_logprobs` stays empty) and the weight version
-``teacher:<model>``.
+behind an OpenAI-compatible API (or the scripted teacher) gives text only. Its conversation is
+rendered with the *student's* tokenizer and chat template, turn by turn, exactly as the capture
+proxy would have rendered it had the student written the same words: each turn's input is what
+the prompt added since the previous turn, its output the assistant message up to and including
+the end-of-turn token. Teacher turns have no logprobs (`output_logprobs` stays empty) and the
+weight version ``teacher:<model>``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from orchard.lm.chat import IM_END, ChatRenderer
+from orchard.lm.chat import IM_END, ChatFormatError, ChatRenderer
 from orchard.types.v1 import trajectory_pb2
 
 __all__ = [
@@ -26,7 +26,12 @@ __all__ = [
 
 
 class TrajectoryBuildError(ValueError):
-    """A conversation the student's chat template cannot render turn by turn."""
+    """A conversation the student's chat template cannot render turn by turn; `reason` is a
+    short, stable name to count by."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def _assistant_end(renderer: ChatRenderer, ids: list[int]) -> int:
@@ -35,7 +40,9 @@ def _assistant_end(renderer: ChatRenderer, ids: list[int]) -> int:
     for i in range(len(ids) - 1, -1, -1):
         if ids[i] in end_ids:
             return i + 1
-    raise TrajectoryBuildError(f"the rendered assistant turn has no {IM_END} token")
+    raise TrajectoryBuildError(
+        "template_mismatch", f"the rendered assistant turn has no {IM_END} token"
+    )
 
 
 def teacher_trajectory(
@@ -47,11 +54,54 @@ def teacher_trajectory(
 ) -> trajectory_pb2.Trajectory:
     """The teacher's trajectory as orchard-rollout gave it (its reward, outcome and
     conversation, no turns) with turns in the student's tokens; raises `TrajectoryBuildError`
-    when it has no conversation or the template does not extend turn by turn."""
+    when it has no conversation, the conversation is not a list of chat messages, or the
+    template does not extend turn by turn."""
     if not source.conversation_json:
-        raise TrajectoryBuildError(f"rollout {source.rollout_id}: no conversation to render")
-    messages: list[dict[str, Any]] = json.loads(source.conversation_json)
+        raise TrajectoryBuildError(
+            "no_conversation", f"rollout {source.rollout_id}: no conversation to render"
+        )
+    messages = _messages(source)
+    if not any(m.get("role") == "assistant" for m in messages):
+        raise TrajectoryBuildError(
+            "no_assistant_turn",
+            f"rollout {source.rollout_id}: the conversation has no assistant message to train on",
+        )
     schemas = [dict(t) for t in tools]
+    try:
+        return _render(source, messages, renderer, schemas, teacher_model)
+    except ChatFormatError as exc:
+        raise TrajectoryBuildError(
+            "bad_conversation", f"rollout {source.rollout_id}: {exc}"
+        ) from None
+
+
+def _messages(source: trajectory_pb2.Trajectory) -> list[dict[str, Any]]:
+    """The conversation's messages; raises `TrajectoryBuildError` when it is not a JSON array
+    of objects."""
+    try:
+        messages = json.loads(source.conversation_json)
+    except json.JSONDecodeError as exc:
+        raise TrajectoryBuildError(
+            "bad_conversation",
+            f"rollout {source.rollout_id}: conversation_json is not JSON ({exc.msg} at "
+            f"character {exc.pos})",
+        ) from None
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise TrajectoryBuildError(
+            "bad_conversation",
+            f"rollout {source.rollout_id}: conversation_json must be a JSON array of chat "
+            "messages (objects with a role)",
+        )
+    return messages
+
+
+def _render(
+    source: trajectory_pb2.Trajectory,
+    messages: list[dict[str, Any]],
+    renderer: ChatRenderer,
+    schemas: list[dict[str, Any]],
+    teacher_model: str,
+) -> trajectory_pb2.Trajectory:
     turns: list[trajectory_pb2.Turn] = []
     consumed: list[int] = []
     previous = -1
@@ -68,8 +118,9 @@ def teacher_trajectory(
         )
         if prompt[: len(consumed)] != consumed or with_answer[: len(prompt)] != prompt:
             raise TrajectoryBuildError(
+                "template_mismatch",
                 f"rollout {source.rollout_id}: turn {len(turns)} does not extend the tokens "
-                "before it under the student's chat template"
+                "before it under the student's chat template",
             )
         output = with_answer[len(prompt) : _assistant_end(renderer, with_answer)]
         calls = message.get("tool_calls") or []

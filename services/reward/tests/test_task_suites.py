@@ -1,0 +1,46 @@
+"""ListTaskSuites on the REAL reward gRPC server: the built-in SWE suite with facts taken from
+its generator, so a client checks `tasks.builtin` without importing the generator, and every
+fact listed holds for the tasks the generator makes."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import grpc
+import pytest
+
+from orchard.core.config import ServerConfig
+from orchard.reward.config import RewardConfig
+from orchard.reward.main import RewardApplication
+from orchard.reward.v1 import reward_service_pb2 as api
+from orchard.reward.v1 import reward_service_pb2_grpc
+from orchard.tasks.swe_suite import generate_suite
+
+
+async def test_list_task_suites_lists_the_builtin_suite_as_its_generator_makes_it() -> None:
+    config = RewardConfig(server=ServerConfig(listen=["127.0.0.1:0"]))
+    async with RewardApplication(config).server() as server:
+        await server.set_serving()
+        async with grpc.aio.insecure_channel(server.addresses[0]) as channel:
+            stub = reward_service_pb2_grpc.RewardServiceStub(channel)
+            reply = await stub.ListTaskSuites(api.ListTaskSuitesRequest(), timeout=10)
+
+    assert [s.name for s in reply.suites] == ["builtin:swe"]
+    suite = reply.suites[0]
+    assert suite.description and suite.scored_by == "ScoreTests"
+    assert (suite.min_tasks, suite.max_tasks) == (1, 10_000)
+    families = [f.name for f in suite.families]
+    assert families == ["boundary", "operator", "off_by_one", "empty_input", "round_trip"]
+    assert all(f.description for f in suite.families)
+
+    # What the list says is what the generator does: families cycle in the listed order,
+    # with the listed difficulties, and the tasks name the listed parser.
+    difficulty = {f.name: f.difficulty for f in suite.families}
+    tasks = generate_suite(2 * len(families), seed=4)
+    assert [t.family for t in tasks[: len(families)]] == families
+    assert all(t.difficulty == difficulty[t.family] for t in tasks)
+    assert Counter(t.family for t in tasks) == dict.fromkeys(families, 2)
+    assert sorted(difficulty.values()) == [1, 1, 2, 2, 3]
+    for count in (suite.min_tasks - 1, suite.max_tasks + 1):
+        with pytest.raises(ValueError, match="count must lie in"):
+            generate_suite(count)
