@@ -10,7 +10,9 @@ a veth pair and has an address on the subnet and its own loopback. A process sta
 - ``/tmp/orchard-artifacts``: the one folder every machine shares, the artifact store
   (``file:///tmp/orchard-artifacts``), when the subnet has one;
 - ``/dev/shm``: a tmpfs of its own;
-- everything else read-only (the installed software, the host image's files).
+- everything else read-only (the installed software, the host image's files); software that
+  lives under /tmp on the host (a checkout and its virtual environment, an interpreter) is
+  bound back at its own path, read-only, so a machine runs what the test runs wherever it is.
 
 So a service can reach another only through the subnet (dialing 127.0.0.1 finds nothing of
 another machine's) and can read what another wrote only through the artifact store. Cgroups and
@@ -25,6 +27,7 @@ import os
 import random
 import shlex
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,10 +49,17 @@ mount -t tmpfs -o mode=0755,size=64k orchard-stage /mnt
 mkdir /mnt/machine /mnt/store
 mount --bind "$ORCHARD_MACHINE_DIR" /mnt/machine
 if [ -n "${ORCHARD_STORE_DIR:-}" ]; then mount --bind "$ORCHARD_STORE_DIR" /mnt/store; fi
+keep() {  # each line of $ORCHARD_KEEP_DIRS with a number: "N PATH"
+  printf '%s\n' "${ORCHARD_KEEP_DIRS:-}" | grep -n . | sed 's/:/ /' || true
+}
+keep | while read -r n dir; do mkdir "/mnt/keep$n"; mount --bind "$dir" "/mnt/keep$n"; done
 mount -t tmpfs -o mode=1777 orchard-tmp /tmp
 mkdir /tmp/machine /tmp/orchard-artifacts /tmp/home
 mount --move /mnt/machine /tmp/machine
 if [ -n "${ORCHARD_STORE_DIR:-}" ]; then mount --move /mnt/store /tmp/orchard-artifacts; fi
+keep | while read -r n dir; do
+  mkdir -p "$dir"; mount --move "/mnt/keep$n" "$dir"; mount -o remount,bind,ro "$dir"
+done
 umount /mnt
 mount -t tmpfs -o mode=1777 orchard-shm /dev/shm
 mount -o remount,bind,ro /
@@ -57,6 +67,23 @@ echo ready
 exec sleep infinity
 """
 _HOME = {"HOME": "/tmp/home", "TMPDIR": "/tmp", "XDG_CACHE_HOME": "/tmp/home/.cache"}
+
+
+def _software_under_tmp() -> list[str]:
+    """The folders of the software the test runs (this checkout, its virtual environment, the
+    interpreter) that lie under a folder each machine replaces (/tmp, /dev/shm), outermost only."""
+    checkout = Path(__file__).resolve().parents[2]
+    candidates = {checkout, Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()}
+    hidden = [
+        path
+        for path in candidates
+        if any(path.is_relative_to(root) for root in (Path("/tmp"), Path("/dev/shm")))
+        and path not in (Path("/tmp"), Path("/dev/shm"))
+    ]
+    outermost = [
+        path for path in hidden if not any(path != o and path.is_relative_to(o) for o in hidden)
+    ]
+    return sorted(str(path) for path in outermost)
 
 
 def _ip(*args: str, netns: str | None = None) -> None:
@@ -83,6 +110,7 @@ class Machine:
         """Start the machine's first process, which makes its mount view and keeps it."""
         environ = {**os.environ, "ORCHARD_MACHINE_DIR": str(self.folder)}
         environ["ORCHARD_STORE_DIR"] = str(self.store) if self.store else ""
+        environ["ORCHARD_KEEP_DIRS"] = "\n".join(_software_under_tmp())
         command = ["nsenter", f"--net=/run/netns/{self.netns}", "unshare", "--mount"]
         command += ["--propagation", "private", "sh", "-c", _ENTER]
         init = subprocess.Popen(

@@ -292,9 +292,10 @@ def test_prometheus_scrapes_every_service_and_answers_rollout_progress(
         'histogram_quantile(0.5, sum by (le) (orchard_rollout_step_seconds_bucket{part="tool"}))'
     )
     assert 0 < tool_p50 < 60
-    # The sandboxes those rollouts ran in, and their commands, from the env service.
-    assert prometheus.value("sum(orchard_env_create_seconds_count)") >= 4
-    assert prometheus.value('sum(orchard_env_exec_seconds_count{code="OK"})') >= 4
+    # The sandboxes those rollouts ran in, and their commands, from the env service (scraped on
+    # its own schedule, so it may lag the rollout service's numbers by an interval).
+    prometheus.wait_for("sum(orchard_env_create_seconds_count) >= bool 4", 1.0)
+    prometheus.wait_for('sum(orchard_env_exec_seconds_count{code="OK"}) >= bool 4', 1.0)
     # The reward and trainer services export their own families.
     assert prometheus.query('{__name__=~"orchard_trainer_.*"}')
     assert prometheus.query('{__name__=~"orchard_reward_.*"}')

@@ -28,9 +28,13 @@ async def test_no_network_but_loopback(sandboxes: Any, agent_for: Any) -> None:
         assert (await agent.sh("ls /sys/class/net")).stdout == b"lo\n"
         # Loopback itself works inside.
         both = await agent.sh(
-            # Retry the client until the listener is up: a loaded machine starts it late.
-            "nc -l -p 7777 > /tmp/got & for i in $(seq 100); do "
-            "echo ping | nc -w 2 127.0.0.1 7777 && break; sleep 0.1; done; wait; cat /tmp/got"
+            # Retry the client until the listener is up: a loaded machine starts it late. The
+            # listener's stdin stays open (a listener whose stdin ends may quit before it reads
+            # what came), and the output is awaited by content, not by the listener's exit.
+            "sleep 20 2>/dev/null | nc -l -p 7777 > /tmp/got 2>/dev/null & "
+            "for i in $(seq 100); do echo ping | nc -w 2 127.0.0.1 7777 && break; sleep 0.1; "
+            "done; for i in $(seq 100); do grep -q ping /tmp/got && break; sleep 0.1; done; "
+            "cat /tmp/got"
         )
         assert both.stdout.endswith(b"ping\n")
     finally:

@@ -41,6 +41,7 @@ from orchard.inagent.reasons import AgentReason
 __all__ = [
     "OutputCap",
     "OutputQueue",
+    "ProcessLimitReached",
     "ProcessResult",
     "ProcessSupervisor",
     "RunningCommand",
@@ -49,6 +50,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+SPAWN_PATIENCE_S = 2.0
+"""How long a command waits for room when the sandbox is at its process limit."""
 _READ_BYTES = 64 * 1024  # the default pipe capacity: one read empties a full pipe
 _READS_PER_WAKEUP = 8
 _QUEUE_MERGE_BYTES = 1024 * 1024
@@ -415,6 +418,33 @@ class ProcessSupervisor:
         """Commands whose leader has not been reaped yet."""
         return len(self._running)
 
+    async def spawn_when_possible(
+        self,
+        spec: CommandSpec,
+        queue: OutputQueue | None = None,
+        *,
+        patience_s: float = SPAWN_PATIENCE_S,
+    ) -> RunningCommand:
+        """`spawn`, waiting up to ``patience_s`` while the sandbox is at its process limit.
+
+        A command killed for its timeout (a fork bomb, say) leaves processes that are still
+        exiting and being reaped for a moment, and they count against the limit; a command
+        started right then would fail with EAGAIN although the sandbox is about to have room.
+        Past ``patience_s`` the error stands (RESOURCE_EXHAUSTED, with what to do).
+        """
+        deadline = time.monotonic() + patience_s
+        delay = 0.005
+        while True:
+            try:
+                return self.spawn(spec, queue)
+            except ProcessLimitReached:
+                if time.monotonic() + delay > deadline:
+                    raise
+            if self._reaper is not None:
+                self._reaper.sweep()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
     def spawn(self, spec: CommandSpec, queue: OutputQueue | None = None) -> RunningCommand:
         """Start ``spec`` in a new session; output goes to ``queue`` or into the result."""
         out_read, out_write = os.pipe2(os.O_CLOEXEC)
@@ -577,6 +607,10 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
+class ProcessLimitReached(OrchardError):
+    """A spawn failed with EAGAIN: the sandbox's pids limit (or the user's) is reached."""
+
+
 def _spawn_error(exc: OSError, spec: CommandSpec) -> OrchardError:
     """Explain a failed spawn: exec and chdir errors come back from the child as OSError."""
     program = spec.argv[0]
@@ -614,6 +648,14 @@ def _spawn_error(exc: OSError, spec: CommandSpec) -> OrchardError:
             AgentReason.NOT_EXECUTABLE,
             f"cannot execute {program!r}: permission denied",
             metadata={"executable": program},
+        )
+    if exc.errno == errno.EAGAIN:
+        return ProcessLimitReached(
+            Reason.RESOURCE_EXHAUSTED,
+            f"cannot start {program!r}: the sandbox is at its process limit (fork failed: "
+            "resource temporarily unavailable); wait for its processes to end, kill them, or "
+            "create the sandbox with a higher resources.pids",
+            metadata={"executable": program, "errno": "EAGAIN"},
         )
     if exc.errno == errno.ENOEXEC:
         return OrchardError(

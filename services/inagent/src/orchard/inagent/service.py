@@ -106,7 +106,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
     async def Exec(
         self, request: pb.ExecRequest, context: grpc.aio.ServicerContext
     ) -> pb.ExecResponse:
-        command = self.supervisor.spawn(self._prepare(request.command))
+        command = await self.supervisor.spawn_when_possible(self._prepare(request.command))
         result = await command.wait()
         return pb.ExecResponse(
             result=exec_pb2.ExecResult(
@@ -118,7 +118,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         self, request: pb.ExecStreamRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ExecStreamResponse]:
         queue = OutputQueue()
-        command = self.supervisor.spawn(self._prepare(request.command), queue)
+        command = await self.supervisor.spawn_when_possible(self._prepare(request.command), queue)
         try:
             yield pb.ExecStreamResponse(
                 event=exec_pb2.ExecEvent(started=exec_pb2.ExecStarted(pid=command.pid))
