@@ -23,7 +23,13 @@ scripted policy with the conversation the harness had at that step (raw model ti
 manager's overhead per step is the harness's time per step minus both; the target is at most 5%
 of the raw exec time. `--skip-overhead` leaves part 2 out.
 
-Writes bench/results/rollout.json (both parts) and prints tables.
+Part 3, rollout throughput by where rollouts run (same stack, root): the same rollouts of the
+scripted policy (each a few shell steps in its own sandbox), at the same concurrency, in this
+process (`InProcessWorkers`) and on two actors of a local Ray (`RayWorkers`), side by side.
+Reported: rollouts and agent steps per second after a warm-up, and the pool's start time (Ray's
+start included). `--skip-workers` leaves part 3 out.
+
+Writes bench/results/rollout.json (all parts) and prints tables.
 """
 
 from __future__ import annotations
@@ -42,15 +48,19 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchard.rollout.batches import GroupFilter
 from orchard.rollout.harnesses.tool_loop import HarnessContext, HarnessOutcome, ToolCallingHarness
 from orchard.rollout.results import GroupKey, RolloutResult, RolloutStatus
 from orchard.rollout.samplers import BalancedAdaptiveSampler, FixedNSampler, Sampler
+
+if TYPE_CHECKING:
+    from orchard.rollout.workers import RolloutWorkers, RunnerSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "rollout.json"
@@ -214,6 +224,12 @@ class TimedHarness:
         self.seconds = 0.0
         self.steps = 0
 
+    def in_directory(self, workdir: str) -> TimedHarness:
+        """As the runner asks of a harness; the bench task names no directory."""
+        if workdir:
+            raise ValueError("the bench task runs in the shell's own directory")
+        return self
+
     async def run(self, ctx: HarnessContext) -> HarnessOutcome:
         started = time.perf_counter()
         try:
@@ -367,8 +383,121 @@ async def _raw_loop(
         await sandbox.delete()
 
 
+# -- part 3: rollout throughput in this process and on Ray workers ---------------------------
+
+WORKERS_TOKEN_ENV = "ORCHARD_BENCH_ENV_TOKEN"
+
+
+async def _pool_throughput(
+    pool: RolloutWorkers, spec: RunnerSpec, rollouts: int, concurrency: int, started: float
+) -> dict[str, Any]:
+    async with pool, pool.job("bench", spec) as run:
+        start_s = time.perf_counter() - started
+        key = GroupKey("bench", "builtin:bash")
+        # Warm-up: connections, the actors' clients, the runtime's first sandboxes.
+        await asyncio.gather(*(run(key, i) for i in range(concurrency)))
+        limit = asyncio.Semaphore(concurrency)
+
+        async def one(index: int) -> RolloutResult:
+            async with limit:
+                return await run(key, index)
+
+        began = time.perf_counter()
+        results = await asyncio.gather(*(one(concurrency + i) for i in range(rollouts)))
+        seconds = time.perf_counter() - began
+    bad = [r for r in results if r.status is not RolloutStatus.COMPLETED or r.reward != 1.0]
+    if bad:
+        raise RuntimeError(f"bench rollouts did not run as scripted: {bad[0].payload.failure}")
+    steps = sum(r.payload.steps for r in results)
+    return {
+        "rollouts": rollouts,
+        "concurrency": concurrency,
+        "seconds": seconds,
+        "rollouts_per_s": rollouts / seconds,
+        "steps_per_s": steps / seconds,
+        "pool_start_s": start_s,
+    }
+
+
+async def _workers_run(
+    endpoint: str, token: str, steps: int, rollouts: int, concurrency: int
+) -> dict[str, Any]:
+    from orchard.rollout.budgets import LayeredRetries, RolloutBudget  # noqa: PLC0415
+    from orchard.rollout.harnesses.bash_react import bash_react_harness  # noqa: PLC0415
+    from orchard.rollout.harnesses.tool_loop import ModelEndpoint  # noqa: PLC0415
+    from orchard.rollout.scripted_policy import PolicyScript, ScriptedPolicyServer  # noqa: PLC0415
+    from orchard.rollout.tasks import TaskSpec  # noqa: PLC0415
+    from orchard.rollout.workers import (  # noqa: PLC0415
+        InProcessWorkers,
+        RayWorkers,
+        RunnerSpec,
+        WorkerServices,
+    )
+    from orchard.sdk.service_config import EnvClientConfig  # noqa: PLC0415
+
+    commands = [STEP_COMMANDS[i % len(STEP_COMMANDS)] for i in range(steps)]
+    solution = [
+        {"thought": f"Step {i}.", "tool": "bash", "arguments": {"command": c}}
+        for i, c in enumerate(commands)
+    ]
+    script = PolicyScript.from_json(
+        {
+            "plans": [
+                {
+                    "match": "bench task",
+                    "solve_rate": 1.0,
+                    "solution": [*solution, {"thought": "Done.", "tool": "submit"}],
+                    "failure": [{"thought": "No."}],
+                }
+            ]
+        }
+    )
+    # The token reaches the workers as the environment they inherit, never as data.
+    os.environ[WORKERS_TOKEN_ENV] = token
+    services = WorkerServices(
+        env_endpoint=endpoint, env=EnvClientConfig(token_env=WORKERS_TOKEN_ENV)
+    )
+    task = TaskSpec.from_settings("bench", "Run the bench task.", {"check": {"command": "true"}})
+    rows = {}
+    async with ScriptedPolicyServer(script, seed=0) as policy:
+        spec = RunnerSpec(
+            endpoint=ModelEndpoint(base_url=policy.base_url, model="teacher"),
+            harnesses={"builtin:bash": bash_react_harness()},
+            tasks={"bench": task},
+            budget=RolloutBudget(max_steps=steps + 2, max_duration_s=600),
+            retries=LayeredRetries(create_spread_s=0.0),
+        )
+        pools: dict[str, Callable[[], RolloutWorkers]] = {
+            "in_process": lambda: InProcessWorkers(services, concurrency=concurrency),
+            "ray_2_actors": lambda: RayWorkers(
+                services, actors=2, concurrency=concurrency, init_cpus=2
+            ),
+        }
+        for name, make in pools.items():
+            started = time.perf_counter()
+            rows[name] = await _pool_throughput(make(), spec, rollouts, concurrency, started)
+    base = rows["in_process"]["rollouts_per_s"]
+    for row in rows.values():
+        row["vs_in_process"] = row["rollouts_per_s"] / base
+    return {"steps_per_rollout": steps + 1, "cpus": os.cpu_count(), "pools": rows}
+
+
 def agent_step_overhead(steps: int, rollouts: int) -> dict[str, Any]:
     """Part 2 around a private etcd and orchard-env (the local runtime needs root)."""
+    return on_local_env(lambda endpoint, token: _overhead_run(endpoint, token, steps, rollouts))
+
+
+def workers_throughput(steps: int, rollouts: int, concurrency: int) -> dict[str, Any]:
+    """Part 3 around a private etcd and orchard-env (the local runtime needs root)."""
+    return on_local_env(
+        lambda endpoint, token: _workers_run(endpoint, token, steps, rollouts, concurrency)
+    )
+
+
+def on_local_env(
+    work: Callable[[str, str], Coroutine[Any, Any, dict[str, Any]]],
+) -> dict[str, Any]:
+    """`work(endpoint, token)` against a private etcd and orchard-env with the local runtime."""
     if os.geteuid() != 0:
         return {"skipped": "needs root (the local runtime of orchard-env)"}
     from orchard.sdk.cli.host_probe import remove_cgroup_parent  # noqa: PLC0415
@@ -386,7 +515,7 @@ def agent_step_overhead(steps: int, rollouts: int) -> dict[str, Any]:
     )
     try:
         stack.start()
-        return asyncio.run(_overhead_run(stack.endpoint, token, steps, rollouts))
+        return asyncio.run(work(stack.endpoint, token))
     finally:
         stack.stop()
         remove_cgroup_parent(cgroup_parent)
@@ -401,6 +530,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="part 2: commands per rollout")
     parser.add_argument("--rollouts", type=int, default=5, help="part 2: rollouts measured")
     parser.add_argument("--skip-overhead", action="store_true", help="leave part 2 out")
+    parser.add_argument("--worker-steps", type=int, default=4, help="part 3: commands per rollout")
+    parser.add_argument("--worker-rollouts", type=int, default=32, help="part 3: rollouts timed")
+    parser.add_argument("--worker-concurrency", type=int, default=8, help="part 3: at once")
+    parser.add_argument("--skip-workers", action="store_true", help="leave part 3 out")
     args = parser.parse_args(argv)
 
     rows = asyncio.run(sampler_comparison(args.budget, args.seeds))
@@ -435,6 +568,14 @@ def main(argv: list[str] | None = None) -> int:
         previous = json.loads(RESULTS.read_text()).get("agent_step_overhead")
         if previous is not None:
             result["agent_step_overhead"] = previous
+    if not args.skip_workers:
+        result["workers_throughput"] = workers_throughput(
+            args.worker_steps, args.worker_rollouts, args.worker_concurrency
+        )
+    elif RESULTS.exists():
+        previous = json.loads(RESULTS.read_text()).get("workers_throughput")
+        if previous is not None:
+            result["workers_throughput"] = previous
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
 
@@ -465,6 +606,24 @@ def main(argv: list[str] | None = None) -> int:
         )
     elif overhead:
         print(f"Agent step overhead: skipped ({overhead['skipped']})")
+    workers = result.get("workers_throughput")
+    if workers and "skipped" not in workers:
+        first = next(iter(workers["pools"].values()))
+        print(
+            f"Rollout throughput by where rollouts run ({first['rollouts']} rollouts x "
+            f"{workers['steps_per_rollout']} steps, {first['concurrency']} at once, "
+            f"{workers['cpus']} CPUs, scripted policy, real orchard-env)"
+        )
+        print(
+            f"  {'workers':<14} {'rollouts/s':>10} {'steps/s':>8} {'x in-proc':>9} {'start s':>8}"
+        )
+        for name, row in workers["pools"].items():
+            print(
+                f"  {name:<14} {row['rollouts_per_s']:>10.2f} {row['steps_per_s']:>8.1f} "
+                f"{row['vs_in_process']:>9.2f} {row['pool_start_s']:>8.2f}"
+            )
+    elif workers:
+        print(f"Rollout throughput by workers: skipped ({workers['skipped']})")
     print(f"wrote {RESULTS.relative_to(ROOT)}")
     return 0
 

@@ -31,6 +31,15 @@ threads than free cores slow a small model down several times over); the load av
 and after is recorded. The last loss of each runner is reported too: the engine and the plain
 loop train the same numbers, so they should agree.
 
+The service trains on a worker group (``orchard.trainer.workers``): rank processes that the
+controller drives over a socket. ``--ranks`` (default ``1,2``) runs SFT through that path, as
+the service does (a ``WorkerGroup`` of ``RankTrainer`` processes, one ``run_steps`` command per
+step, each rank on its share of the plan's micro-batches with ``--threads`` torch threads),
+once per rank count, in the same run, paired the same way: the controller alternates a step of
+the group with a step of a plain loop of its own, so they never compute at the same time. The
+group's tokens/s counts all ranks' tokens over the controller's wall time per step (command
+round trip included), beside the plain loop's, as ``group / plain``.
+
 Writes ``bench/results/trainer.json`` and prints a table.
 """
 
@@ -208,11 +217,66 @@ def _child(mode: str, runner: str, args: argparse.Namespace) -> dict[str, Any]:
 
         return step
 
-    names = ["engine", "plain"] if runner == "paired" else [runner]
+    def group_runner(ranks: int) -> StepFn:
+        """SFT through a worker group of `ranks` processes, as the trainer service runs a job:
+        one `run_steps` command per step; all ranks' tokens over the controller's wall time."""
+        from orchard.trainer.datasets import write_trajectories  # noqa: PLC0415
+        from orchard.trainer.rank import RankSetup  # noqa: PLC0415
+        from orchard.trainer.v1 import trainer_service_pb2 as api  # noqa: PLC0415
+        from orchard.trainer.workers import WorkerGroup, WorkerGroupConfig  # noqa: PLC0415
+
+        scratch = tempfile.TemporaryDirectory()
+        closers.append(scratch.cleanup)
+        data = Path(scratch.name) / "data.jsonl"
+        write_trajectories(data, trajectories)
+        spec = api.TrainingJobSpec(
+            mode=api.TRAINING_MODE_SFT,
+            model=MODEL,
+            zero_stage=args.zero_stage,
+            learning_rate=LR,
+            warmup_steps=1,
+            total_steps=total,
+            micro_batch_size=args.micro_batch,
+            gradient_accumulation=args.accumulate,
+            ranks=ranks,
+        )
+        setup = RankSetup(
+            job_id="bench",
+            spec=spec.SerializeToString(),
+            model=MODEL,
+            scratch=scratch.name,
+            rank=0,
+            world_size=ranks,
+            master_addr="127.0.0.1",
+            master_port=0,
+            dataset=str(data),
+        )
+        started = time.perf_counter()
+        group, _ = WorkerGroup.start(
+            "bench", setup, WorkerGroupConfig(ranks=ranks, threads_per_rank=args.threads)
+        )
+        group_start[0] = time.perf_counter() - started
+        closers.insert(0, group.close)
+
+        def step(s: int) -> tuple[float, int, float]:
+            started = time.perf_counter()
+            (result,) = group.call("run_steps", steps=1)
+            return time.perf_counter() - started, result.tokens, result.loss
+
+        return step
+
+    group_start = [0.0]
+    if runner.startswith("group"):
+        names = ["group", "plain"]
+    else:
+        names = ["engine", "plain"] if runner == "paired" else [runner]
     runners: dict[str, StepFn] = {}
     for k, name in enumerate(names):
         model = policy.model if k == 0 else load_policy(MODEL, seed=0).model
-        runners[name] = engine_runner(model) if name == "engine" else plain_runner(model)
+        if name == "group":
+            runners[name] = group_runner(int(runner.removeprefix("group")))
+        else:
+            runners[name] = engine_runner(model) if name == "engine" else plain_runner(model)
     n_params = sum(p.numel() for p in policy.model.parameters())
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     records: dict[str, list[tuple[float, int, float]]] = {name: [] for name in names}
@@ -234,7 +298,9 @@ def _child(mode: str, runner: str, args: argparse.Namespace) -> dict[str, Any]:
             "tokens_per_step": statistics.mean(t for _, t, _ in measured),
             "last_loss": rows[-1][2],
         }
-    if runner != "paired":
+    if runner.startswith("group"):
+        out["group"]["start_seconds"] = group_start[0]
+    elif runner != "paired":
         out[runner].update(
             peak_rss_mib=_mib(peak),
             rss_before_steps_mib=_mib(rss_before),
@@ -271,9 +337,13 @@ def main() -> int:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads per run (1: steadier when shared)"
     )
+    parser.add_argument(
+        "--ranks", default="1,2", help="rank counts of the worker-group SFT runs (comma list)"
+    )
     parser.add_argument("--child", nargs=2, metavar=("MODE", "RUNNER"), help=argparse.SUPPRESS)
     parser.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    rank_counts = [int(n) for n in args.ranks.split(",") if n.strip()]
     if args.child:
         mode, runner = args.child
         args.child_out.write_text(json.dumps(_child(mode, runner, args)))
@@ -285,6 +355,7 @@ def main() -> int:
     load_before = os.getloadavg()[0]
     paired: dict[str, list[dict[str, Any]]] = {"sft": [], "rl": []}
     alone: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    groups: dict[int, list[dict[str, Any]]] = {}
     for round_ in range(args.rounds):
         order = ["plain", "engine"] if round_ % 2 == 0 else ["engine", "plain"]
         for mode in ("sft", "rl"):
@@ -292,6 +363,8 @@ def main() -> int:
             for runner in order:
                 run = _run_child(mode, runner, args)
                 alone.setdefault((mode, runner), []).append(run[runner])
+        for ranks in rank_counts:
+            groups.setdefault(ranks, []).append(_run_child("sft", f"group{ranks}", args))
     first = paired["sft"][0]
 
     def combined(mode: str, runner: str) -> dict[str, Any]:
@@ -341,6 +414,25 @@ def main() -> int:
             "engine_over_plain_tokens_per_second": statistics.median(ratios),
             "ratio_rounds": ratios,
         }
+    result["sft"]["worker_group"] = {
+        str(ranks): {
+            "tokens_per_second": statistics.median(r["group"]["tokens_per_second"] for r in runs),
+            "plain_tokens_per_second": statistics.median(
+                r["plain"]["tokens_per_second"] for r in runs
+            ),
+            "step_seconds_p50": statistics.median(r["group"]["step_seconds_p50"] for r in runs),
+            "tokens_per_step": runs[0]["group"]["tokens_per_step"],
+            "start_seconds": statistics.median(r["group"]["start_seconds"] for r in runs),
+            "last_loss": runs[-1]["group"]["last_loss"],
+            "group_over_plain_tokens_per_second": statistics.median(
+                r["group"]["tokens_per_second"] / r["plain"]["tokens_per_second"] for r in runs
+            ),
+            "ratio_rounds": [
+                r["group"]["tokens_per_second"] / r["plain"]["tokens_per_second"] for r in runs
+            ],
+        }
+        for ranks, runs in groups.items()
+    }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
 
@@ -367,6 +459,17 @@ def main() -> int:
         ratio = result[mode]["engine_over_plain_tokens_per_second"]
         spread = ", ".join(f"{x:.2f}" for x in result[mode]["ratio_rounds"])
         print(f"  {mode:<5} {'engine / plain':<15} {ratio:>8.2f}x  (rounds: {spread})")
+    print("  worker group (the service's path), paired with a plain loop in its controller:")
+    for ranks, r in result["sft"]["worker_group"].items():
+        name = f"{ranks} rank" + ("s" if ranks != "1" else "")
+        spread = ", ".join(f"{x:.2f}" for x in r["ratio_rounds"])
+        print(
+            f"  {'sft':<5} {name:<15} {r['tokens_per_second']:>9.0f} {'':>7} "
+            f"{r['step_seconds_p50']:>7.3f} {'':>10} {'':>12} {r['last_loss']:>10.4f}   "
+            f"plain {r['plain_tokens_per_second']:.0f} tok/s: "
+            f"{r['group_over_plain_tokens_per_second']:.2f}x (rounds: {spread}), "
+            f"start {r['start_seconds']:.1f} s"
+        )
     print(f"wrote {RESULTS.relative_to(ROOT)}")
     return 0
 

@@ -58,3 +58,70 @@ StatefulSet the umbrella chart runs in this release. */}}
 true
 {{- end -}}
 {{- end -}}
+
+{{/* The artifact store of this chart's Pods, as JSON: the chart's own artifacts values over the
+umbrella's global.artifacts. "claim" is the PersistentVolumeClaim to mount; neither it nor "url":
+an emptyDir. */}}
+{{- define "rollout.artifacts" -}}
+{{- $global := (.Values.global | default dict).artifacts | default dict -}}
+{{- $own := .Values.artifacts -}}
+{{- $claim := "" -}}
+{{- if $own.existingClaim -}}
+{{- $claim = $own.existingClaim -}}
+{{- else if ($own.persistence | default dict).enabled -}}
+{{- $claim = printf "%s-artifacts" (include "rollout.fullname" .) -}}
+{{- else if $global.existingClaim -}}
+{{- $claim = $global.existingClaim -}}
+{{- else if ($global.persistence | default dict).enabled -}}
+{{- $claim = printf "%s-artifacts" .Release.Name -}}
+{{- end -}}
+{{- $url := $own.url | default ($global.url | default "") -}}
+{{- if and $url $claim -}}
+{{- fail (printf "artifacts: both the url %q and the volume claim %q are set; the store is one or the other (unset artifacts.url, or existingClaim and persistence.enabled)" $url $claim) -}}
+{{- end -}}
+{{- $options := $own.options | default ($global.options | default dict) -}}
+{{- $secret := $own.credentialsSecret | default ($global.credentialsSecret | default "") -}}
+{{- $allowed := $own.allowed | default ($global.allowed | default list) -}}
+{{- toJson (dict "url" $url "claim" $claim "mountPath" $own.mountPath "options" $options "credentialsSecret" $secret "allowed" $allowed) -}}
+{{- end -}}
+
+{{/* The artifacts section of the service's config file. */}}
+{{- define "rollout.artifactsConfig" -}}
+{{- $a := include "rollout.artifacts" . | fromJson -}}
+{{- $config := dict "root" ($a.url | default (printf "file://%s" $a.mountPath)) -}}
+{{- with $a.allowed }}{{ $_ := set $config "allowed" . }}{{ end -}}
+{{- with $a.options }}{{ $_ := set $config "options" . }}{{ end -}}
+{{- toJson $config -}}
+{{- end -}}
+
+{{/* The artifact volume's mount (a container's volumeMounts item), when the store is a volume. */}}
+{{- define "rollout.artifactsMount" -}}
+{{- $a := include "rollout.artifacts" . | fromJson -}}
+{{- if not $a.url }}
+- name: artifacts
+  mountPath: {{ $a.mountPath }}
+{{- end }}
+{{- end -}}
+
+{{/* The artifact volume (a Pod's volumes item): the claim, else an emptyDir. */}}
+{{- define "rollout.artifactsVolume" -}}
+{{- $a := include "rollout.artifacts" . | fromJson -}}
+{{- if not $a.url }}
+- name: artifacts
+  {{- if $a.claim }}
+  persistentVolumeClaim:
+    claimName: {{ $a.claim }}
+  {{- else }}
+  emptyDir: {}
+  {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The object store's credentials (a container's envFrom items). */}}
+{{- define "rollout.artifactsEnvFrom" -}}
+{{- $a := include "rollout.artifacts" . | fromJson -}}
+{{- with $a.credentialsSecret }}
+- secretRef:
+    name: {{ . }}
+{{- end }}
+{{- end -}}

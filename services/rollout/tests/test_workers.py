@@ -1,11 +1,13 @@
 """Rollout workers in this process and as Ray actors (a local Ray on 127.0.0.1) give the same
 results: the same rollouts through the REAL environment service (``orchard up``; root) against
-the scripted policy."""
+the scripted policy. What reaches the actors is addresses and settings; the token stays in the
+environment."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,11 +23,16 @@ from orchard.rollout.workers import (
     RayWorkers,
     RunnerSpec,
     WorkersConfig,
+    WorkerServices,
     make_workers,
 )
 from orchard.sdk import AsyncSandboxClient
+from orchard.sdk.connection import read_profile
+from orchard.sdk.service_config import EnvClientConfig
 
 pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(600)]
+
+TOKEN_ENV = "ROLLOUT_WORKERS_TEST_TOKEN"
 
 FILE = "/srv/task/greeting.txt"
 TASKS = {
@@ -74,9 +81,12 @@ KEYS = [(GroupKey("greet", "builtin:bash"), i) for i in range(3)] + [
 ]
 
 
-def spec(profile: str, base_url: str) -> RunnerSpec:
+def services(endpoint: str) -> WorkerServices:
+    return WorkerServices(env_endpoint=endpoint, env=EnvClientConfig(token_env=TOKEN_ENV))
+
+
+def spec(base_url: str) -> RunnerSpec:
     return RunnerSpec(
-        profile=profile,
         endpoint=ModelEndpoint(base_url=base_url, model="teacher"),
         harnesses={"builtin:bash": bash_react_harness()},
         tasks=TASKS,
@@ -104,33 +114,37 @@ def summary(result: RolloutResult) -> tuple[Any, ...]:
     )
 
 
-async def run_all(workers: Any) -> list[RolloutResult]:
-    async with workers:
-        return list(await asyncio.gather(*(workers.rollout(key, i) for key, i in KEYS)))
-
-
 def test_the_default_is_in_process() -> None:
-    workers = make_workers(WorkersConfig(), spec("unused", "http://127.0.0.1:1/v1"))
-    assert isinstance(workers, InProcessWorkers)
-    ray_workers = make_workers(
-        WorkersConfig(kind="ray", ray_actors=3), spec("unused", "http://127.0.0.1:1/v1")
-    )
-    assert isinstance(ray_workers, RayWorkers)
+    pool = make_workers(WorkersConfig(), services("127.0.0.1:1"))
+    assert isinstance(pool, InProcessWorkers)
+    ray_pool = make_workers(WorkersConfig(kind="ray", ray_actors=3), services("127.0.0.1:1"))
+    assert isinstance(ray_pool, RayWorkers)
 
 
-async def test_ray_actors_give_the_same_results_as_in_process(env_service: dict[str, Any]) -> None:
-    import ray  # noqa: F401  (the ray extra of orchard-rollout; `make setup` installs it)
+async def test_ray_actors_give_the_same_results_as_in_process(
+    env_service: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ray  # the ray extra of orchard-rollout; `make setup` installs it
 
-    profile = str(env_service["profile"])
+    profile = read_profile(Path(env_service["profile"]))
+    assert profile is not None
+    # Set before Ray starts: the local Ray's workers inherit this environment.
+    monkeypatch.setenv(TOKEN_ENV, profile.token)
+    where = services(profile.endpoint)
     async with ScriptedPolicyServer(SCRIPT) as policy:
-        local = await run_all(InProcessWorkers(spec(profile, policy.base_url), concurrency=4))
-        ray_pool = RayWorkers(spec(profile, policy.base_url), actors=2, concurrency=4, init_cpus=2)
-        async with ray_pool:
+        job = spec(policy.base_url)
+        async with InProcessWorkers(where, concurrency=4) as pool, pool.job("j1", job) as run:
+            local = list(await asyncio.gather(*(run(k, i) for k, i in KEYS)))
+        ray_pool = RayWorkers(where, actors=2, concurrency=4, init_cpus=2)
+        async with ray_pool, ray_pool.job("j1", job) as run:
             pids = await ray_pool.actor_pids()
-            remote = list(await asyncio.gather(*(ray_pool.rollout(k, i) for k, i in KEYS)))
+            remote = list(await asyncio.gather(*(run(k, i) for k, i in KEYS)))
+            served = await ray_pool.served()
+        assert not ray.is_initialized()
 
     # The rollouts really ran in two other processes.
     assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert sum(served) == len(KEYS)
     assert [summary(r) for r in remote] == [summary(r) for r in local]
     assert [r.reward for r in local] == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
     assert local[0].payload.tool_events[0].output.splitlines() == ["exit code 0", "hello"]

@@ -16,6 +16,14 @@ registries, so the ``kubernetes`` runtime is tested against this double. It serv
   a resourceVersion older than the retained history → an ERROR event carrying a 410 ``Expired``
   Status, as the real server sends.
 
+and ``/api/v1/nodes`` (cluster-scoped: list, watch, get), the nodes tests add with the images
+they hold (``add_node``). While there are nodes, the double binds each Pod to one, as a minimal
+scheduler: ``spec.nodeName`` if set, else the nodes passing its ``nodeSelector`` and required
+node affinity (``matchExpressions`` on labels, ``matchFields`` on ``metadata.name``), the one
+with the highest sum of matching preferred-affinity weights (ties: the first by name); none
+passing leaves the Pod Pending with ``PodScheduled=False, Unschedulable``. A container that
+starts puts its image in its node's ``status.images``, as a kubelet reports a pulled image.
+
 It also plays the kubelet for every Pod: each container runs as local processes in fresh mount,
 pid and uts namespaces over an overlay of the image's root directory (a catalog of
 ``ImageDouble`` entries stands in for a registry: an unknown image is ``ErrImagePull``), with
@@ -25,10 +33,12 @@ container's ``securityContext`` capabilities (a container runtime's default set,
 plus ``add``) and ``allowPrivilegeEscalation: false`` (no_new_privs), through ``setpriv``.
 The Pod IP is a distinct loopback address (127.x.y.z) in the host's network namespace, and the
 Pod turns Ready when its readiness probe's gRPC health check answers SERVING. Tests can end
-watches, expire history (410), kill a container (also without the kubelet noticing), and evict
-or preempt a Pod.
+watches, expire history (410), kill a container (also without the kubelet noticing), evict
+or preempt a Pod, and refuse every list and watch of a resource with 403 (``forbidden``), as RBAC
+would.
 
-What it does not do (only a real cluster can confirm it): scheduling, image pulls, cgroup
+What it does not do (only a real cluster can confirm it): scheduling beyond the above (taints,
+resources, spreading, the scheduler's own scores), real image pulls, cgroup
 limits, network namespaces and NetworkPolicy enforcement (a CNI's job), RBAC, admission,
 server-side apply, field selectors, pagination.
 """
@@ -65,7 +75,9 @@ _RESOURCES = {
     "pods": ("v1", "Pod"),
     "secrets": ("v1", "Secret"),
     "networkpolicies": ("networking.k8s.io/v1", "NetworkPolicy"),
+    "nodes": ("v1", "Node"),
 }
+_CLUSTER_SCOPED = {"nodes"}
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
 # What a container runtime (containerd, CRI-O) grants a container by default.
@@ -168,7 +180,7 @@ class _Watcher:
         metadata = obj["metadata"]
         return (
             resource == self.resource
-            and metadata.get("namespace") == self.namespace
+            and metadata.get("namespace", "") == self.namespace
             and selector_matches(self.selector, metadata.get("labels") or {})
         )
 
@@ -191,6 +203,7 @@ class _PodRun:
     key: tuple[str, str]
     directory: Path
     ip: str
+    node: str = ""
     task: asyncio.Task[None] | None = None
     containers: dict[str, _Container] = field(default_factory=dict)
     disrupted: bool = False
@@ -213,6 +226,7 @@ class KubeApiDouble:
         self.bookmark_interval_s = bookmark_interval_s
         self.probe_interval_s = probe_interval_s
         self.requests: list[tuple[str, str, dict[str, str]]] = []
+        self.forbidden: set[str] = set()  # resources whose list and watch are 403 (RBAC)
         self._objects: dict[tuple[str, str, str], Obj] = {}
         self._rv = 1
         self._history: list[tuple[int, str, str, Obj]] = []
@@ -240,6 +254,9 @@ class KubeApiDouble:
         for resource in _RESOURCES:
             base = self._path(resource)
             app.router.add_get(base, self._list_or_watch(resource))
+            if resource in _CLUSTER_SCOPED:
+                app.router.add_get(base + "/{name}", self._get(resource))
+                continue
             app.router.add_post(base, self._create(resource))
             app.router.add_get(base + "/{name}", self._get(resource))
             app.router.add_delete(base + "/{name}", self._delete(resource))
@@ -271,6 +288,8 @@ class KubeApiDouble:
     def _path(resource: str) -> str:
         group_version = _RESOURCES[resource][0]
         prefix = "/api/v1" if group_version == "v1" else f"/apis/{group_version}"
+        if resource in _CLUSTER_SCOPED:
+            return f"{prefix}/{resource}"
         return f"{prefix}/namespaces/{{namespace}}/{resource}"
 
     # -- what tests use ----------------------------------------------------------------------
@@ -285,6 +304,24 @@ class KubeApiDouble:
     def get(self, resource: str, namespace: str, name: str) -> Obj | None:
         obj = self._objects.get((resource, namespace, name))
         return copy.deepcopy(obj) if obj is not None else None
+
+    def add_node(
+        self, name: str, labels: Mapping[str, str] | None = None, images: Sequence[str] = ()
+    ) -> None:
+        """A node, with the images it holds (``status.images``, one name each)."""
+        node = {
+            "metadata": {
+                "name": name,
+                "labels": {"kubernetes.io/hostname": name, **(labels or {})},
+            },
+            "spec": {},
+            "status": {"images": [{"names": [image], "sizeBytes": 1 << 20} for image in images]},
+        }
+        self._store("nodes", "ADDED", self._admit("nodes", node))
+
+    def node_images(self, name: str) -> list[str]:
+        node = self._objects.get(("nodes", "", name)) or {}
+        return [n for image in node.get("status", {}).get("images", []) for n in image["names"]]
 
     def put_object(self, resource: str, obj: Obj) -> None:
         """Store an object as another client would (no kubelet run): for orphan tests."""
@@ -369,7 +406,7 @@ class KubeApiDouble:
 
     def _store(self, resource: str, kind: str, obj: Obj) -> None:
         metadata = obj["metadata"]
-        key = (resource, metadata["namespace"], metadata["name"])
+        key = (resource, metadata.get("namespace", ""), metadata["name"])
         rv = int(metadata["resourceVersion"])
         if kind == "DELETED":
             self._objects.pop(key, None)
@@ -420,7 +457,11 @@ class KubeApiDouble:
     def _list_or_watch(self, resource: str) -> Any:
         async def handler(request: web.Request) -> web.StreamResponse:
             self._log(request)
-            namespace = request.match_info["namespace"]
+            if resource in self.forbidden:
+                return _status(
+                    403, "Forbidden", f'{resource} is forbidden: cannot list resource "{resource}"'
+                )
+            namespace = request.match_info.get("namespace", "")
             try:
                 selector = parse_selector(request.query.get("labelSelector", ""))
             except ValueError as exc:
@@ -514,7 +555,7 @@ class KubeApiDouble:
     def _create(self, resource: str) -> Any:
         async def handler(request: web.Request) -> web.Response:
             self._log(request)
-            namespace = request.match_info["namespace"]
+            namespace = request.match_info.get("namespace", "")
             try:
                 body = await request.json()
             except ValueError:
@@ -577,7 +618,7 @@ class KubeApiDouble:
     def _get(self, resource: str) -> Any:
         async def handler(request: web.Request) -> web.Response:
             self._log(request)
-            namespace, name = request.match_info["namespace"], request.match_info["name"]
+            namespace, name = request.match_info.get("namespace", ""), request.match_info["name"]
             obj = self._objects.get((resource, namespace, name))
             if obj is None:
                 return _not_found(resource, name)
@@ -588,7 +629,7 @@ class KubeApiDouble:
     def _replace(self, resource: str) -> Any:
         async def handler(request: web.Request) -> web.Response:
             self._log(request)
-            namespace, name = request.match_info["namespace"], request.match_info["name"]
+            namespace, name = request.match_info.get("namespace", ""), request.match_info["name"]
             if resource == "pods":
                 return _status(422, "Invalid", "the test double does not replace Pods")
             current = self._objects.get((resource, namespace, name))
@@ -615,7 +656,7 @@ class KubeApiDouble:
     def _patch(self, resource: str) -> Any:
         async def handler(request: web.Request) -> web.Response:
             self._log(request)
-            namespace, name = request.match_info["namespace"], request.match_info["name"]
+            namespace, name = request.match_info.get("namespace", ""), request.match_info["name"]
             current = self._objects.get((resource, namespace, name))
             if current is None:
                 return _not_found(resource, name)
@@ -642,7 +683,7 @@ class KubeApiDouble:
     def _delete(self, resource: str) -> Any:
         async def handler(request: web.Request) -> web.Response:
             self._log(request)
-            namespace, name = request.match_info["namespace"], request.match_info["name"]
+            namespace, name = request.match_info.get("namespace", ""), request.match_info["name"]
             obj = self._objects.get((resource, namespace, name))
             if obj is None:
                 return _not_found(resource, name)
@@ -722,8 +763,47 @@ class KubeApiDouble:
         self._runs.pop(key, None)
         await asyncio.to_thread(shutil.rmtree, run.directory, True)
 
+    def _bind(self, run: _PodRun) -> bool:
+        """Choose the Pod's node (see the module docstring); False: it is unschedulable."""
+        nodes = [obj for (r, _, _), obj in sorted(self._objects.items()) if r == "nodes"]
+        if not nodes:
+            return True
+        pod = self._objects[("pods", *run.key)]
+        spec = pod["spec"]
+        fits = [n for n in nodes if _node_fits(spec, n)]
+        if not fits:
+
+            def unschedulable(status: Obj) -> None:
+                self._condition(status, "PodScheduled", "False", "Unschedulable")
+                status["conditions"][-1]["message"] = (
+                    f"0/{len(nodes)} nodes are available: {len(nodes)} node(s) didn't match "
+                    "Pod's node affinity/selector."
+                )
+
+            self._update_status(run.key, unschedulable)
+            return False
+        best = max(fits, key=lambda n: (_preference(spec, n), -fits.index(n)))
+        run.node = best["metadata"]["name"]
+        bound = copy.deepcopy(pod)
+        bound["spec"]["nodeName"] = run.node
+        bound["metadata"]["resourceVersion"] = self._bump()
+        self._store("pods", "MODIFIED", bound)
+        return True
+
+    def _pulled(self, node: str, image: str) -> None:
+        """The kubelet reports an image it pulled in its Node's status."""
+        obj = self._objects.get(("nodes", "", node))
+        if obj is None or image in self.node_images(node):
+            return
+        obj = copy.deepcopy(obj)
+        obj["status"].setdefault("images", []).append({"names": [image], "sizeBytes": 1 << 20})
+        obj["metadata"]["resourceVersion"] = self._bump()
+        self._store("nodes", "MODIFIED", obj)
+
     async def _run_pod(self, run: _PodRun) -> None:
         namespace, name = run.key
+        if not self._bind(run):
+            return
         pod = self._objects[("pods", namespace, name)]
         spec = pod["spec"]
         run.directory.mkdir(parents=True)
@@ -948,6 +1028,8 @@ class KubeApiDouble:
             log.close()
         started = _Container(container["name"], outer)
         run.containers[container["name"]] = started
+        if run.node:
+            self._pulled(run.node, container["image"])
         started.init_pid = await _first_child(outer)
         self._set_state(run.key, where, index, {"running": {"startedAt": _now()}})
         return started
@@ -956,6 +1038,44 @@ class KubeApiDouble:
         secret = self._objects.get(("secrets", namespace, str(ref.get("name"))))
         encoded = ((secret or {}).get("data") or {}).get(ref.get("key"))
         return base64.b64decode(encoded).decode() if isinstance(encoded, str) else None
+
+
+def _term_matches(term: Obj, node: Obj) -> bool:
+    """One NodeSelectorTerm: every expression (on labels) and field (``metadata.name``) holds."""
+    labels = node["metadata"].get("labels") or {}
+    checks = [(labels, e) for e in term.get("matchExpressions") or ()]
+    fields = {"metadata.name": node["metadata"]["name"]}
+    checks += [(fields, f) for f in term.get("matchFields") or ()]
+    for values, expression in checks:
+        key, op = expression["key"], expression["operator"]
+        wanted = expression.get("values") or ()
+        present = key in values
+        if (
+            (op == "In" and values.get(key) not in wanted)
+            or (op == "NotIn" and present and values[key] in wanted)
+            or (op == "Exists" and not present)
+            or (op == "DoesNotExist" and present)
+        ):
+            return False
+    return True
+
+
+def _node_fits(spec: Obj, node: Obj) -> bool:
+    if spec.get("nodeName"):
+        return bool(spec["nodeName"] == node["metadata"]["name"])
+    labels = node["metadata"].get("labels") or {}
+    if any(labels.get(k) != v for k, v in (spec.get("nodeSelector") or {}).items()):
+        return False
+    affinity = (spec.get("affinity") or {}).get("nodeAffinity") or {}
+    required = affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {}
+    terms = required.get("nodeSelectorTerms") or ()
+    return not terms or any(_term_matches(term, node) for term in terms)
+
+
+def _preference(spec: Obj, node: Obj) -> int:
+    affinity = (spec.get("affinity") or {}).get("nodeAffinity") or {}
+    preferred = affinity.get("preferredDuringSchedulingIgnoredDuringExecution") or ()
+    return sum(int(p["weight"]) for p in preferred if _term_matches(p["preference"], node))
 
 
 def _privilege_args(container: Obj) -> list[str]:

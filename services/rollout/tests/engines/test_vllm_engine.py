@@ -27,7 +27,9 @@ from .conftest import TRAINED_ANSWER, greedy_reference, train_to_answer
 
 REPO = Path(__file__).resolve().parents[4]
 CHECK = Path(__file__).with_name("vllm_cpu_check.py")
-ROLLOUT_SRC = REPO / "services" / "rollout" / "src"
+# The check imports the service's engine pool too: every source folder it reads from.
+PACKAGES = ("services/rollout", "libs/lm", "libs/core", "libs/proto", "libs/sdk", "libs/tasks")
+SOURCES = [str(REPO / folder / "src") for folder in PACKAGES]
 
 
 def _vllm_cpu_python() -> Path | None:
@@ -59,7 +61,7 @@ def _run_check(python: Path, folders: dict[str, Path], tokenizer) -> tuple[dict[
         "stop": list(renderer.stop_token_ids),
     }
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROLLOUT_SRC), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*SOURCES, env.get("PYTHONPATH")]))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on the CPU
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     done = subprocess.run(
@@ -110,6 +112,12 @@ def _check_results(out: dict[str, Any], prompt: list, folders, tokenizer, reload
     assert "prompt token ids must be in" in out["bad_prompt"]
     # The new version: loaded as `reload` says, and it is what samples now.
     assert out["reloads"] == [["b", reload]]
+    assert out["loaded"] == ["a", "b"]  # the shared lifecycle timed both loads
+    # A policy of kind vllm, started by the engine pool behind its capture proxy.
+    pool = out["pool"]
+    assert (pool["engine"], pool["version"], pool["prompt"]) == ("VllmEngine", "b", prompt)
+    assert pool["content"] == TRAINED_ANSWER
+    assert pool["output"] == greedy_reference(b, prompt, len(pool["output"]))
     assert out["version_after_reload"] == "b"
     after = out["b_greedy"]
     assert after["version"] == "b"

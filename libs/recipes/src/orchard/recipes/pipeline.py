@@ -87,8 +87,9 @@ def run_recipe(
         raise ValueError(f"unknown stage(s) {unknown}: the stages are {', '.join(STAGES)}")
     if recipe.student.engine != "local":
         raise ValueError(
-            f"student.engine {recipe.student.engine!r}: this runner samples the student with the "
-            "local engine only; use engine: local (a Hugging Face model path works with it)"
+            f"student.engine {recipe.student.engine!r}: orchard-rollout samples the student on "
+            "the engine its own configuration names (job_policies.engine.type: local or vllm); "
+            "set vllm there and keep student.engine: local in the recipe"
         )
     check_recipe(recipe, stack)
     run = RunDir.open(recipe)

@@ -11,14 +11,15 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from orchard.core.artifacts import ArtifactsConfig
 from orchard.core.config import ConfigModel, ServerConfig, ServiceConfig
-from orchard.rollout.engines.local import LocalEngineConfig
+from orchard.rollout.engines.config import ENGINE_TYPES, EngineConfig, LocalEngineConfig
 from orchard.rollout.proxy.server import CaptureProxyConfig
+from orchard.rollout.workers import WorkersConfig
 from orchard.sdk.service_config import EnvClientConfig
 
 __all__ = [
@@ -88,15 +89,19 @@ class RewardServiceConfig(ConfigModel):
 class PolicyConfig(ConfigModel):
     """A model the harnesses talk to, named by `RolloutJobSpec.policy`.
 
-    ``local``: the local engine on this machine behind the capture proxy; every call is
-    captured with its exact tokens and weight version, and groups carry trainable turns.
+    ``local``: the local engine (PyTorch on this machine's CPU) behind the capture proxy; every
+    call is captured with its exact tokens and weight version, and groups carry trainable turns.
+    ``vllm``: the same with vLLM as the engine (GPUs; new versions loaded in place).
     ``openai``: any OpenAI-compatible endpoint (a hosted model, a scripted policy server); calls
     are not captured, so groups carry rewards and outcomes but no turns.
     """
 
-    kind: Literal["local", "openai"] = Field(default="local", description="local or openai.")
-    engine: LocalEngineConfig = Field(
-        default_factory=LocalEngineConfig, description="The local engine (kind local)."
+    kind: Literal["local", "vllm", "openai"] = Field(
+        default="local", description="local, vllm or openai."
+    )
+    engine: EngineConfig = Field(
+        default_factory=LocalEngineConfig,
+        description="The engine's settings (kinds local and vllm; its `type` is the kind).",
     )
     base_url: str = Field(default="", description="API root of the endpoint (kind openai).")
     model: str = Field(default="policy", min_length=1, description="Model name sent in calls.")
@@ -111,10 +116,39 @@ class PolicyConfig(ConfigModel):
     def _check_key_env(cls, value: str) -> str:
         return _env_name(value)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_of_kind(cls, data: Any) -> Any:
+        # The engine section's type follows the kind, so `kind: vllm` alone selects vLLM.
+        if not isinstance(data, dict):
+            return data
+        kind = data.get("kind", "local")
+        engine = data.get("engine")
+        if kind not in ENGINE_TYPES or (engine is not None and not isinstance(engine, dict)):
+            return data
+        engine = dict(engine or {})
+        given = engine.setdefault("type", kind)
+        if given != kind:
+            raise ValueError(
+                f"a policy of kind {kind} runs the {kind} engine, but engine.type is {given!r}: "
+                "drop engine.type or make it the kind"
+            )
+        return {**data, "engine": engine}
+
     @model_validator(mode="after")
     def _endpoint_given(self) -> PolicyConfig:
         if self.kind == "openai" and not self.base_url:
             raise ValueError("a policy of kind openai needs base_url")
+        if self.kind == "openai" and "engine" in self.model_fields_set:
+            raise ValueError(
+                "a policy of kind openai is an external endpoint and runs no engine: remove its "
+                "engine section, or use kind local or vllm"
+            )
+        if self.kind in ENGINE_TYPES and self.engine.type != self.kind:
+            raise ValueError(
+                f"a policy of kind {self.kind} needs engine.type {self.kind}, not "
+                f"{self.engine.type}"
+            )
         return self
 
     def api_key(self, environ: Mapping[str, str] | None = None) -> str:
@@ -131,7 +165,7 @@ class PolicyConfig(ConfigModel):
 
 class JobPoliciesConfig(ConfigModel):
     """Policies a job brings in its spec (`RolloutJobSpec.policy_spec`): a weight version of
-    any model in the registry, each on a local engine of its own behind a capture proxy,
+    any model in the registry, each on an engine of its own (`engine`) behind a capture proxy,
     started for the jobs that use it and closed when the last of them ends; an endpoint; or a
     script this service plays itself, on a loopback server of its own for the job's length."""
 
@@ -152,9 +186,10 @@ class JobPoliciesConfig(ConfigModel):
         description="Most engines job policies run at once; a job needing another waits until "
         "one closes.",
     )
-    engine: LocalEngineConfig = Field(
+    engine: EngineConfig = Field(
         default_factory=LocalEngineConfig,
-        description="Batching settings of those engines (their weights come from the job).",
+        description="The engine those policies run on (`type` local or vllm) and its settings; "
+        "their weights come from the job.",
     )
 
 
@@ -227,7 +262,7 @@ class RolloutConfig(ServiceConfig):
     )
     proxy: CaptureProxyConfig = Field(
         default_factory=CaptureProxyConfig,
-        description="The capture proxy in front of each local engine.",
+        description="The capture proxy in front of each engine.",
     )
     settle_timeout_s: float = Field(
         default=30.0, gt=0, description="How long a rollout's captured calls may take to settle."
@@ -235,6 +270,10 @@ class RolloutConfig(ServiceConfig):
     defaults: RunDefaults = RunDefaults()
     jobs: JobsConfig = Field(
         default_factory=JobsConfig, description="Retention of ended jobs; the watch's safety net."
+    )
+    workers: WorkersConfig = Field(
+        default_factory=WorkersConfig,
+        description="Where rollouts run: in this process (the default) or on Ray actors.",
     )
     resume_running_jobs: bool = Field(
         default=True,

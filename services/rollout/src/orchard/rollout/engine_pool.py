@@ -2,10 +2,13 @@
 
 A configured policy (``policies`` in the configuration) starts on the first job that names it
 and stays for the process's life. A policy a job brings (`RolloutJobSpec.policy_spec`) is
-reference counted: registry weights run on a local engine that every running job with the same
-key (model, version, sampling settings) shares, closed when the last of them ends, and at most
-`job_policies.max_engines` of them run at once (a job needing another waits); an endpoint or a
-script is the job's own, closed when it ends.
+reference counted: registry weights run on an engine (`job_policies.engine`: local or vllm) that
+every running job with the same key (model, version, sampling settings) shares, closed when the
+last of them ends, and at most `job_policies.max_engines` of them run at once (a job needing
+another waits); an endpoint or a script is the job's own, closed when it ends.
+
+Every engine, whatever its type, is started the same way (`create_engine`, then `start`) and
+sits behind a capture proxy of its own.
 """
 
 from __future__ import annotations
@@ -25,13 +28,37 @@ from orchard.rollout.v1 import rollout_service_pb2 as api
 
 if TYPE_CHECKING:
     from orchard.lm.weights import WeightRegistry
-    from orchard.rollout.engines.local import LocalEngine
+    from orchard.rollout.engines.base import InferenceEngine
     from orchard.rollout.proxy.server import CaptureProxy
     from orchard.rollout.service import JobPolicyKey
 
-__all__ = ["EnginePool", "StartedPolicy"]
+__all__ = ["EnginePool", "StartedPolicy", "check_engines"]
 
 log = logging.getLogger(__name__)
+
+
+def check_engines(config: RolloutConfig) -> None:
+    """Raise `ConfigError` naming every configured engine that cannot run in this environment
+    (vLLM not installed) and how to install it; loads no engine."""
+    from orchard.core.config import ConfigError  # noqa: PLC0415
+    from orchard.rollout.engines import check_engine_available  # noqa: PLC0415
+    from orchard.rollout.engines.base import EngineUnavailable  # noqa: PLC0415
+
+    engines = {
+        f"policies.{name}.engine": policy.engine
+        for name, policy in config.policies.items()
+        if policy.kind != "openai"
+    }
+    if config.job_policies.allow:
+        engines["job_policies.engine"] = config.job_policies.engine
+    problems = []
+    for where, engine in engines.items():
+        try:
+            check_engine_available(engine)
+        except EngineUnavailable as e:
+            problems.append(f"{where}: {e}")
+    if problems:
+        raise ConfigError(problems)
 
 
 @dataclass
@@ -40,7 +67,7 @@ class StartedPolicy:
 
     endpoint: ModelEndpoint
     capture: CaptureSource | None = None
-    engine: LocalEngine | None = None
+    engine: InferenceEngine | None = None
     proxy: CaptureProxy | None = None
     scripted: ScriptedPolicyServer | None = None
 
@@ -169,8 +196,8 @@ class EnginePool:
 
     async def start_job_policy(self, key: JobPolicyKey) -> StartedPolicy:
         """A job's script on a loopback server of its own; its endpoint; or its registry
-        weights on a local engine with `job_policies.engine`'s settings: the pinned version's
-        folder, or the model's latest version, followed."""
+        weights on the engine `job_policies.engine` configures: the pinned version's folder, or
+        the model's latest version, followed."""
         if key.script:
             return await _start_scripted(key)
         if key.base_url:
@@ -192,6 +219,9 @@ class EnginePool:
         return await self.start_policy(key.name, key.as_config(template.model_copy(update=update)))
 
     async def start_policy(self, name: str, policy: PolicyConfig) -> StartedPolicy:
+        """Start `policy` as its kind says: ``openai`` is the endpoint itself (not captured);
+        ``local`` and ``vllm`` start that engine (`create_engine`) behind a capture proxy of
+        its own, following the registry's versions of `engine.registry_model`."""
         if policy.kind == "openai":
             return StartedPolicy(
                 ModelEndpoint(
@@ -202,13 +232,13 @@ class EnginePool:
                     max_tokens_per_call=policy.max_tokens_per_call,
                 )
             )
-        from orchard.rollout.engines.local import LocalEngine  # noqa: PLC0415 - loads torch
+        from orchard.rollout.engines import create_engine  # noqa: PLC0415 - loads torch or vLLM
         from orchard.rollout.proxy.server import CaptureProxy  # noqa: PLC0415
 
         registry = self.registry
         if registry is not None:
             registry = registry.for_model(policy.engine.registry_model)
-        engine = LocalEngine(policy.engine, registry=registry)
+        engine = create_engine(policy.engine, registry=registry)
         await engine.start()
         proxy = CaptureProxy(engine, self.config.proxy)
         try:
@@ -216,7 +246,13 @@ class EnginePool:
         except BaseException:
             await engine.close()
             raise
-        log.info("policy %s: local engine %s behind %s", name, engine.weight_version, proxy.url)
+        log.info(
+            "policy %s: %s engine %s behind %s",
+            name,
+            policy.kind,
+            engine.weight_version,
+            proxy.url,
+        )
         return StartedPolicy(
             ModelEndpoint(
                 base_url=proxy.url + "/v1",

@@ -8,21 +8,25 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import sys
+from collections.abc import Mapping
 
-from orchard.core.config import ConfigFlag
+from orchard.core.config import ConfigFlag, config_from_args
 from orchard.core.config_sources import SERVER_FLAGS
 from orchard.core.etcd import EtcdStore
 from orchard.core.server import GrpcServer, ServiceBinding, application_server, run_application
 from orchard.rollout.config import RolloutConfig
+from orchard.rollout.engine_pool import check_engines
 from orchard.rollout.metrics import RolloutMetrics
 from orchard.rollout.runs import JobStore
 from orchard.rollout.scoring import LocalScorer, RewardServiceScorer, TaskScorer
 from orchard.rollout.service import RolloutManager, RolloutServicer
 from orchard.rollout.task_files import StoreFiles
 from orchard.rollout.v1 import rollout_service_pb2_grpc
+from orchard.rollout.workers import RayWorkers, WorkerServices
 
 __all__ = ["SERVICE_NAME", "RolloutApplication", "main"]
 
@@ -62,6 +66,7 @@ class RolloutApplication:
 
     async def start(self, server: GrpcServer) -> None:
         config = self.config
+        check_engines(config)  # e.g. kind vllm without vLLM: refused before anything connects
         stack = contextlib.AsyncExitStack()
         self._closers.append(stack)
         store = await stack.enter_async_context(
@@ -81,7 +86,7 @@ class RolloutApplication:
             )
         registry = None
         if config.job_policies.allow or any(
-            p.kind == "local" and not p.engine.model_folder for p in config.policies.values()
+            p.kind != "openai" and not p.engine.model_folder for p in config.policies.values()
         ):
             from orchard.lm.weights import WeightRegistry  # noqa: PLC0415
 
@@ -94,6 +99,12 @@ class RolloutApplication:
             )
             # One registry handle; each policy asks it for its own model's versions.
             registry = WeightRegistry(weights, "policy")
+        workers = None
+        if config.workers.kind == "ray":
+            # Entered after the clients: closed first, once the manager stopped the jobs.
+            workers = await stack.enter_async_context(
+                RayWorkers.of(config.workers, WorkerServices.of(config))
+            )
         self.manager = RolloutManager(
             config=config,
             jobs=JobStore(store),
@@ -102,6 +113,7 @@ class RolloutApplication:
             metrics=RolloutMetrics(server.metrics),
             registry=registry,
             files=StoreFiles(config.artifacts.store()),
+            workers=workers,
         )
         await self.manager.open()
         self.servicer.attach(self.manager)
@@ -128,11 +140,19 @@ class RolloutApplication:
         return application_server("rollout", self, self.config.server)
 
 
+def load_config(args: argparse.Namespace, env: Mapping[str, str], env_prefix: str) -> RolloutConfig:
+    """The configuration from its layers, refused (exit status 2, the keys named) when it
+    selects an engine this environment cannot run, e.g. kind vllm without vLLM."""
+    config = config_from_args(RolloutConfig, args, env=env, env_prefix=env_prefix)
+    check_engines(config)
+    return config
+
+
 def main() -> None:
     sys.exit(
         run_application(
             "rollout",
-            RolloutConfig,
+            load_config,
             RolloutApplication,
             description="The Orchard rollout service: rollout jobs, scored groups for training.",
             flags=FLAGS,

@@ -9,12 +9,16 @@ Every infrastructure failure is recorded with its layer and the rollout comes ba
 reward, never trained); so does a reward the scorer EXCLUDED (layer `reward`). A budget that
 runs out comes back TRUNCATED and is still scored. A setup killed for memory is retried once in a
 fresh sandbox with twice the memory.
+
+A runner in another process than the capture proxy (a Ray worker) gets a `RolloutSession` the
+caller opened for the rollout; the caller then takes the calls with `collect_calls`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import re
@@ -51,6 +55,8 @@ SANDBOX_CREATE_RETRYABLE: tuple[type[Exception], ...] = (
     sdk_errors.Internal,
 )
 KILL_SIGNAL = 9
+ROLLOUT_LABEL = "orchard-rollout"
+"""Label on a rollout's sandboxes (`rollout_label` of its id)."""
 
 
 class CaptureSource(Protocol):
@@ -89,6 +95,43 @@ class ProxyCapture:
             self.proxy.close_session(rollout_id)
 
 
+@dataclass(frozen=True, slots=True)
+class RolloutSession:
+    """A capture session the caller opened for one rollout (picklable): the rollout's id and
+    the URL its harness talks to. The caller settles and closes it (`collect_calls`)."""
+
+    rollout_id: str
+    base_url: str
+
+
+def new_rollout_id(key: GroupKey, index: int) -> str:
+    """A fresh id for rollout `index` of a pair (a retry gets a new one)."""
+    return f"{key.task_id}.{index}.{uuid.uuid4().hex[:10]}"
+
+
+def rollout_label(rollout_id: str) -> str:
+    """The ``orchard-rollout`` label value on the sandboxes of a rollout."""
+    return rollout_id[:63].replace(".", "-")
+
+
+async def collect_calls(result: RolloutResult, capture: CaptureSource) -> RolloutResult:
+    """`result` with the calls its rollout made through `capture` (a session the caller opened
+    with `capture.open`): what the runner does itself when it owns the capture. Calls that do
+    not settle abort a rollout that would otherwise be scored (layer `inference`)."""
+    record: RolloutRecord = result.payload
+    try:
+        record.calls = await capture.settle(result.rollout_id)
+    except CaptureNotSettled as exc:
+        if result.status is RolloutStatus.ABORTED:
+            return result
+        record.failure = InfraFailure(FailureLayer.INFERENCE, str(exc), 1)
+        record.status = RolloutStatus.ABORTED
+        record.reward = None
+        return dataclasses.replace(result, status=RolloutStatus.ABORTED, reward=None)
+    length = sum(len(c.output_token_ids) for c in record.calls) or record.sampled_tokens
+    return dataclasses.replace(result, length=length)
+
+
 class _OutOfMemory(Exception):
     pass
 
@@ -117,25 +160,37 @@ class RolloutRunner:
     files: FileSource | None = None
     """Where task archives (`TaskSpec.files`) are read from: the service's artifact store."""
     records: list[RolloutRecord] = field(default_factory=list)
-    """Every rollout's provenance record, in finishing order."""
+    """Every rollout's provenance record, in finishing order (when `keep_records`)."""
+    keep_records: bool = True
+    """False: records only travel in the results (a long-lived runner keeps none)."""
     _rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
 
-    async def __call__(self, key: GroupKey, index: int) -> RolloutResult:
+    async def __call__(
+        self, key: GroupKey, index: int, *, session: RolloutSession | None = None
+    ) -> RolloutResult:
+        """Runs rollout `index` of `key`; with `session`, under that id and talking to that URL
+        (the caller owns the capture), else under a new id through this runner's capture."""
         harness = self.harnesses.get(key.harness)
         task = self.tasks.get(key.task_id)
         if harness is None or task is None:
             raise KeyError(f"no harness {key.harness!r} or no task {key.task_id!r} to run")
         harness = harness.in_directory(task.workdir)
-        rollout_id = f"{key.task_id}.{index}.{uuid.uuid4().hex[:10]}"
+        rollout_id = session.rollout_id if session is not None else new_rollout_id(key, index)
         memory = task.memory
         for attempt in range(2):
             record = RolloutRecord(rollout_id=rollout_id, task_id=key.task_id, harness=key.harness)
             try:
                 result = await self._run(
-                    key=key, index=index, task=task, harness=harness, record=record, memory=memory
+                    key=key,
+                    index=index,
+                    task=task,
+                    harness=harness,
+                    record=record,
+                    memory=memory,
+                    session=session,
                 )
             except _OutOfMemory:
                 if attempt == 0 and memory:
@@ -150,14 +205,15 @@ class RolloutRunner:
                     attempt + 1,
                 )
                 result = self._finish(key, index, record, RolloutStatus.ABORTED)
-            self.records.append(record)
+            if self.keep_records:
+                self.records.append(record)
             return result
         raise AssertionError("unreachable")
 
     async def _create(self, task: TaskSpec, record: RolloutRecord, memory: str) -> AsyncSandbox:
         await asyncio.sleep(self._rng.uniform(0, self.retries.create_spread_s))
         resources = Resources.of(memory=memory) if memory else None
-        labels = {**self.labels, "orchard-rollout": record.rollout_id[:63].replace(".", "-")}
+        labels = {**self.labels, ROLLOUT_LABEL: rollout_label(record.rollout_id)}
 
         async def attempt(_: int) -> AsyncSandbox:
             return await self.sandboxes.create(image=task.image, labels=labels, resources=resources)
@@ -191,8 +247,10 @@ class RolloutRunner:
         harness: ToolCallingHarness,
         record: RolloutRecord,
         memory: str,
+        session: RolloutSession | None = None,
     ) -> RolloutResult:
         status = RolloutStatus.ABORTED
+        capture = self.capture if session is None else None
         sandbox: AsyncSandbox | None = None
         capturing = False
         try:
@@ -211,8 +269,10 @@ class RolloutRunner:
                         f"{setup.stderr_text[-500:]}",
                         1,
                     )
-            if self.capture is not None:
-                base_url = self.capture.open(record.rollout_id)
+            if session is not None:
+                base_url = session.base_url
+            elif capture is not None:
+                base_url = capture.open(record.rollout_id)
                 capturing = True
             else:
                 base_url = self.endpoint.for_rollout(record.rollout_id)
@@ -246,9 +306,9 @@ class RolloutRunner:
                     status = RolloutStatus.TRUNCATED
             finally:
                 await client.close()
-            if self.capture is not None:
+            if capture is not None:
                 try:
-                    record.calls = await self.capture.settle(record.rollout_id)
+                    record.calls = await capture.settle(record.rollout_id)
                 except CaptureNotSettled as exc:
                     raise InfrastructureError(FailureLayer.INFERENCE, str(exc), 1) from None
             scored_in = sandbox
@@ -274,15 +334,16 @@ class RolloutRunner:
             record.failure = InfraFailure(FailureLayer.CANCELLED, "the rollout was cancelled", 1)
             record.reward = None
             self._finish(key, index, record, RolloutStatus.ABORTED)
-            self.records.append(record)
+            if self.keep_records:
+                self.records.append(record)
             raise
         except sdk_errors.OrchardSDKError as exc:
             # A sandbox call outside the retried layers (setup) failed: infrastructure.
             record.failure = InfraFailure(FailureLayer.TOOL_EXEC, f"{type(exc).__name__}: {exc}", 1)
             status = RolloutStatus.ABORTED
         finally:
-            if capturing and self.capture is not None:
-                self.capture.close(record.rollout_id)
+            if capturing and capture is not None:
+                capture.close(record.rollout_id)
             if sandbox is not None:
                 try:
                     await asyncio.shield(sandbox.delete())

@@ -4,6 +4,11 @@ A job's state lives in the job store (:mod:`orchard.rollout.job_store`, re-expor
 after a restart the job resumes with the pairs not yet done (their rollouts in flight at the
 restart are lost and the pair is sampled again from the start), and consumers resume
 `StreamGroups` at the index they stopped at.
+
+A rollout whose worker process was lost (`orchard.rollout.workers.WorkerLost`) is tried again as
+a new rollout, up to `worker_attempts` tries; then it is excluded with the reason. Every try
+counts in `rollouts_started`, so started minus done is the number of lost tries, and a retried
+rollout's trajectories name the tries it replaced (metadata ``lost_attempts``).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import contextlib
 import json
 import logging
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from orchard.rollout.batches import GroupFilter
@@ -32,11 +37,12 @@ from orchard.rollout.job_store import (
     new_job_id,
 )
 from orchard.rollout.metrics import RolloutMetrics
-from orchard.rollout.provenance import RolloutRecord
+from orchard.rollout.provenance import FailureLayer, InfraFailure, RolloutRecord
 from orchard.rollout.results import GroupKey, RolloutResult, RolloutStatus, RunRollout
 from orchard.rollout.samplers import SampledGroup, Sampler
 from orchard.rollout.trajectory_tree import build_tree, tree_trajectories
 from orchard.rollout.v1 import rollout_service_pb2 as api
+from orchard.rollout.workers import WorkerLost
 from orchard.types.v1 import reward_pb2, trajectory_pb2
 
 __all__ = [
@@ -108,9 +114,12 @@ def _reward(record: RolloutRecord, discard_reason: str) -> reward_pb2.Reward:
     return reward
 
 
-def group_proto(job_id: str, sampled: SampledGroup) -> trajectory_pb2.TrajectoryGroup:
+def group_proto(
+    job_id: str, sampled: SampledGroup, lost: Mapping[str, Sequence[str]] | None = None
+) -> trajectory_pb2.TrajectoryGroup:
     """The sampled group with its trajectories rebuilt from the captured calls; advantages are
-    reward minus the mean reward of the group's scored members (0 for excluded ones)."""
+    reward minus the mean reward of the group's scored members (0 for excluded ones). `lost`:
+    per rollout id, the tries it replaced (their workers were lost)."""
     key = sampled.key
     scored = [m.reward for m in sampled.members if m.reward is not None]
     mean = statistics.fmean(scored) if scored else 0.0
@@ -161,6 +170,8 @@ def group_proto(job_id: str, sampled: SampledGroup) -> trajectory_pb2.Trajectory
                 trajectory.metadata["failure_layer"] = record.failure.layer.value
             if record.weight_versions:
                 trajectory.metadata["weight_versions"] = ",".join(record.weight_versions)
+            if lost and lost.get(record.rollout_id):
+                trajectory.metadata["lost_attempts"] = ",".join(lost[record.rollout_id])
             group.trajectories.append(trajectory)
     return group
 
@@ -183,27 +194,42 @@ class JobRun:
     group_filter: GroupFilter | None
     """None: every group is emitted (evaluation runs)."""
     on_change: Callable[[], None] = lambda: None
+    worker_attempts: int = 1
+    """Tries of a rollout whose worker was lost before it is excluded."""
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _slots: asyncio.Semaphore = field(init=False)
+    _lost: dict[str, list[str]] = field(default_factory=dict)
+    """Per rollout id, the lost tries it replaced (until its group is emitted)."""
 
     def __post_init__(self) -> None:
         self._slots = asyncio.Semaphore(self.concurrency)
 
     async def _rollout(self, key: GroupKey, index: int) -> RolloutResult:
         async with self._slots:
-            self.job.rollouts_started += 1
-            self.metrics.started()
-            result: RolloutResult | None = None
-            try:
-                result = await self.run_rollout(key, index)
-                return result
-            finally:
+            lost: list[WorkerLost] = []
+            while True:
+                self.job.rollouts_started += 1
+                self.metrics.started()
+                result: RolloutResult | None = None
+                try:
+                    result = await self.run_rollout(key, index)
+                except WorkerLost as exc:
+                    lost.append(exc)
+                    if len(lost) >= self.worker_attempts:
+                        result = _lost_result(key, index, lost)
+                    else:
+                        log.warning("job %s: %s; tried again", self.job.id, exc)
+                finally:
+                    if result is not None:
+                        self.metrics.finished(result.payload)
+                        self.job.rollouts_done += 1
+                        self.job.rollouts_excluded += int(result.status is RolloutStatus.ABORTED)
+                    else:
+                        self.metrics.rollouts_running.dec()
                 if result is not None:
-                    self.metrics.finished(result.payload)
-                    self.job.rollouts_done += 1
-                    self.job.rollouts_excluded += int(result.status is RolloutStatus.ABORTED)
-                else:
-                    self.metrics.rollouts_running.dec()
+                    if lost:
+                        self._lost[result.rollout_id] = [e.rollout_id for e in lost]
+                    return result
 
     async def _pair(self, key: GroupKey) -> None:
         sampled = await self.sampler.sample(key, self._rollout)
@@ -216,9 +242,12 @@ class JobRun:
                 log.info("job %s: group of %s/%s dropped: %s", self.job.id, *_names(key), reason)
                 await self.jobs.put_running(self.job)
             else:
-                index = await self.jobs.emit(self.job, group_proto(self.job.id, sampled))
+                group = group_proto(self.job.id, sampled, self._lost)
+                index = await self.jobs.emit(self.job, group)
                 self.metrics.groups_emitted.labels(sampled.sampler).inc()
                 log.info("job %s: group %d (%s/%s) emitted", self.job.id, index, *_names(key))
+            for rollout in sampled.rollouts:
+                self._lost.pop(rollout.rollout_id, None)
         self.on_change()
 
     async def run(self) -> None:
@@ -263,6 +292,23 @@ class JobRun:
                     except JobCancelled:
                         return
                 self.on_change()
+
+
+def _lost_result(key: GroupKey, index: int, lost: Sequence[WorkerLost]) -> RolloutResult:
+    """A rollout excluded because its worker was lost on every try."""
+    last = lost[-1]
+    record = RolloutRecord(rollout_id=last.rollout_id, task_id=key.task_id, harness=key.harness)
+    tries = ", ".join(e.rollout_id for e in lost)
+    record.failure = InfraFailure(
+        FailureLayer.HARNESS,
+        f"the rollout's worker was lost on each of {len(lost)} tries ({tries}); last: "
+        f"{last.reason}",
+        len(lost),
+    )
+    record.ended_at = record.started_at
+    return RolloutResult(
+        key, index, RolloutStatus.ABORTED, None, 0, rollout_id=last.rollout_id, payload=record
+    )
 
 
 def _names(key: GroupKey) -> tuple[str, str]:

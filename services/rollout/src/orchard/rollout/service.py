@@ -33,7 +33,7 @@ from orchard.rollout.batches import GroupFilter
 from orchard.rollout.budgets import LayeredRetries, RolloutBudget
 from orchard.rollout.config import ENV_NAME, PolicyConfig, RolloutConfig
 from orchard.rollout.engine_pool import EnginePool, StartedPolicy
-from orchard.rollout.engines.local import LocalEngineConfig
+from orchard.rollout.engines.config import EngineConfig, LocalEngineConfig
 from orchard.rollout.errors import RolloutReason, find_job
 from orchard.rollout.harnesses.bash_react import (
     bash_react_harness,
@@ -44,7 +44,7 @@ from orchard.rollout.harnesses.tool_loop import ToolCallingHarness
 from orchard.rollout.job_events import JobEvents
 from orchard.rollout.job_store import BadPageToken, decode_page_token, encode_page_token
 from orchard.rollout.metrics import RolloutMetrics
-from orchard.rollout.results import GroupKey
+from orchard.rollout.results import GroupKey, RunRollout
 from orchard.rollout.runner import RolloutRunner
 from orchard.rollout.runs import JobCancelled, JobRun, JobState, JobStore, new_job_id
 from orchard.rollout.samplers import BalancedAdaptiveSampler, FixedNSampler, Sampler
@@ -56,6 +56,7 @@ from orchard.rollout.task_files import FileSource
 from orchard.rollout.tasks import CommandCheck, TaskSpec
 from orchard.rollout.v1 import rollout_service_pb2 as api
 from orchard.rollout.v1 import rollout_service_pb2_grpc
+from orchard.rollout.workers import RolloutWorkers, RunnerSpec
 from orchard.sdk import AsyncSandboxClient
 from orchard.sdk import errors as sdk_errors
 
@@ -132,9 +133,9 @@ class JobPolicyKey:
         """Registry weights run on an engine that jobs with the same key share."""
         return not self.base_url and not self.script
 
-    def as_config(self, engine: LocalEngineConfig | None = None) -> PolicyConfig:
-        """The policy as if configured: an endpoint (kind openai), or a local engine with
-        `engine`'s settings (its weights resolved by the caller)."""
+    def as_config(self, engine: EngineConfig | None = None) -> PolicyConfig:
+        """The policy as if configured: an endpoint (kind openai), or an engine (local or vllm,
+        by `engine.type`) with `engine`'s settings (its weights resolved by the caller)."""
         if self.base_url:
             return PolicyConfig(
                 kind="openai",
@@ -144,9 +145,10 @@ class JobPolicyKey:
                 temperature=self.temperature,
                 max_tokens_per_call=self.max_tokens_per_call,
             )
+        engine = engine or LocalEngineConfig()
         return PolicyConfig(
-            kind="local",
-            engine=engine or LocalEngineConfig(),
+            kind=engine.type,
+            engine=engine,
             model=self.model,
             temperature=self.temperature,
             max_tokens_per_call=self.max_tokens_per_call,
@@ -351,6 +353,8 @@ class RolloutManager:
     harnesses: dict[str, ToolCallingHarness] = field(default_factory=dict)
     files: FileSource | None = None
     """Where task archives are read from (the artifact store)."""
+    workers: RolloutWorkers | None = None
+    """Where rollouts run when not in this event loop (Ray actors)."""
     engines: EnginePool = field(init=False)
     _create_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     lease_ttl_s: int = 10
@@ -480,32 +484,51 @@ class RolloutManager:
                 await self.engines.release(key, policy)
 
     async def _run_with(self, job: JobState, valid: ValidSpec, policy: StartedPolicy) -> None:
+        retries = LayeredRetries(create_spread_s=self.config.defaults.create_spread_s)
+        if self.workers is not None:
+            # The same rollouts on the worker pool: it gets plain data, the capture stays here.
+            spec = RunnerSpec(
+                endpoint=policy.endpoint,
+                harnesses=self.harnesses,
+                tasks=valid.tasks,
+                budget=valid.budget,
+                retries=retries,
+                labels={JOB_LABEL: job.id},
+            )
+            rollouts = self.workers.job(
+                job.id, spec, capture=policy.capture, sandboxes=self.sandboxes
+            )
+            async with rollouts as run_rollout:
+                await self._job_run(job, valid, run_rollout).run()
+            return
         runner = RolloutRunner(
             sandboxes=self.sandboxes,
             endpoint=policy.endpoint,
             harnesses=self.harnesses,
             tasks=valid.tasks,
             budget=valid.budget,
-            retries=LayeredRetries(create_spread_s=self.config.defaults.create_spread_s),
+            retries=retries,
             capture=policy.capture,
             scorer=self.scorer,
             labels={JOB_LABEL: job.id},
             files=self.files,
+            keep_records=False,  # the groups carry the records
         )
-        run = JobRun(
+        await self._job_run(job, valid, runner).run()
+
+    def _job_run(self, job: JobState, valid: ValidSpec, run_rollout: RunRollout) -> JobRun:
+        return JobRun(
             job=job,
             jobs=self.jobs,
             sampler=valid.sampler,
             pairs=valid.pairs,
-            run_rollout=runner,
+            run_rollout=run_rollout,
             concurrency=valid.concurrency,
             metrics=self.metrics,
             group_filter=valid.group_filter,
             on_change=lambda: self._notify(job.id),
+            worker_attempts=self.config.workers.rollout_attempts,
         )
-        # The runner keeps every record; the groups carry them, so drop them as pairs end.
-        runner.records = _Discard()
-        await run.run()
 
     async def resume(self, job: JobState) -> Work | None:
         """A job the scheduler adopted from a process that is gone: the sandboxes its last run
@@ -602,13 +625,6 @@ def harness_proto(harness: ToolCallingHarness) -> api.Harness:
         tools_json=json.dumps([tool.schema() for tool in harness.tools], sort_keys=True),
         system_prompt=harness.system_prompt,
     )
-
-
-class _Discard(list):  # type: ignore[type-arg]
-    """A records list that keeps nothing."""
-
-    def append(self, item: object) -> None:
-        return None
 
 
 class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):

@@ -15,14 +15,22 @@ A checkpoint is one folder, ``<root>/<version>/``, holding
 etcd (`orchard.lm.weights.WeightRegistry`); inference engines that follow the registry load it.
 
 Every rank of a world calls `save_checkpoint` and `load_checkpoint` (they are collective); only
-rank 0 writes the model folder and the manifest.
+rank 0 writes the model folder and the manifest. The manifest's metadata names the world size
+it was saved at (``ranks``; 1 when absent). ZeRO stages 1-3 partition the optimizer state by
+rank, so a world of another size resumes through DeepSpeed's universal checkpoint format:
+`to_universal` converts the ``deepspeed/`` folder once (rank 0, before the engine is built
+with `EngineConfig.load_universal`), and `load_checkpoint` reads the converted folder.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import re
+import shutil
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -50,7 +58,9 @@ __all__ = [
     "publish_checkpoint",
     "read_checkpoint",
     "save_checkpoint",
+    "saved_world_size",
     "step_version",
+    "to_universal",
 ]
 
 MANIFEST = "checkpoint.json"
@@ -155,7 +165,11 @@ def save_checkpoint(
             "starting with a letter or digit"
         )
     path = Path(root) / version
-    if engine.rank == 0 and path.exists():
+    # Rank 0 looks before any rank creates the folder, and every rank learns the answer.
+    exists = torch.tensor([float(engine.rank == 0 and path.exists())])
+    if engine.world_size > 1:
+        torch.distributed.all_reduce(exists)
+    if exists.item():
         raise CheckpointError(f"{path} exists already; save each checkpoint under a new version")
     path.mkdir(parents=True, exist_ok=True)
     labels = {str(k): str(v) for k, v in (metadata or {}).items()}
@@ -224,15 +238,59 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
     return sorted(found, key=lambda c: (c.step, c.created_at))
 
 
+def saved_world_size(info: CheckpointInfo) -> int:
+    """The number of ranks `info` was saved by (1 for checkpoints that do not say)."""
+    try:
+        return max(1, int(info.metadata.get("ranks", "1")))
+    except ValueError:
+        return 1
+
+
+def to_universal(info: CheckpointInfo, root: str | os.PathLike[str]) -> Path:
+    """Convert the DeepSpeed state of `info` to a universal checkpoint under ``root`` (replacing
+    an earlier conversion there); returns the folder to give `load_checkpoint` as
+    `universal`. Runs on one process (rank 0), before the engines are built."""
+    import_deepspeed()
+    from deepspeed.checkpoint import ds_to_universal  # noqa: PLC0415
+
+    out = Path(root)
+    shutil.rmtree(out, ignore_errors=True)
+    arguments = argparse.Namespace(
+        input_folder=str(info.deepspeed_dir / info.version),
+        output_folder=str(out / info.version),
+        # One worker: the conversion runs in this process, no pool of forked children.
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        # Checkpoints of plain models lack the Megatron layout hints; DeepSpeed adds them.
+        inject_missing_state=True,
+    )
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            ds_to_universal.main(arguments)
+    except Exception as exc:
+        raise CheckpointError(
+            f"checkpoint {info.version!r} saved at {saved_world_size(info)} rank(s) could not "
+            f"be converted for another number of ranks: {exc}; resume it at "
+            f"{saved_world_size(info)} rank(s)"
+        ) from exc
+    return out
+
+
 def load_checkpoint(
-    engine: TrainingEngine, checkpoint: CheckpointInfo | str | os.PathLike[str]
+    engine: TrainingEngine,
+    checkpoint: CheckpointInfo | str | os.PathLike[str],
+    *,
+    universal: str | os.PathLike[str] | None = None,
 ) -> int:
     """Restore weights, optimizer, scheduler and step of `checkpoint` into `engine`; returns the
-    step. The engine must be built with the same model and `EngineConfig` (ZeRO stage and world
-    size included). Collective: every rank calls it."""
+    step. The engine must be built with the same model and `EngineConfig` (ZeRO stage
+    included); at another world size (ZeRO 1-3), give the `to_universal` folder as `universal`
+    to an engine built with `load_universal`. Collective: every rank calls it."""
     info = checkpoint if isinstance(checkpoint, CheckpointInfo) else read_checkpoint(checkpoint)
     loaded, _ = engine.engine.load_checkpoint(
-        str(info.deepspeed_dir),
+        str(universal if universal is not None else info.deepspeed_dir),
         tag=info.version,
         load_optimizer_states=True,
         load_lr_scheduler_states=True,

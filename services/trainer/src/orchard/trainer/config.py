@@ -6,12 +6,23 @@ Layers (lowest first): defaults, a YAML file (``--config`` or ``$ORCHARD_TRAINER
 
 from __future__ import annotations
 
+import importlib.util
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from orchard.core.artifacts import ArtifactError, ArtifactsConfig, ArtifactStore, parse_url
 from orchard.core.config import ConfigModel, ServerConfig, ServiceConfig
 
-__all__ = ["ArtifactsConfig", "EtcdConfig", "JobsConfig", "TrainerConfig", "WeightsConfig"]
+__all__ = [
+    "ArtifactsConfig",
+    "EtcdConfig",
+    "JobsConfig",
+    "RayWorkersConfig",
+    "TrainerConfig",
+    "WeightsConfig",
+    "WorkersConfig",
+]
 
 
 class EtcdConfig(ConfigModel):
@@ -82,6 +93,70 @@ class JobsConfig(ConfigModel):
     )
 
 
+class RayWorkersConfig(ConfigModel):
+    """Ranks as Ray actors (`workers.kind: ray`)."""
+
+    address: str = Field(
+        default="",
+        description="A Ray cluster to join (e.g. ray://head:10001); empty starts a local Ray "
+        "on 127.0.0.1, ended with the service. On a cluster, `weights.scratch_dir` and model "
+        "folders must be on a volume every node mounts.",
+    )
+    cpus_per_rank: float = Field(default=1.0, gt=0, description="CPUs Ray reserves per rank.")
+    gpus_per_rank: float = Field(default=0.0, ge=0, description="GPUs Ray reserves per rank.")
+    init_cpus: int | None = Field(
+        default=None, ge=1, description="CPUs a local Ray offers (unset: the machine's)."
+    )
+
+
+class WorkersConfig(ConfigModel):
+    """The worker group each job trains on: rank processes this service starts and drives."""
+
+    ranks: int = Field(
+        default=1,
+        ge=1,
+        description="Ranks (training processes) of a job whose spec leaves `ranks` at 0.",
+    )
+    max_ranks: int = Field(
+        default=8,
+        ge=1,
+        description="Most ranks one job may ask for; more is INVALID_ARGUMENT.",
+    )
+    start_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="How long the ranks of a job may take to load the model and build the "
+        "engine before the job fails.",
+    )
+    stop_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="How long a rank may take to exit when its job ends before it is killed.",
+    )
+    threads_per_rank: int = Field(
+        default=0,
+        ge=0,
+        description="CPU threads of torch in each rank; 0: the machine's cores divided by "
+        "the job's ranks (with Ray: `ray.cpus_per_rank`).",
+    )
+    kind: Literal["subprocess", "ray"] = Field(
+        default="subprocess",
+        description="`subprocess` (the default: ranks are processes this service starts on "
+        "its machine) or `ray` (ranks are Ray actors in a placement group).",
+    )
+    ray: RayWorkersConfig = Field(
+        default_factory=RayWorkersConfig, description="Where Ray ranks run."
+    )
+
+    @model_validator(mode="after")
+    def _ray_installed(self) -> WorkersConfig:
+        if self.kind == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError(
+                "workers.kind is ray but Ray is not installed: pip install 'orchard-trainer[ray]'"
+            )
+        return self
+
+
 class TrainerConfig(ServiceConfig):
     """Everything ``orchard-trainer serve`` runs with."""
 
@@ -94,6 +169,7 @@ class TrainerConfig(ServiceConfig):
     )
     weights: WeightsConfig = WeightsConfig()
     jobs: JobsConfig = JobsConfig()
+    workers: WorkersConfig = WorkersConfig()
 
     @model_validator(mode="after")
     def _etcd_required(self) -> TrainerConfig:
@@ -101,6 +177,15 @@ class TrainerConfig(ServiceConfig):
             raise ValueError(
                 "etcd.endpoints is empty: give an etcd URL "
                 "(--etcd http://127.0.0.1:2379 or --set etcd.endpoints=http://127.0.0.1:2379)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _default_ranks_allowed(self) -> TrainerConfig:
+        if self.workers.ranks > self.workers.max_ranks:
+            raise ValueError(
+                f"workers.ranks ({self.workers.ranks}) must not exceed workers.max_ranks "
+                f"({self.workers.max_ranks})"
             )
         return self
 

@@ -76,6 +76,9 @@ class EngineConfig:
     """Clip the global gradient norm to this; 0 turns clipping off."""
     precision: Precision = Precision.AUTO
     seed: int = 0
+    load_universal: bool = False
+    """Build the engine to load a DeepSpeed universal checkpoint (one converted from a world
+    of another size: `checkpoints.load_checkpoint` converts)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", Precision(self.precision))
@@ -118,6 +121,7 @@ def deepspeed_config(config: EngineConfig, world_size: int) -> dict[str, Any]:
         # A torch optimizer under ZeRO is supported, only not in DeepSpeed's own test matrix.
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": config.dtype == torch.bfloat16},
+        "checkpoint": {"load_universal": config.load_universal},
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }

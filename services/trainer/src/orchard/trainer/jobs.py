@@ -1,63 +1,69 @@
-"""One training job inside the service: its spec resolved, its engine, its data buffer.
+"""One training job inside the service: its spec resolved, and its worker group.
 
 `resolve_spec` fills a `TrainingJobSpec`'s unset (zero) fields with their defaults and refuses
-what cannot run (`SpecError`, a message that names the field). `JobRunner` holds what a running
-job needs in memory: the policy and its DeepSpeed engine (a world of one, in the service's
-process), the samples submitted and not yet trained on, and the job's run log. Its methods are
-synchronous and slow (they train); the service calls them off the event loop, one at a time per
-job.
+what cannot run (`SpecError`, a message that names the field). `JobRunner` is the service's
+handle on a running job: the worker group of `spec.ranks` processes (`workers.WorkerGroup`)
+that hold the policy, its DeepSpeed engine and the samples submitted and not yet trained on
+(`rank.RankTrainer`), and the job's run log. The service process itself never trains: it
+fetches what the ranks read from the artifact store, sends them commands and uploads what they
+save. Its methods are synchronous and slow (they wait for the ranks); the service calls them
+off the event loop, one at a time per job.
 
-Data:
+Data (every rank holds the whole buffer and trains on its share of each step):
 
 - SFT: the samples of `spec.dataset` (read at start) and of every submitted group form one
   sample set; step `k` trains on micro-batches `k` of a seeded plan over it (epochs follow one
-  another, as in offline SFT), so a job without any sample cannot step;
+  another, as in offline SFT; `microbatches.MicroBatchPlan` gives each rank its own), so a job
+  without any sample cannot step;
 - RL: each submitted group becomes samples with group-relative advantages
   (`rl.build_rl_batch`), after the staleness bound of `spec.max_staleness` when it is set; a
   `Step` of `n` optimizer steps consumes the whole buffer (`rl.rl_update`, `n` updates on it)
-  and needs at least `n x gradient_accumulation` trainable samples.
+  and needs at least `n x gradient_accumulation x ranks` trainable samples.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import shutil
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from orchard.core.artifacts import ArtifactNotFound, ArtifactStore, parse_url
 from orchard.lm.weights import InvalidWeightVersion, check_model_name
 from orchard.trainer.checkpoints import (
     MANIFEST,
+    CheckpointError,
+    CheckpointInfo,
     StoredCheckpoint,
-    load_checkpoint,
-    save_checkpoint,
 )
-from orchard.trainer.datasets import parse_trajectories
-from orchard.trainer.distributed import ProcessGroupSpec
-from orchard.trainer.engine import EngineConfig, StepResult, TrainingEngine
-from orchard.trainer.losses import PolicyLossConfig
-from orchard.trainer.masks import Overflow, Sample, SampleConfig, build_sft_samples
-from orchard.trainer.microbatches import MicroBatchPlan
-from orchard.trainer.policy import BUILTIN_SIZES, Policy, load_policy
-from orchard.trainer.rl import (
-    RlBatch,
-    RlConfig,
-    StalePolicy,
-    VersionLag,
-    build_rl_batch,
-    rl_update,
+from orchard.trainer.engine import StepResult
+from orchard.trainer.masks import TrajectoryError
+from orchard.trainer.policy import BUILTIN_SIZES
+from orchard.trainer.rank import (
+    NotEnoughData,
+    RankSetup,
+    SubmitCounts,
+    engine_config,
+    policy_loss_config,
 )
+from orchard.trainer.rl import StaleBatchError
 from orchard.trainer.telemetry import StepRecord, StepRecorder
 from orchard.trainer.v1 import trainer_service_pb2 as api
+from orchard.trainer.workers import RankError, WorkerGroup, WorkerGroupConfig
 from orchard.types.v1 import trajectory_pb2
+
+if TYPE_CHECKING:
+    from orchard.trainer.ray_workers import RayPlacement, RayRuntime, RayWorkerGroup
 
 __all__ = [
     "DEFAULTS",
     "JobRunner",
+    "JobStartError",
     "NotEnoughData",
+    "RankFailed",
     "SpecError",
     "SubmitCounts",
     "check_artifacts",
@@ -67,6 +73,20 @@ __all__ = [
 ]
 
 MODE_NAMES = {api.TRAINING_MODE_SFT: "sft", api.TRAINING_MODE_RL: "rl"}
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RayWorkers:
+    """Where a job's ranks go when they are Ray actors."""
+
+    placement: RayPlacement
+    runtime: RayRuntime
+
+
+VersionLag = dict[str, int | None]
+"""How many versions each weight version a group names lags behind the latest one."""
 
 
 @dataclass(frozen=True)
@@ -88,12 +108,17 @@ class SpecError(ValueError):
     """A job spec that cannot run; the message names the field and what to give instead."""
 
 
-class NotEnoughData(Exception):
-    """A step was asked for before enough data was submitted."""
+class JobStartError(Exception):
+    """The job's ranks could not start (the model does not load, the engine does not build)."""
 
 
-def resolve_spec(spec: api.TrainingJobSpec) -> api.TrainingJobSpec:
-    """`spec` with unset fields at their defaults, checked; raises `SpecError`."""
+class RankFailed(Exception):
+    """A command failed in a rank for a reason that is not the caller's input."""
+
+
+def resolve_spec(spec: api.TrainingJobSpec, *, max_ranks: int = 0) -> api.TrainingJobSpec:
+    """`spec` with unset fields at their defaults, checked; raises `SpecError`. `max_ranks`
+    bounds `spec.ranks` (0: no bound); 0 ranks stays 0, the service's default."""
     out = api.TrainingJobSpec()
     out.CopyFrom(spec)
     if out.mode not in MODE_NAMES:
@@ -113,6 +138,11 @@ def resolve_spec(spec: api.TrainingJobSpec) -> api.TrainingJobSpec:
         out.model = parse_url(out.model, what="spec.model").url
     if not 0 <= out.zero_stage <= 3:
         raise SpecError(f"spec.zero_stage must be 0, 1, 2 or 3, got {out.zero_stage}")
+    if out.ranks < 0 or (max_ranks and out.ranks > max_ranks):
+        raise SpecError(
+            f"spec.ranks must be 0 (the service's workers.ranks) to {max_ranks or 'any'}, "
+            f"got {out.ranks}"
+        )
     for name in ("warmup_steps", "total_steps", "micro_batch_size", "gradient_accumulation"):
         if getattr(out, name) < 0:
             raise SpecError(f"spec.{name} must not be negative, got {getattr(out, name)}")
@@ -191,51 +221,13 @@ def artifact_cache(scratch_dir: Path) -> Path:
     return scratch_dir / ".artifact-cache"
 
 
-def engine_config(spec: api.TrainingJobSpec) -> EngineConfig:
-    """The engine settings of a resolved spec."""
-    return EngineConfig(
-        zero_stage=spec.zero_stage,
-        micro_batch_size=spec.micro_batch_size,
-        gradient_accumulation=spec.gradient_accumulation,
-        learning_rate=spec.learning_rate,
-        warmup_steps=spec.warmup_steps,
-        total_steps=spec.total_steps,
-    )
-
-
-def sample_config(spec: api.TrainingJobSpec) -> SampleConfig:
-    return SampleConfig(
-        context_window=spec.max_sequence_tokens or None,
-        overflow=Overflow.DROP if spec.drop_long else Overflow.TRUNCATE_LEFT,
-    )
-
-
-def policy_loss_config(spec: api.TrainingJobSpec) -> PolicyLossConfig:
-    loss = spec.policy_loss
-    return PolicyLossConfig(
-        clip_low=loss.clip_low,
-        clip_high=loss.clip_high,
-        importance_cap=loss.importance_cap,
-        kl_coef=loss.kl_coef,
-        length_normalization=loss.length_normalize,
-    )
-
-
 def checkpoint_version(job_id: str, step: int) -> str:
     """The version name of a job's checkpoint at `step`: ``<job id>-step-000120``."""
     return f"{job_id}-step-{step:06d}"
 
 
-@dataclass(frozen=True, slots=True)
-class SubmitCounts:
-    groups: int = 0
-    trainable: int = 0
-    skipped: int = 0
-    skip_reasons: Counter[str] = field(default_factory=Counter)
-
-
 class JobRunner:
-    """The in-memory half of a running job (see the module docstring)."""
+    """The controller's half of a running job: its worker group (see the module docstring)."""
 
     def __init__(
         self,
@@ -247,13 +239,17 @@ class JobRunner:
         *,
         resume_from: str | None = None,
         recorder: StepRecorder | None = None,
+        workers: WorkerGroupConfig | None = None,
+        ray: RayWorkers | None = None,
     ) -> None:
-        """Load the model and build the engine (slow); with `resume_from`, a checkpoint's URL,
-        restore its weights, optimizer, schedule and step.
+        """Start the job's ranks (slow: each loads the model and builds its engine); with
+        `resume_from`, a checkpoint's URL, they restore its weights, optimizer, schedule and
+        step.
 
         `checkpoint_url` is this job's folder in the store (``<checkpoint_url>/<job id>``);
         `scratch` a local folder of this process: checkpoints are written there before they
         are put in the store, downloads are cached there, and the run log is kept there.
+        With `ray`, the ranks are Ray actors (`ray_workers.RayWorkerGroup`).
         """
         self.job_id = job_id
         self.spec = spec
@@ -262,38 +258,59 @@ class JobRunner:
         self.checkpoint_url = checkpoint_url
         self.scratch = scratch
         self._metrics = recorder
+        self.cancelled = False
+        config = workers or WorkerGroupConfig()
+        self.ranks = spec.ranks or config.ranks
+        # The ranks read local folders only: the store is this process's.
         model = spec.model
         if not model.startswith("builtin:"):
             model = str(store.get_dir(model, cache_dir=self._cache))
-        self.policy: Policy = load_policy(model)
-        tokenizer = self.policy.tokenizer
-        if tokenizer is None:
-            raise SpecError(f"spec.model {spec.model!r} has no tokenizer")
-        self.tokenizer = tokenizer
-        self.vocab_size = int(self.policy.model.config.vocab_size)
-        self.samples = sample_config(spec)
-        self.sft_samples: list[Sample] = []
-        self.rl_samples: list[Sample] = []
-        self.rl_advantages: list[float] = []
-        self.rl_rewards: list[float] = []
-        self._plan: MicroBatchPlan | None = None
-        self.cancelled = False
+        dataset = None
+        scratch.mkdir(parents=True, exist_ok=True)
         if spec.dataset:
-            with store.open_read(spec.dataset, text=True) as lines:
-                rows = parse_trajectories(lines, spec.dataset)
-                dataset = build_sft_samples(rows, self.samples)
-            self.sft_samples.extend(dataset.samples)
-        # One rank in this process, on a port of its own, whatever the environment says.
-        self.engine = TrainingEngine(
-            self.policy.model, engine_config(spec), process_group=ProcessGroupSpec()
+            dataset = scratch / "dataset.jsonl"
+            with store.open_read(spec.dataset) as source, dataset.open("wb") as target:
+                shutil.copyfileobj(source, target)
+        resume = None
+        if resume_from is not None:
+            resume = str(store.get_dir(resume_from, cache_dir=self._cache))
+        setup = RankSetup(
+            job_id=job_id,
+            spec=spec.SerializeToString(),
+            model=model,
+            scratch=str(scratch),
+            rank=0,
+            world_size=self.ranks,
+            master_addr="127.0.0.1",
+            master_port=0,
+            dataset=None if dataset is None else str(dataset),
+            dataset_name=spec.dataset,
+            resume_from=resume,
         )
+        self.group: WorkerGroup | RayWorkerGroup
         try:
-            if resume_from is not None:
-                load_checkpoint(self.engine, store.get_dir(resume_from, cache_dir=self._cache))
+            if ray is None:
+                self.group, ready = WorkerGroup.start(
+                    job_id, setup, replace(config, ranks=self.ranks)
+                )
+            else:
+                from orchard.trainer.ray_workers import RayWorkerGroup  # noqa: PLC0415
+
+                self.group, ready = RayWorkerGroup.start(
+                    job_id, setup, replace(config, ranks=self.ranks), ray.placement, ray.runtime
+                )
+        except RankError as exc:
+            raise JobStartError(f"rank {exc.rank} could not start: {exc}") from None
+        finally:
+            if dataset is not None:
+                dataset.unlink(missing_ok=True)
+        self.step = ready.step
+        self.buffered = ready.buffered
+        try:
             self._restore_run_log()
             self.run_log = StepRecorder(scratch / "run.jsonl")
         except BaseException:
-            self.engine.close()
+            self.group.close()
             raise
 
     @property
@@ -301,109 +318,60 @@ class JobRunner:
         return artifact_cache(self.scratch.parent)
 
     @property
-    def step(self) -> int:
-        return self.engine.global_step
-
-    @property
     def steps_left(self) -> int:
         return self.spec.total_steps - self.step
 
-    @property
-    def buffered(self) -> int:
-        return len(self.rl_samples) if self.mode == "rl" else len(self.sft_samples)
-
-    def _check_tokens(self, trajectory: trajectory_pb2.Trajectory) -> None:
-        for turn in trajectory.turns:
-            for name in ("input_token_ids", "output_token_ids"):
-                ids = getattr(turn, name)
-                if any(t < 0 or t >= self.vocab_size for t in ids):
-                    raise ValueError(
-                        f"trajectory {trajectory.id!r} turn {turn.index}: {name} holds ids "
-                        f"outside the model's vocabulary [0, {self.vocab_size})"
-                    )
+    def _call(self, command: str, **arguments: object) -> Any:
+        try:
+            return self.group.call(command, **arguments)
+        except RankError as exc:
+            raise _fault(exc) from None
 
     def submit(
         self, group: trajectory_pb2.TrajectoryGroup, version_lag: VersionLag | None = None
     ) -> SubmitCounts:
-        """Add one group's samples to the buffer; raises `ValueError` (or `TrajectoryError`)
-        for a malformed trajectory and `StaleBatchError` for one sampled by weights older than
-        `spec.max_staleness` allows (with `version_lag`), adding nothing of the group."""
-        trajectories = list(group.trajectories)
-        for trajectory in trajectories:
-            self._check_tokens(trajectory)
-        if self.mode == "sft":
-            built = build_sft_samples(trajectories, self.samples)
-            self.sft_samples.extend(built.samples)
-            self._plan = None
-            reasons = Counter({str(k): v for k, v in built.skipped.items()})
-            return SubmitCounts(1, len(built.samples), sum(reasons.values()), reasons)
-        batch = build_rl_batch(trajectories, self._rl_config(), version_lag=version_lag)
-        self.rl_samples.extend(batch.samples)
-        self.rl_advantages.extend(batch.advantages)
-        if not math.isnan(batch.reward_mean):
-            self.rl_rewards.append(batch.reward_mean)
-        return SubmitCounts(
-            1, len(batch.samples), len(trajectories) - len(batch.samples), batch.skipped
+        """Add one group's samples to every rank's buffer; raises `ValueError` (or
+        `TrajectoryError`) for a malformed trajectory and `StaleBatchError` for one sampled by
+        weights older than `spec.max_staleness` allows (`version_lag`: the lag of each weight
+        version the group names), adding nothing of the group."""
+        counts: SubmitCounts = self._call(
+            "submit", group=group.SerializeToString(), version_lag=version_lag
         )
-
-    def _rl_config(self, updates: int = 1) -> RlConfig:
-        bounded = self.spec.HasField("max_staleness")
-        return RlConfig(
-            loss=policy_loss_config(self.spec),
-            samples=self.samples,
-            updates_per_batch=updates,
-            max_staleness=self.spec.max_staleness if bounded else None,
-            stale=StalePolicy.SKIP if self.spec.skip_stale else StalePolicy.REJECT,
-        )
+        self.buffered += counts.trainable
+        return counts
 
     def run_steps(
         self, steps: int, on_step: Callable[[StepResult], None] | None = None
     ) -> list[StepResult]:
-        """Train `steps` optimizer steps on the buffer; stops early when cancelled."""
+        """Train `steps` optimizer steps on the buffer; SFT stops early when cancelled."""
+        results: list[StepResult] = []
         if self.mode == "sft":
-            if not self.sft_samples:
-                raise NotEnoughData(
-                    "this SFT job has no samples: submit groups with trainable trajectories "
-                    "(or give spec.dataset) before stepping"
-                )
-            if self._plan is None:
-                self._plan = MicroBatchPlan(
-                    self.sft_samples,
-                    micro_batch_size=self.spec.micro_batch_size,
-                    gradient_accumulation=self.spec.gradient_accumulation,
-                    world_size=1,
-                    pad_id=self.policy.pad_id,
-                )
-            results = []
             for _ in range(steps):
                 if self.cancelled:
                     break
-                result = self.engine.sft_step(self._plan.for_step(self.step, 0))
-                self._record(result)
-                if on_step is not None:
-                    on_step(result)
-                results.append(result)
+                results.extend(self._call("run_steps", steps=1))
+                self._after(results[-1:], on_step)
             return results
-        needed = steps * self.spec.gradient_accumulation
-        if len(self.rl_samples) < needed:
+        needed = steps * self.spec.gradient_accumulation * self.ranks
+        if self.buffered < needed:
             raise NotEnoughData(
                 f"{steps} RL step(s) with gradient_accumulation "
-                f"{self.spec.gradient_accumulation} need at least {needed} trainable samples; "
-                f"{len(self.rl_samples)} are buffered: submit more groups"
+                f"{self.spec.gradient_accumulation} on {self.ranks} rank(s) need at least "
+                f"{needed} trainable samples; {self.buffered} are buffered: submit more groups"
             )
-        rewards = self.rl_rewards
-        batch = RlBatch(
-            samples=tuple(self.rl_samples),
-            advantages=tuple(self.rl_advantages),
-            reward_mean=math.fsum(rewards) / len(rewards) if rewards else math.nan,
-        )
-        self.rl_samples, self.rl_advantages, self.rl_rewards = [], [], []
-        results = rl_update(self.engine, batch, self._rl_config(steps), pad_id=self.policy.pad_id)
+        results = self._call("run_steps", steps=steps)
+        self.buffered = 0
+        self._after(results, on_step)
+        return results
+
+    def _after(
+        self, results: list[StepResult], on_step: Callable[[StepResult], None] | None
+    ) -> None:
         for result in results:
+            self.step = result.step
             self._record(result)
             if on_step is not None:
                 on_step(result)
-        return results
 
     def _record(self, result: StepResult) -> None:
         record = StepRecord.of(self.job_id, self.mode, result)
@@ -419,14 +387,16 @@ class JobRunner:
         if self.store.exists(f"{url}/{MANIFEST}"):
             return StoredCheckpoint.from_manifest(self.store.read_bytes(f"{url}/{MANIFEST}"), url)
         local_root = self.scratch / "saving"
-        shutil.rmtree(local_root, ignore_errors=True)  # a save that died half-way
         try:
-            info = save_checkpoint(
-                self.engine,
-                self.tokenizer,
-                local_root,
+            info: CheckpointInfo = self._call(
+                "save",
                 version=version,
-                metadata={"job": self.job_id, "mode": self.mode, **(metadata or {})},
+                metadata={
+                    "job": self.job_id,
+                    "mode": self.mode,
+                    "ranks": str(self.ranks),
+                    **(metadata or {}),
+                },
             )
             stored = self.store.put_dir(info.path, url)
         finally:
@@ -448,5 +418,24 @@ class JobRunner:
             local.write_bytes(self.store.read_bytes(self.run_log_url))
 
     def close(self) -> None:
-        self.engine.close()
+        """Stop every rank (idempotent)."""
+        self.group.close()
         self.run_log.close()
+
+
+def _fault(error: RankError) -> Exception:
+    """The exception a rank's fault stands for, as the service maps it to a status."""
+    fault = error.fault
+    known: dict[str, type[Exception]] = {
+        "NotEnoughData": NotEnoughData,
+        "StaleBatchError": StaleBatchError,
+        "TrajectoryError": TrajectoryError,
+        "ValueError": ValueError,
+        "CheckpointError": CheckpointError,
+    }
+    kind = known.get(fault.kind)
+    if kind is not None:
+        return kind(fault.message)
+    if fault.trace:
+        log.error("rank %d failed:\n%s", error.rank, fault.trace)
+    return RankFailed(f"rank {error.rank}: {fault.message}")

@@ -239,22 +239,33 @@ def rl_update(
     reference: PreTrainedModel | None = None,
     advantages_of: AdvantageFn | None = None,
 ) -> list[StepResult]:
-    """Run `updates_per_batch` optimizer steps of the clipped objective on this rank's batch.
+    """Run `updates_per_batch` optimizer steps of the clipped objective on `batch`.
 
-    The batch is cut into `updates_per_batch` mini-batches of `gradient_accumulation`
-    micro-batches each, so it needs at least that many samples. `advantages_of` replaces the
-    batch's group-relative advantages, one micro-batch at a time, before any step (a critic's
-    per-token advantages: `orchard.trainer.critic.ppo_update`).
+    Every rank passes the same batch. It is cut into `updates_per_batch x world_size`
+    mini-batches of `gradient_accumulation` micro-batches each (so it needs at least that many
+    samples); update `u` of rank `r` trains on mini-batch `u x world_size + r`, so a world of
+    two with accumulation g and a world of one with accumulation 2g see the same micro-batches
+    in each update. `advantages_of` replaces the batch's group-relative advantages, one
+    micro-batch at a time, before any step (a critic's per-token advantages:
+    `orchard.trainer.critic.ppo_update`).
     """
     accumulation = engine.config.gradient_accumulation
-    pieces = config.updates_per_batch * accumulation
+    world, rank = engine.world_size, engine.rank
+    pieces = config.updates_per_batch * accumulation * world
     if len(batch.samples) < pieces:
         raise ValueError(
             f"an RL update of {config.updates_per_batch} step(s) x {accumulation} micro-batches "
-            f"needs at least {pieces} trainable samples, got {len(batch.samples)}"
+            f"x {world} rank(s) needs at least {pieces} trainable samples, got "
+            f"{len(batch.samples)}"
         )
+    split = _split(len(batch.samples), pieces)
+    mine = [
+        split[(update * world + rank) * accumulation + k]
+        for update in range(config.updates_per_batch)
+        for k in range(accumulation)
+    ]
     micro: list[_RlMicroBatch] = []
-    for piece in _split(len(batch.samples), pieces):
+    for piece in mine:
         tokens = collate([batch.samples[i] for i in piece], pad_id=pad_id)
         old = engine.target_logprobs(tokens)
         ref = None

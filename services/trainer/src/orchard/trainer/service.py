@@ -1,7 +1,11 @@
 """``orchard.trainer.v1.TrainerService``: training jobs as long-running operations in etcd.
 
 A job's record (spec, state, last step's metrics, checkpoints, latest weight version) lives in
-etcd (`records`); its engine and data buffer live in this process (`jobs.JobRunner`). Every
+etcd (`records`); its engine and data buffer live in its worker group, rank processes this
+process starts and drives (`jobs.JobRunner`, `workers.WorkerGroup`): the service never trains
+itself. A rank that dies fails its job (FAILED, the error names the rank, its pid and how it
+ended), whether it dies in a call or while the job waits, and the job's other ranks are
+stopped; ending a job (finished, cancelled, failed, or the service stopping) ends its ranks. Every
 state change is written to the record before the RPC answers, so a restarted service lists
 every job and its checkpoints. A job that was PENDING or RUNNING when the process stopped is
 resumed on start from its last checkpoint (from the start of its schedule when it had none;
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -44,6 +49,8 @@ from orchard.trainer.jobs import (
     MODE_NAMES,
     JobRunner,
     NotEnoughData,
+    RankFailed,
+    RayWorkers,
     SpecError,
     artifact_cache,
     check_artifacts,
@@ -57,6 +64,7 @@ from orchard.trainer.rl import StaleBatchError
 from orchard.trainer.v1 import trainer_service_pb2 as api
 from orchard.trainer.v1 import trainer_service_pb2_grpc
 from orchard.trainer.weight_versions import WeightVersions
+from orchard.trainer.workers import RankLost, WorkerGroupConfig
 from orchard.types.v1 import trajectory_pb2
 
 __all__ = ["JobManager", "TrainerServicer"]
@@ -101,6 +109,8 @@ def _step_metrics(result: StepResult) -> api.StepMetrics:
 class _Running:
     runner: JobRunner
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    watched: list[int] = field(default_factory=list)
+    """pidfds of the job's ranks, watched by the event loop."""
 
 
 class JobManager:
@@ -127,7 +137,27 @@ class JobManager:
             registry, self.artifacts, self.scratch, artifact_cache(self.scratch)
         )
         self._running: dict[str, _Running] = {}
+        self._watchers: set[asyncio.Task[None]] = set()
         self._starting = 0
+        workers = config.workers
+        self.workers = WorkerGroupConfig(
+            ranks=workers.ranks,
+            start_timeout_s=workers.start_timeout_s,
+            stop_timeout_s=workers.stop_timeout_s,
+            threads_per_rank=workers.threads_per_rank,
+        )
+        self.ray: RayWorkers | None = None
+        if workers.kind == "ray":
+            from orchard.trainer.ray_workers import RayPlacement, RayRuntime  # noqa: PLC0415
+
+            self.ray = RayWorkers(
+                RayPlacement(
+                    cpus_per_rank=workers.ray.cpus_per_rank,
+                    gpus_per_rank=workers.ray.gpus_per_rank,
+                    local=not workers.ray.address,
+                ),
+                RayRuntime(workers.ray.address or None, workers.ray.init_cpus),
+            )
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -189,6 +219,8 @@ class JobManager:
                 self.scratch / record.id,
                 resume_from=resume_from,
                 recorder=self.metrics.steps,
+                workers=self.workers,
+                ray=self.ray,
             )
         except Exception as exc:
             log.exception("training job %s failed to start", record.id)
@@ -198,15 +230,70 @@ class JobManager:
             return
         finally:
             self._starting -= 1
-        self._running[record.id] = _Running(runner)
+        running = _Running(runner)
+        self._running[record.id] = running
+        self._watch(record.id, running)
         self.metrics.running_jobs.set(len(self._running))
         await self._set_state(record, State.TRAINING_JOB_STATE_RUNNING)
+
+    def _watch(self, job_id: str, running: _Running) -> None:
+        """Fail the job when one of its ranks exits while no call is waiting on it."""
+        loop = asyncio.get_running_loop()
+        for fd in running.runner.group.exited():
+            running.watched.append(fd)
+            loop.add_reader(fd, self._rank_exited, job_id, running)
+
+    def _unwatch(self, running: _Running) -> None:
+        loop = asyncio.get_running_loop()
+        for fd in running.watched:
+            loop.remove_reader(fd)
+            os.close(fd)
+        running.watched.clear()
+
+    def _rank_exited(self, job_id: str, running: _Running) -> None:
+        if self._running.get(job_id) is running:
+            self._unwatch(running)
+            task = asyncio.get_running_loop().create_task(self._fail_lost(job_id, running))
+            self._watchers.add(task)
+            task.add_done_callback(self._watchers.discard)
+
+    async def _fail_lost(self, job_id: str, running: _Running) -> None:
+        async with running.lock:
+            if self._running.get(job_id) is not running:
+                return  # a call saw the loss first and failed the job
+            reason = await asyncio.to_thread(running.runner.group.check)
+            if reason is None:
+                return
+            await self._stop_runner(job_id)
+            await self._set_state(
+                await self._record(job_id), State.TRAINING_JOB_STATE_FAILED, reason
+            )
+
+    async def _fail(self, job_id: str, doing: str, exc: Exception) -> OrchardError:
+        """Fail a running job whose ranks broke (or one of them failed) in `doing`; the
+        error to answer with. Called with the job's lock held."""
+        log.error("training job %s failed in %s: %s", job_id, doing, exc)
+        await self._stop_runner(job_id)
+        record = await self._record(job_id)
+        if record.job.state not in ENDED:
+            await self._set_state(record, State.TRAINING_JOB_STATE_FAILED, f"{doing} failed: {exc}")
+        return OrchardError(
+            Reason.INTERNAL,
+            f"job {job_id} failed in {doing} and is FAILED: {exc}; its checkpoints stay "
+            "(a new job can start from the last one)",
+        )
 
     async def _stop_runner(self, job_id: str) -> None:
         running = self._running.pop(job_id, None)
         self.metrics.running_jobs.set(len(self._running))
         if running is not None:
+            self._unwatch(running)
             await asyncio.to_thread(running.runner.close)
+
+    def rank_pids(self, job_id: str) -> list[int]:
+        """The process ids of a job's ranks, rank 0 first (empty when none run here)."""
+        running = self._running.get(job_id)
+        return [] if running is None else running.runner.group.pids
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -233,12 +320,14 @@ class JobManager:
             running.runner.cancelled = True
             async with running.lock:
                 await self._stop_runner(job_id)
+        if self.ray is not None:
+            await asyncio.to_thread(self.ray.runtime.close)
 
     # -- RPCs ------------------------------------------------------------------------------
 
     async def create(self, spec: api.TrainingJobSpec, request_id: str) -> api.TrainingJob:
         try:
-            resolved = resolve_spec(spec)
+            resolved = resolve_spec(spec, max_ranks=self.config.workers.max_ranks)
             # Before anything runs: a model or dataset the store does not allow or hold fails
             # the call (PERMISSION_DENIED, NOT_FOUND), never the job.
             await asyncio.to_thread(
@@ -340,9 +429,9 @@ class JobManager:
                 if runner.spec.HasField("max_staleness"):
                     lag = await self._version_lag(self._registry_of(runner.spec), request.group)
                 try:
-                    counts = await asyncio.to_thread(
-                        runner.submit, request.group, None if lag is None else lag.get
-                    )
+                    counts = await asyncio.to_thread(runner.submit, request.group, lag)
+                except (RankLost, RankFailed) as exc:
+                    raise await self._fail(job_id, "submitting groups", exc) from None
                 except StaleBatchError as exc:
                     raise OrchardError(
                         Reason.FAILED_PRECONDITION,
@@ -413,14 +502,7 @@ class JobManager:
             except NotEnoughData as exc:
                 raise OrchardError(Reason.FAILED_PRECONDITION, str(exc)) from None
             except Exception as exc:
-                log.exception("training job %s failed in a step", job_id)
-                await self._stop_runner(job_id)
-                await self._set_state(
-                    record, State.TRAINING_JOB_STATE_FAILED, f"a step failed: {exc}"
-                )
-                raise OrchardError(
-                    Reason.INTERNAL, f"job {job_id} failed in a step and is FAILED: {exc}"
-                ) from None
+                raise await self._fail(job_id, "a step", exc) from None
             response.steps.extend(_step_metrics(r) for r in results)
             if results:
                 record.job.last_step.CopyFrom(_step_metrics(results[-1]))
@@ -443,6 +525,8 @@ class JobManager:
             info = await asyncio.to_thread(runner.save)
         except OrchardError:
             raise  # the store's own status (denied, unavailable, ...)
+        except (RankLost, RankFailed) as exc:
+            raise await self._fail(record.id, "saving a checkpoint", exc) from None
         except (CheckpointError, OSError) as exc:
             raise OrchardError(
                 Reason.INTERNAL, f"job {record.id}: the checkpoint could not be saved: {exc}"

@@ -142,6 +142,7 @@ class TrainingJobSpec(_message.Message):
     MAX_STALENESS_FIELD_NUMBER: _builtins.int
     SKIP_STALE_FIELD_NUMBER: _builtins.int
     WEIGHT_MODEL_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
     mode: Global___TrainingMode.ValueType
     """SFT or RL."""
     model: _builtins.str
@@ -179,6 +180,12 @@ class TrainingJobSpec(_message.Message):
     """Model name in the weight registry that this job publishes to and measures staleness
     against (letters, digits, '.', '_', '-'); empty: the service's `weights.registry_model`.
     """
+    ranks: _builtins.int
+    """Training processes (torch.distributed ranks, DeepSpeed data parallel with ZeRO across
+    them) the job runs on; each takes its share of a step's micro-batches, so a step trains
+    on micro_batch_size x gradient_accumulation x ranks sequences. 0: the service's
+    `workers.ranks`; more than `workers.max_ranks` is INVALID_ARGUMENT.
+    """
     @_builtins.property
     def policy_loss(self) -> Global___PolicyLossConfig:
         """RL loss settings."""
@@ -201,10 +208,11 @@ class TrainingJobSpec(_message.Message):
         max_staleness: _builtins.int | None = ...,
         skip_stale: _builtins.bool = ...,
         weight_model: _builtins.str = ...,
+        ranks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "max_staleness", b"max_staleness", "policy_loss", b"policy_loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "dataset", b"dataset", "drop_long", b"drop_long", "gradient_accumulation", b"gradient_accumulation", "learning_rate", b"learning_rate", "max_sequence_tokens", b"max_sequence_tokens", "max_staleness", b"max_staleness", "micro_batch_size", b"micro_batch_size", "mode", b"mode", "model", b"model", "policy_loss", b"policy_loss", "skip_stale", b"skip_stale", "total_steps", b"total_steps", "warmup_steps", b"warmup_steps", "weight_model", b"weight_model", "zero_stage", b"zero_stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "dataset", b"dataset", "drop_long", b"drop_long", "gradient_accumulation", b"gradient_accumulation", "learning_rate", b"learning_rate", "max_sequence_tokens", b"max_sequence_tokens", "max_staleness", b"max_staleness", "micro_batch_size", b"micro_batch_size", "mode", b"mode", "model", b"model", "policy_loss", b"policy_loss", "ranks", b"ranks", "skip_stale", b"skip_stale", "total_steps", b"total_steps", "warmup_steps", b"warmup_steps", "weight_model", b"weight_model", "zero_stage", b"zero_stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_staleness: _TypeAlias = _typing.Literal["max_staleness"]  # noqa: Y015
     _WhichOneofArgType__max_staleness: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness"]  # noqa: Y015

@@ -32,6 +32,11 @@ class InvalidRequest(EngineError, ValueError):
     the same request will not help. The message names the parameter."""
 
 
+class EngineUnavailable(EngineError):
+    """The configured engine cannot run in this environment (its library is not installed);
+    the message says how to get it."""
+
+
 class NoWeightsLoaded(EngineError):
     """The engine has no model yet (no version was published before its start timeout)."""
 
@@ -88,7 +93,9 @@ class Generation:
 @runtime_checkable
 class InferenceEngine(Protocol):
     """An engine: `async with engine:` starts it (loading weights), then `generate` from any
-    number of concurrent tasks; the engine batches them as it sees fit."""
+    number of concurrent tasks; the engine batches them as it sees fit. New weight versions
+    come with `load_version` or, given a weight registry, as the trainer publishes them
+    (`orchard.rollout.engines.versioned.VersionedEngine` implements that lifecycle once)."""
 
     @property
     def weight_version(self) -> str:
@@ -111,6 +118,15 @@ class InferenceEngine(Protocol):
 
     async def close(self) -> None:
         """Stop serving; requests still waiting fail with `EngineClosed`."""
+        ...
+
+    async def load_version(self, version: str, folder: str) -> None:
+        """Sample with `version`, the model folder `folder`, from the next request on (the
+        requests running now finish on the version they started with)."""
+        ...
+
+    async def wait_for_weights(self, version: str | None = None) -> None:
+        """Wait until weights (`version` if given) are loaded."""
         ...
 
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Generation:

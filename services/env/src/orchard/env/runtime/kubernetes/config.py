@@ -72,6 +72,28 @@ class KubernetesRuntimeConfig(BaseModel):
     priority_class_name: str = Field(
         "", description="PriorityClass of sandbox Pods; empty: the cluster's default."
     )
+    image_locality_weight: int = Field(
+        50,
+        ge=0,
+        le=100,
+        description="Weight (1-100) of a preferred node affinity toward the nodes whose "
+        "Node.status.images already hold a sandbox's image, so it starts without a pull; "
+        "never required, so a sandbox still schedules where no node has it. Needs get, list "
+        "and watch on nodes (the env chart's ClusterRole); 0: off, no Node is read.",
+    )
+    image_locality_max_nodes: int = Field(
+        100,
+        ge=1,
+        le=1000,
+        description="Most node names one sandbox's affinity term lists (the Pod spec stays "
+        "small on a big cluster).",
+    )
+    prepull_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="Default deadline of an image pre-pull (`orchard images prepull`): pulls "
+        "still running then are reported as not done and their Pods deleted.",
+    )
     api_url: str = Field(
         "",
         description="API server URL used as is, without credentials (`kubectl proxy`, a test "

@@ -19,7 +19,9 @@ One Pod per sandbox, named after the sandbox id (also its hostname):
   variables, which the agent takes as its own settings, go to it as one JSON value
   (``ORCHARD_INAGENT_ENV``: its ``env`` setting) and reach commands from there;
 - a readiness probe on the agent's ``grpc.health.v1`` service;
-- node selector, tolerations and priority class from the configuration.
+- node selector, tolerations and priority class from the configuration;
+- a preferred node affinity (``image_locality_weight``, never required) toward the nodes that
+  already hold the image (``node_images.py``).
 
 Pure functions, no client: the manifest is a plain dict, checked by a snapshot test.
 """
@@ -31,7 +33,7 @@ import fnmatch
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +56,7 @@ __all__ = [
     "LABEL_SANDBOX",
     "PodView",
     "check_sandbox_id",
+    "image_locality",
     "key_secret_manifest",
     "key_secret_name",
     "label_value",
@@ -236,8 +239,29 @@ def _security_context(spec: RuntimeSandboxSpec) -> dict[str, Any]:
     }
 
 
-def pod_manifest(spec: RuntimeSandboxSpec, config: KubernetesRuntimeConfig) -> dict[str, Any]:
-    """The Pod of one sandbox (see the module docstring)."""
+def image_locality(config: KubernetesRuntimeConfig, nodes: Sequence[str]) -> dict[str, Any] | None:
+    """A preferred (never required) node affinity toward ``nodes``, the nodes that already
+    hold the sandbox's image; None when there are none or the weight is 0."""
+    if not nodes or not config.image_locality_weight:
+        return None
+    names = sorted(nodes)[: config.image_locality_max_nodes]
+    term = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": names}]}
+    return {
+        "nodeAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": config.image_locality_weight, "preference": term}
+            ]
+        }
+    }
+
+
+def pod_manifest(
+    spec: RuntimeSandboxSpec,
+    config: KubernetesRuntimeConfig,
+    image_nodes: Sequence[str] = (),
+) -> dict[str, Any]:
+    """The Pod of one sandbox (see the module docstring); ``image_nodes``: the nodes known to
+    hold its image, which it prefers."""
     check_sandbox_id(spec.sandbox_id)
     agent = f"{AGENT_DIR}/{AGENT_EXECUTABLE}"
     if uses_shell(config, spec.image):
@@ -305,6 +329,9 @@ def pod_manifest(spec: RuntimeSandboxSpec, config: KubernetesRuntimeConfig) -> d
         pod_spec["serviceAccountName"] = config.service_account_name
     if config.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": name} for name in config.image_pull_secrets]
+    affinity = image_locality(config, image_nodes)
+    if affinity is not None:
+        pod_spec["affinity"] = affinity
     annotations = {ANNOTATION_LABELS: json.dumps(dict(spec.labels), sort_keys=True)}
     if spec.owner:
         annotations[ANNOTATION_OWNER] = spec.owner

@@ -21,6 +21,12 @@
   again from the policies' annotations.
 - **Reconciliation**: ``list_sandboxes`` names every Pod, policy and key Secret with this
   deployment's labels; the service deletes those without a record (orphans).
+- **Image locality**: a second LIST+WATCH, over Nodes (``node_images.py``), knows which nodes
+  hold which images; a sandbox Pod prefers those holding its image (a weighted preferred node
+  affinity, never required). Without permission to read Nodes the runtime says so once and
+  places sandboxes as the scheduler alone would.
+- **Pre-pull**: ``prepull_images`` pulls images on chosen nodes ahead of a run, one Pod per
+  node (``prepull.py``), and reports progress per node and image.
 
 Sandboxes outlive the service: a new runtime finds them through its first LIST.
 """
@@ -29,10 +35,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import ipaddress
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from kubernetes_asyncio import client
@@ -54,6 +61,7 @@ from orchard.env.runtime.base import (
 from orchard.env.runtime.kubernetes.api import KubeApiError, call_api
 from orchard.env.runtime.kubernetes.config import KubernetesRuntimeConfig
 from orchard.env.runtime.kubernetes.identity import new_key, prove
+from orchard.env.runtime.kubernetes.node_images import NodeImageIndex
 from orchard.env.runtime.kubernetes.pod_watch import SandboxPodWatch
 from orchard.env.runtime.kubernetes.pods import (
     KEY_FIELD,
@@ -72,6 +80,7 @@ from orchard.env.runtime.kubernetes.policies import (
     policy_name,
     rules_from_policy,
 )
+from orchard.env.runtime.kubernetes.prepull import ImagePrepull, PrepullProgress
 
 __all__ = ["KubernetesRuntime"]
 
@@ -106,6 +115,7 @@ class KubernetesRuntime(Runtime):
         self._core: client.CoreV1Api | None = None
         self._net: client.NetworkingV1Api | None = None
         self._pods: SandboxPodWatch | None = None
+        self._node_images: NodeImageIndex | None = None
         self._policies: set[str] = set()  # sandbox ids with a policy
         self._egress: dict[str, tuple[EgressRule, ...]] = {}
         self._expiry_timers: dict[str, asyncio.TimerHandle] = {}
@@ -145,10 +155,31 @@ class KubernetesRuntime(Runtime):
                 f"namespace {self.config.namespace!r}: {exc} (the env chart's Role grants all "
                 "three; check the namespace exists and the API server is reachable)"
             ) from None
+        await self._start_node_images()
         log.info(
             "kubernetes runtime ready",
             extra={"namespace": self.config.namespace, "sandboxes": self._pods.names()},
         )
+
+    async def _start_node_images(self) -> None:
+        if not self.config.image_locality_weight:
+            return
+        index = NodeImageIndex(
+            self._core_api(),
+            watch_timeout_s=self.config.watch_timeout_s,
+            request_timeout_s=self.config.request_timeout_s,
+        )
+        try:
+            await index.start()
+        except KubeApiError as exc:
+            log.warning(
+                "image locality is off: the kubernetes runtime cannot list nodes (%s); the env "
+                "chart's ClusterRole grants get, list and watch on nodes "
+                "(sandbox.imageLocality.weight > 0), or set runtime.image_locality_weight: 0",
+                exc,
+            )
+            return
+        self._node_images = index
 
     async def _client_configuration(self) -> client.Configuration:
         if self.config.api_url:
@@ -179,6 +210,9 @@ class KubernetesRuntime(Runtime):
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        if self._node_images is not None:
+            await self._node_images.close()
+            self._node_images = None
         if self._pods is not None:
             await self._pods.close()
             self._pods = None
@@ -202,7 +236,7 @@ class KubernetesRuntime(Runtime):
                 f"image {spec.image!r} is a local runtime image; the kubernetes runtime runs "
                 "registry references (e.g. python:3.12-slim)",
             )
-        manifest = pod_manifest(spec, self.config)
+        manifest = pod_manifest(spec, self.config, self.image_nodes(spec.image))
         async with self._lock(sandbox_id):
             if pods.view(sandbox_id) is not None or sandbox_id in self._policies:
                 raise RuntimeFailure(
@@ -391,6 +425,82 @@ class KubernetesRuntime(Runtime):
             if event is None:
                 return
             yield event
+
+    # -- images ------------------------------------------------------------------------------
+
+    def image_nodes(self, image: str) -> list[str]:
+        """The nodes known to hold ``image`` (empty while image locality is off)."""
+        return self._node_images.nodes_with(image) if self._node_images is not None else []
+
+    async def list_nodes(self, selector: Mapping[str, str] | None = None) -> list[str]:
+        """The names of the nodes whose labels match ``selector`` (default: the sandbox Pods'
+        ``node_selector``)."""
+        wanted = self.config.node_selector if selector is None else selector
+        label_selector = ",".join(f"{key}={value}" for key, value in sorted(wanted.items()))
+        try:
+            data = await call_api(
+                self._core_api().list_node(
+                    label_selector=label_selector,
+                    _preload_content=False,
+                    _request_timeout=self.config.request_timeout_s,
+                )
+            )
+        except KubeApiError as exc:
+            raise RuntimeUnavailable(
+                f"cannot list nodes: {exc} (the env chart's ClusterRole grants it with "
+                "sandbox.imageLocality.weight > 0)"
+            ) from None
+        return sorted(
+            str((item.get("metadata") or {}).get("name")) for item in data.get("items") or ()
+        )
+
+    async def prepull_images(
+        self,
+        images: Sequence[str],
+        nodes: Sequence[str] = (),
+        *,
+        node_selector: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncGenerator[PrepullProgress, None]:
+        """Pull ``images`` on ``nodes`` (default: every node matching ``node_selector``, by
+        default the sandbox pool's) ahead of the sandboxes that will run them; yields the
+        progress of every (node, image) pair on each change, the last one with ``finished``.
+        A pull that fails (no such image, the node refuses the Pod) is reported, not raised;
+        bad arguments raise ValueError, an API server that cannot be used RuntimeUnavailable.
+        Close the iterator (``contextlib.aclosing``) to stop early: the Pods are deleted."""
+        images = [image.strip() for image in images if image.strip()]
+        if not images:
+            raise ValueError("name at least one image to pre-pull")
+        for image in images:
+            if image == "host" or image.startswith(_LOCAL_IMAGES):
+                raise ValueError(
+                    f"image {image!r} is a local runtime image; the kubernetes runtime pulls "
+                    "registry references (e.g. python:3.12-slim)"
+                )
+        known = await self.list_nodes(node_selector if not nodes else {})
+        if nodes:
+            missing = sorted(set(nodes) - set(known))
+            if missing:
+                raise ValueError(f"no such nodes: {', '.join(missing)}")
+            chosen = list(dict.fromkeys(nodes))
+        else:
+            chosen = known
+            if not chosen:
+                selector = node_selector if node_selector is not None else self.config.node_selector
+                raise ValueError(f"no node matches the node selector {dict(selector)}")
+        run = ImagePrepull(
+            self._core_api(),
+            self.config,
+            chosen,
+            images,
+            timeout_s or self.config.prepull_timeout_s,
+        )
+        try:
+            async with contextlib.aclosing(run.progress()) as updates:
+                async for progress in updates:
+                    yield progress
+        except KubeApiError as exc:
+            raise RuntimeUnavailable(f"pre-pull failed: the API server answered {exc}") from None
 
     # -- the stream's changes ----------------------------------------------------------------
 

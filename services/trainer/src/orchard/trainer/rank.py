@@ -1,0 +1,388 @@
+"""One rank of a job's worker group: a process of its own that holds the model and trains.
+
+The trainer service (the controller, `orchard.trainer.workers`) starts one of these per rank
+with ``python -m orchard.trainer.rank --conn-fd FD``. The first message on that connection is
+the rank's `RankSetup`; the rank joins the torch.distributed group (gloo on CPU, NCCL with
+CUDA), loads the policy, builds its DeepSpeed engine, restores a checkpoint when resuming and
+answers ``("ok", RankReady)``. From then on it runs commands, one at a time, every rank the
+same command: ``(name, arguments)`` in, ``("ok", value)`` or ``("error", RankFault)`` out.
+Every rank keeps the whole data buffer and trains on its own share of each step's
+micro-batches; the controller reads rank 0's answer.
+
+The rank never touches the artifact store: the controller hands it local folders (model,
+dataset, checkpoint to resume from) and uploads what it saves. A rank exits when the
+connection closes, when told to, or when the controller process is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import shutil
+import sys
+import threading
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orchard.trainer.checkpoints import (
+    CheckpointError,
+    CheckpointInfo,
+    load_checkpoint,
+    read_checkpoint,
+    saved_world_size,
+    to_universal,
+)
+from orchard.trainer.checkpoints import save_checkpoint as save_engine_checkpoint
+from orchard.trainer.datasets import parse_trajectories
+from orchard.trainer.distributed import ProcessGroupSpec
+from orchard.trainer.engine import EngineConfig, StepResult, TrainingEngine
+from orchard.trainer.losses import PolicyLossConfig
+from orchard.trainer.masks import (
+    Overflow,
+    Sample,
+    SampleConfig,
+    TrajectoryError,
+    build_sft_samples,
+)
+from orchard.trainer.microbatches import MicroBatchPlan
+from orchard.trainer.policy import Policy, load_policy
+from orchard.trainer.rl import RlBatch, RlConfig, StaleBatchError, StalePolicy, build_rl_batch
+from orchard.trainer.rl import rl_update as run_rl_update
+from orchard.trainer.v1 import trainer_service_pb2 as api
+from orchard.types.v1 import trajectory_pb2
+
+__all__ = ["RankFault", "RankReady", "RankSetup", "RankTrainer", "SubmitCounts", "main"]
+
+log = logging.getLogger(__name__)
+
+
+class NotEnoughData(Exception):
+    """A step was asked for before enough data was submitted."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankSetup:
+    """What one rank needs to start; the controller sends it first."""
+
+    job_id: str
+    spec: bytes
+    """The resolved `TrainingJobSpec`, serialized."""
+    model: str
+    """``builtin:<size>`` or a local Hugging Face model folder."""
+    scratch: str
+    """A local folder of the job: checkpoints are written under ``<scratch>/saving``."""
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    dataset: str | None = None
+    """A local JSON Lines copy of the spec's dataset (SFT)."""
+    dataset_name: str = ""
+    """The dataset's URL, for messages."""
+    resume_from: str | None = None
+    """A local checkpoint folder to restore."""
+    threads: int = 0
+    """torch CPU threads of this rank; 0 leaves torch's default."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankReady:
+    """A rank's answer to its setup."""
+
+    pid: int
+    step: int
+    """Optimizer steps taken (after a resume, the checkpoint's)."""
+    buffered: int
+    """Samples buffered (an SFT dataset's)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitCounts:
+    groups: int = 0
+    trainable: int = 0
+    skipped: int = 0
+    skip_reasons: Counter[str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RankFault:
+    """An exception raised in a rank, carried across the process boundary by kind."""
+
+    kind: str
+    """`NotEnoughData`, `StaleBatchError`, `TrajectoryError`, `ValueError`, `CheckpointError`,
+    or `other` (a bug or a broken rank)."""
+    message: str
+    trace: str = ""
+
+    @classmethod
+    def of(cls, exc: BaseException) -> RankFault:
+        for kind in (NotEnoughData, StaleBatchError, TrajectoryError, CheckpointError):
+            if isinstance(exc, kind):
+                return cls(kind.__name__, str(exc))
+        if isinstance(exc, ValueError):
+            return cls("ValueError", str(exc))
+        return cls("other", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+
+
+def sample_config(spec: api.TrainingJobSpec) -> SampleConfig:
+    return SampleConfig(
+        context_window=spec.max_sequence_tokens or None,
+        overflow=Overflow.DROP if spec.drop_long else Overflow.TRUNCATE_LEFT,
+    )
+
+
+def policy_loss_config(spec: api.TrainingJobSpec) -> PolicyLossConfig:
+    loss = spec.policy_loss
+    return PolicyLossConfig(
+        clip_low=loss.clip_low,
+        clip_high=loss.clip_high,
+        importance_cap=loss.importance_cap,
+        kl_coef=loss.kl_coef,
+        length_normalization=loss.length_normalize,
+    )
+
+
+def engine_config(spec: api.TrainingJobSpec) -> EngineConfig:
+    """The engine settings of a resolved spec."""
+    return EngineConfig(
+        zero_stage=spec.zero_stage,
+        micro_batch_size=spec.micro_batch_size,
+        gradient_accumulation=spec.gradient_accumulation,
+        learning_rate=spec.learning_rate,
+        warmup_steps=spec.warmup_steps,
+        total_steps=spec.total_steps,
+    )
+
+
+class RankTrainer:
+    """The policy, its engine and the data buffer of one rank (see the module docstring)."""
+
+    def __init__(self, setup: RankSetup) -> None:
+        spec = api.TrainingJobSpec.FromString(setup.spec)
+        self.setup = setup
+        self.spec = spec
+        self.mode = "sft" if spec.mode == api.TRAINING_MODE_SFT else "rl"
+        if setup.threads > 0:
+            torch.set_num_threads(setup.threads)
+        self.policy: Policy = load_policy(setup.model)
+        if self.policy.tokenizer is None:
+            raise ValueError(f"spec.model {spec.model!r} has no tokenizer")
+        self.tokenizer = self.policy.tokenizer
+        self.vocab_size = int(self.policy.model.config.vocab_size)
+        self.samples = sample_config(spec)
+        self.sft_samples: list[Sample] = []
+        self.rl_samples: list[Sample] = []
+        self.rl_advantages: list[float] = []
+        self.rl_rewards: list[float] = []
+        self._plan: MicroBatchPlan | None = None
+        if setup.dataset is not None:
+            with open(setup.dataset, encoding="utf-8") as lines:
+                rows = parse_trajectories(lines, setup.dataset_name or setup.dataset)
+                self.sft_samples.extend(build_sft_samples(rows, self.samples).samples)
+        group = ProcessGroupSpec(
+            rank=setup.rank,
+            world_size=setup.world_size,
+            master_addr=setup.master_addr,
+            master_port=setup.master_port,
+        )
+        config = engine_config(spec)
+        checkpoint = universal = None
+        if setup.resume_from is not None:
+            checkpoint = read_checkpoint(setup.resume_from)
+            if spec.zero_stage > 0 and saved_world_size(checkpoint) != setup.world_size:
+                # The other ranks wait in the engine's first collective meanwhile.
+                universal = Path(setup.scratch) / "universal"
+                if setup.rank == 0:
+                    to_universal(checkpoint, universal)
+                config = replace(config, load_universal=True)
+        self.engine = TrainingEngine(self.policy.model, config, process_group=group)
+        try:
+            if checkpoint is not None:
+                load_checkpoint(self.engine, checkpoint, universal=universal)
+        except BaseException:
+            self.engine.close()
+            raise
+        finally:
+            if universal is not None and setup.world_size > 1:
+                torch.distributed.barrier()
+            if universal is not None and setup.rank == 0:
+                shutil.rmtree(universal, ignore_errors=True)
+
+    def ready(self) -> RankReady:
+        return RankReady(os.getpid(), self.engine.global_step, len(self.sft_samples))
+
+    # -- commands (every rank runs each one) -----------------------------------------------
+
+    def submit(self, group: bytes, version_lag: dict[str, int | None] | None) -> SubmitCounts:
+        """Add one group's samples to the buffer (see `jobs.JobRunner.submit`)."""
+        message = trajectory_pb2.TrajectoryGroup.FromString(group)
+        trajectories = list(message.trajectories)
+        for trajectory in trajectories:
+            self._check_tokens(trajectory)
+        if self.mode == "sft":
+            built = build_sft_samples(trajectories, self.samples)
+            self.sft_samples.extend(built.samples)
+            self._plan = None
+            reasons = Counter({str(k): v for k, v in built.skipped.items()})
+            return SubmitCounts(1, len(built.samples), sum(reasons.values()), reasons)
+        lag = None if version_lag is None else version_lag.get
+        batch = build_rl_batch(trajectories, self._rl_config(), version_lag=lag)
+        self.rl_samples.extend(batch.samples)
+        self.rl_advantages.extend(batch.advantages)
+        if not math.isnan(batch.reward_mean):
+            self.rl_rewards.append(batch.reward_mean)
+        return SubmitCounts(
+            1, len(batch.samples), len(trajectories) - len(batch.samples), Counter(batch.skipped)
+        )
+
+    def run_steps(self, steps: int) -> list[StepResult]:
+        """SFT: `steps` optimizer steps of the seeded plan over the buffer. RL: `steps` updates
+        of the clipped objective on the whole buffer, which they consume."""
+        world = self.engine.world_size
+        if self.mode == "sft":
+            if not self.sft_samples:
+                raise NotEnoughData(
+                    "this SFT job has no samples: submit groups with trainable trajectories "
+                    "(or give spec.dataset) before stepping"
+                )
+            if self._plan is None:
+                self._plan = MicroBatchPlan(
+                    self.sft_samples,
+                    micro_batch_size=self.spec.micro_batch_size,
+                    gradient_accumulation=self.spec.gradient_accumulation,
+                    world_size=world,
+                    pad_id=self.policy.pad_id,
+                )
+            plan = self._plan
+            return [
+                self.engine.sft_step(plan.for_step(self.engine.global_step, self.engine.rank))
+                for _ in range(steps)
+            ]
+        needed = steps * self.spec.gradient_accumulation * world
+        if len(self.rl_samples) < needed:
+            raise NotEnoughData(
+                f"{steps} RL step(s) with gradient_accumulation "
+                f"{self.spec.gradient_accumulation} on {world} rank(s) need at least {needed} "
+                f"trainable samples; {len(self.rl_samples)} are buffered: submit more groups"
+            )
+        rewards = self.rl_rewards
+        batch = RlBatch(
+            samples=tuple(self.rl_samples),
+            advantages=tuple(self.rl_advantages),
+            reward_mean=math.fsum(rewards) / len(rewards) if rewards else math.nan,
+        )
+        self.rl_samples, self.rl_advantages, self.rl_rewards = [], [], []
+        return run_rl_update(self.engine, batch, self._rl_config(steps), pad_id=self.policy.pad_id)
+
+    def save(self, version: str, metadata: dict[str, str]) -> CheckpointInfo:
+        """Save the engine as ``<scratch>/saving/<version>`` (collective); rank 0's manifest."""
+        root = Path(self.setup.scratch) / "saving"
+        if self.engine.rank == 0:
+            shutil.rmtree(root, ignore_errors=True)  # a save that died half-way
+        if self.engine.world_size > 1:
+            torch.distributed.barrier()
+        return save_engine_checkpoint(
+            self.engine, self.tokenizer, root, version=version, metadata=metadata
+        )
+
+    def close(self) -> None:
+        self.engine.close()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _check_tokens(self, trajectory: trajectory_pb2.Trajectory) -> None:
+        for turn in trajectory.turns:
+            for name in ("input_token_ids", "output_token_ids"):
+                ids = getattr(turn, name)
+                if any(t < 0 or t >= self.vocab_size for t in ids):
+                    raise ValueError(
+                        f"trajectory {trajectory.id!r} turn {turn.index}: {name} holds ids "
+                        f"outside the model's vocabulary [0, {self.vocab_size})"
+                    )
+
+    def _rl_config(self, updates: int = 1) -> RlConfig:
+        bounded = self.spec.HasField("max_staleness")
+        return RlConfig(
+            loss=policy_loss_config(self.spec),
+            samples=self.samples,
+            updates_per_batch=updates,
+            max_staleness=self.spec.max_staleness if bounded else None,
+            stale=StalePolicy.SKIP if self.spec.skip_stale else StalePolicy.REJECT,
+        )
+
+
+COMMANDS = frozenset({"submit", "run_steps", "save"})
+
+
+def _exit_with_parent(parent: int) -> None:
+    """End this process when the controller is gone (its connection may be held up by a
+    collective this rank is blocked in)."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(3)
+
+
+def serve(conn: Connection) -> int:
+    """Run the rank: setup, then commands until told to stop or the controller is gone."""
+    threading.Thread(
+        target=_exit_with_parent, args=(os.getppid(),), name="parent-watch", daemon=True
+    ).start()
+    setup: RankSetup = conn.recv()
+    try:
+        trainer = RankTrainer(setup)
+    except Exception as exc:
+        log.exception("rank %d of job %s could not start", setup.rank, setup.job_id)
+        conn.send(("error", RankFault.of(exc)))
+        return 1
+    conn.send(("ok", trainer.ready()))
+    try:
+        while True:
+            try:
+                name, arguments = conn.recv()
+            except EOFError:
+                return 0
+            if name == "close":
+                return 0
+            if name not in COMMANDS:
+                conn.send(("error", RankFault("other", f"unknown command {name!r}")))
+                continue
+            try:
+                value: Any = getattr(trainer, name)(**arguments)
+            except Exception as exc:
+                conn.send(("error", RankFault.of(exc)))
+            else:
+                conn.send(("ok", value))
+    finally:
+        trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m orchard.trainer.rank",
+        description="One rank of a training job; started by the trainer service.",
+    )
+    parser.add_argument("--conn-fd", type=int, required=True, help="the controller's socket")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s rank %(process)d %(message)s")
+    os.set_inheritable(args.conn_fd, False)
+    with Connection(args.conn_fd) as conn:
+        return serve(conn)
+
+
+if __name__ == "__main__":
+    # Run the module under its own name, so what it pickles names `orchard.trainer.rank`.
+    from orchard.trainer.rank import main as rank_main
+
+    sys.exit(rank_main())
