@@ -9,8 +9,9 @@ strict: unknown fields fail) and ``hadolint`` for the Dockerfiles. On top of tho
 below assert what Orchard's deployment promises (versions agree, probes on gRPC health,
 non-root Pods, the sandbox namespace's default-deny policy, RBAC kept to pods and network
 policies (and read-only nodes for image locality), a PodDisruptionBudget per workload, the
-trainer's worker group (ranks in its Pod, or a KubeRay RayCluster whose shape and Pod
-templates are checked here: its CRD schema is not bundled), one
+trainer's worker group (ranks in its Pod, worker Pods of a StatefulSet with their key Secret
+and NetworkPolicy, or a KubeRay RayCluster whose shape and Pod templates are checked here: its
+CRD schema is not bundled), one
 artifact store shared by the trainer, its workers and the rollout service, etcd with a quorum
 and persistent volumes, each service's config file accepted by that service's own
 configuration model (a service without one yet: its server section, and the output says so),
@@ -294,7 +295,8 @@ def check_workloads(docs: list[Manifest], report: Report, where: str) -> None:
 
 
 def check_metrics(docs: list[Manifest], report: Report, where: str) -> None:
-    """Each service is scraped exactly one way: a ServiceMonitor or prometheus.io annotations."""
+    """Each service is scraped exactly one way: a ServiceMonitor or prometheus.io annotations;
+    a workload with no ``metrics`` port (the trainer's worker Pods) is scraped no way."""
     monitors = {
         d["spec"]["selector"]["matchLabels"].get("app.kubernetes.io/name")
         for d in docs
@@ -304,8 +306,13 @@ def check_metrics(docs: list[Manifest], report: Report, where: str) -> None:
         meta = work["spec"]["template"]["metadata"]
         app = meta["labels"].get("app.kubernetes.io/name")
         annotated = (meta.get("annotations") or {}).get("prometheus.io/scrape") == "true"
+        serves = any(
+            port.get("name") == "metrics"
+            for container in work["spec"]["template"]["spec"]["containers"]
+            for port in container.get("ports") or []
+        )
         report.check(
-            annotated != (app in monitors),
+            annotated != (app in monitors) if serves else not annotated and app not in monitors,
             f"{where}: {kind_name(work)}: scraped by annotations={annotated} and "
             f"ServiceMonitor={app in monitors}; want exactly one",
         )
@@ -561,7 +568,7 @@ def check_worker_group(
         clusters = find(docs, "RayCluster")
         if kind == "subprocess":
             report.check(
-                not clusters and workers is None,
+                not clusters and workers is None and not _worker_sets(docs),
                 f"{where}: workers.kind=subprocess renders no worker group and no workers config",
             )
             return
@@ -636,13 +643,176 @@ def check_worker_group(
     return check
 
 
+def _worker_sets(docs: list[Manifest]) -> list[Manifest]:
+    return [d for d in find(docs, "StatefulSet") if d["metadata"]["name"].endswith("-workers")]
+
+
+def _mounted_claim_paths(pod: Manifest) -> list[str]:
+    claims = {v["name"] for v in pod.get("volumes", []) if "persistentVolumeClaim" in v}
+    return [
+        m["mountPath"] for m in pod["containers"][0].get("volumeMounts", []) if m["name"] in claims
+    ]
+
+
+def _secret_mount(pod: Manifest) -> tuple[str | None, str | None]:
+    """(Secret name, mountPath) of the Pod's ``worker-key`` volume."""
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    secret = (volumes.get("worker-key") or {}).get("secret") or {}
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0].get("volumeMounts", [])}
+    return secret.get("secretName"), mounts.get("worker-key")
+
+
+def check_pod_workers(
+    ranks: int, gpus_per_rank: int = 0
+) -> Callable[[list[Manifest], Report, str], None]:
+    """``workers.kind: pods``: a StatefulSet of `ranks` worker Pods running ``orchard-trainer
+    worker`` behind a headless Service, the trainer config's ``workers`` naming each by its
+    stable DNS name (accepted by TrainerConfig in `check_service_configs`), the key Secret
+    mounted where ``workers.pods.key_file`` points in both the trainer and the workers, the
+    scratch folder on the claim the workers mount, and a NetworkPolicy that admits only the
+    trainer (to the worker port) and the workers themselves."""
+
+    def check(docs: list[Manifest], report: Report, where: str) -> None:
+        trainers = [
+            d for d in find(docs, "Deployment") if d["metadata"]["name"].endswith("trainer")
+        ]
+        sets = _worker_sets(docs)
+        report.check(
+            len(trainers) == 1 and len(sets) == 1,
+            f"{where}: want one trainer and "
+            f"one worker StatefulSet, got {len(trainers)} and {len(sets)}",
+        )
+        if len(trainers) != 1 or len(sets) != 1:
+            return
+        trainer, workers_set = trainers[0], sets[0]
+        namespace = trainer["metadata"]["namespace"]
+        config = _config_of(docs, trainer["metadata"]["name"])
+        found = config.get("workers")
+        workers: dict[str, Any] = found if isinstance(found, dict) else {}
+        pods = workers.get("pods") or {}
+        report.check(
+            workers.get("kind") == "pods" and workers.get("ranks") == ranks,
+            f"{where}: the trainer config's workers {workers} must say kind pods, {ranks} ranks",
+        )
+        name = workers_set["metadata"]["name"]
+        spec = workers_set["spec"]
+        pod = spec["template"]["spec"]
+        container = pod["containers"][0]
+        labels = spec["template"]["metadata"]["labels"]
+        report.check(
+            spec.get("replicas") == ranks, f"{where}: {name} needs {ranks} Pods (one per rank)"
+        )
+        services = [
+            d for d in find(docs, "Service") if d["metadata"]["name"] == spec.get("serviceName")
+        ]
+        report.check(
+            len(services) == 1
+            and services[0]["spec"].get("clusterIP") == "None"
+            and _labels_match(services[0]["spec"]["selector"], labels),
+            f"{where}: {name} needs a headless Service named by its serviceName that selects it",
+        )
+        trainer_selectors = [
+            d["spec"]["selector"]
+            for d in find(docs, "Service")
+            if d["metadata"]["name"] == trainer["metadata"]["name"]
+        ]
+        report.check(
+            not any(_labels_match(sel, labels) for sel in trainer_selectors),
+            f"{where}: the trainer Service must not select the worker Pods",
+        )
+        ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+        command = [str(c) for c in container.get("command") or []]
+        expected = [
+            f"{name}-{i}.{spec.get('serviceName')}.{namespace}.svc:{ports.get('worker')}"
+            for i in range(ranks)
+        ]
+        report.check(
+            command[:2] == ["orchard-trainer", "worker"]
+            and f"0.0.0.0:{ports.get('worker')}" in command,
+            f"{where}: {name} must run `orchard-trainer worker --listen 0.0.0.0:<worker port>`",
+        )
+        report.check(
+            pods.get("endpoints") == expected,
+            f"{where}: workers.pods.endpoints {pods.get('endpoints')} must be {expected}",
+        )
+        report.check(
+            pods.get("rendezvous_port") == ports.get("rendezvous"),
+            f"{where}: workers.pods.rendezvous_port must be the workers' rendezvous port",
+        )
+        key_file = str(pods.get("key_file", ""))
+        trainer_pod = trainer["spec"]["template"]["spec"]
+        secrets = {_secret_mount(trainer_pod)[0], _secret_mount(pod)[0]}
+        for who, spec_of in (("trainer", trainer_pod), (name, pod)):
+            secret, path = _secret_mount(spec_of)
+            report.check(
+                secret is not None and path is not None and key_file == f"{path.rstrip('/')}/key",
+                f"{where}: {who} must mount the worker key Secret where workers.pods.key_file "
+                f"({key_file!r}) points",
+            )
+            if who == name:
+                report.check(
+                    "--key-file" in command
+                    and command[command.index("--key-file") + 1 :][:1] == [key_file],
+                    f"{where}: {name} must read the key from {key_file!r}",
+                )
+        report.check(
+            len(secrets) == 1, f"{where}: the trainer and the workers mount different keys"
+        )
+        scratch = str((config.get("weights") or {}).get("scratch_dir", ""))
+        mounts = _mounted_claim_paths(pod)
+        report.check(
+            any(scratch.startswith(path.rstrip("/") + "/") for path in mounts),
+            f"{where}: weights.scratch_dir {scratch!r} must lie on a claim every worker Pod "
+            f"mounts (mounted: {mounts})",
+        )
+        limits = (container.get("resources") or {}).get("limits") or {}
+        report.check(
+            limits.get("nvidia.com/gpu", 0) == gpus_per_rank,
+            f"{where}: each worker Pod must ask for {gpus_per_rank} GPUs, got {limits}",
+        )
+        trainer_labels = trainer["spec"]["template"]["metadata"]["labels"]
+        policies = [
+            d
+            for d in find(docs, "NetworkPolicy")
+            if _labels_match(d["spec"]["podSelector"].get("matchLabels") or {}, labels)
+        ]
+        report.check(len(policies) == 1, f"{where}: {name} needs one NetworkPolicy")
+        for policy in policies:
+            rules = policy["spec"].get("ingress") or []
+            # (pod labels a peer must carry, ports); an empty selector, a namespace or an
+            # address block admits more than the trainer and the workers.
+            allowed: list[tuple[dict[str, str], list[Any]]] = []
+            open_peers = 0
+            for rule in rules:
+                for peer in rule.get("from") or [{}]:
+                    selector = (peer.get("podSelector") or {}).get("matchLabels") or {}
+                    if not selector or set(peer) != {"podSelector"}:
+                        open_peers += 1
+                    ports_of = [p.get("port") for p in rule.get("ports") or []]
+                    allowed.append((selector, ports_of))
+            report.check(
+                "Ingress" in policy["spec"].get("policyTypes", [])
+                and open_peers == 0
+                and all(
+                    (_labels_match(sel, trainer_labels) and ports_of == ["worker"])
+                    or _labels_match(sel, labels)
+                    for sel, ports_of in allowed
+                )
+                and any(_labels_match(sel, trainer_labels) for sel, _ in allowed),
+                f"{where}: {kind_name(policy)} must admit only the trainer (worker port) and "
+                f"the workers, got {allowed}",
+            )
+
+    return check
+
+
 def _artifact_pods(docs: list[Manifest]) -> list[tuple[str, Manifest]]:
-    """The Pod specs that use the artifact store: trainer and rollout Deployments, every
-    RayCluster group."""
+    """The Pod specs that use the artifact store: trainer and rollout Deployments, the trainer's
+    worker StatefulSet, every RayCluster group."""
     pods = []
     for work in workloads(docs):
         container = work["spec"]["template"]["spec"]["containers"][0]["name"]
-        if container in ("trainer", "rollout"):
+        if container in ("trainer", "rollout", "trainer-worker"):
             pods.append((kind_name(work), work["spec"]["template"]["spec"]))
     for cluster in find(docs, "RayCluster"):
         spec = cluster["spec"]
@@ -949,6 +1119,12 @@ CASES = [
         ("ci/workers-ray-values.yaml",),
         (*GENERAL, check_worker_group("ray", 2, gpus_per_rank=1)),
     ),
+    Case(
+        "trainer",
+        "workers-pods",
+        ("ci/workers-pods-values.yaml",),
+        (*GENERAL, check_pod_workers(2, gpus_per_rank=1)),
+    ),
 ]
 
 _ETCD: dict[str, Any] = {"etcd": {"endpoints": ["http://e:2379"]}}
@@ -969,16 +1145,17 @@ BAD_VALUES: list[tuple[str, dict[str, Any], str]] = [
     (UMBRELLA, {"etcd": {"enabled": True, "replicas": 2}}, "replicas"),
     (UMBRELLA, {"global": {"etcd": {"endpoints": ["http://e:2379"]}}}, "set etcd.enabled=false"),
     ("trainer", {**_ETCD, "workers": {"kind": "mpi"}}, "kind"),
-    # One Pod per rank without Ray is not a worker group the trainer has.
+    ("trainer", {**_ETCD, "workers": {"kind": "pods", "ranks": 2}}, "shared artifact store"),
     (
         "trainer",
         {
             **_ETCD,
             "workers": {"kind": "pods", "ranks": 2},
-            "artifacts": {"persistence": {"enabled": True}},
+            "artifacts": {"persistence": {"enabled": True, "accessModes": ["ReadWriteOnce"]}},
         },
-        "/workers/kind",
+        "ReadWriteMany",
     ),
+    ("trainer", {**_ETCD, "workers": {"kind": "pods", "pods": {"port": 0}}}, "port"),
     ("trainer", {**_ETCD, "workers": {"kind": "ray", "ranks": 0}}, "ranks"),
     ("trainer", {**_ETCD, "workers": {"kind": "ray"}}, "shared artifact store"),
     (

@@ -1,6 +1,7 @@
-"""tools/charts.py: the checks of the trainer's worker group (ranks in its Pod or a RayCluster),
-the shared artifact store and the env service's node access catch what they promise to. Each test
-renders a chart with Helm (as `make charts` does) and breaks one thing in the rendering."""
+"""tools/charts.py: the checks of the trainer's worker group (ranks in its Pod, worker Pods of a
+StatefulSet, or a RayCluster), the shared artifact store and the env service's node access catch
+what they promise to. Each test renders a chart with Helm (as `make charts` does) and breaks one
+thing in the rendering."""
 
 from __future__ import annotations
 
@@ -164,6 +165,109 @@ def test_ray_ranks_scratch_on_the_shared_claim(ray: Docs) -> None:
     ]
     found = failures(charts.check_worker_group("ray", 2, gpus_per_rank=1), docs)
     assert any("scratch_dir" in f for f in found), found
+
+
+@pytest.fixture(scope="module")
+def pods(workdir: Path) -> Docs:
+    return render(workdir, "trainer", ("ci/workers-pods-values.yaml",))
+
+
+def test_the_pod_worker_group_as_rendered_passes(pods: Docs) -> None:
+    check = charts.check_pod_workers(2, gpus_per_rank=1)
+    assert failures(check, pods) == []
+    for general in (
+        charts.check_artifacts,
+        charts.check_workloads,
+        charts.check_metrics,
+        charts.check_service_configs,
+    ):
+        assert failures(general, pods) == [], general
+    assert one(pods, "StatefulSet")["spec"]["template"]["spec"]["containers"][0]["command"][:2] == [
+        "orchard-trainer",
+        "worker",
+    ]
+    # Another rank count, no GPUs per rank, or no worker group is not what was rendered.
+    assert failures(charts.check_pod_workers(3, gpus_per_rank=1), pods)
+    assert failures(charts.check_pod_workers(2), pods)
+    assert failures(charts.check_worker_group("subprocess", 1), pods)
+
+
+def test_an_existing_key_secret_is_used_and_none_is_made(workdir: Path) -> None:
+    docs = render(
+        workdir,
+        "trainer",
+        ("ci/workers-pods-values.yaml",),
+        workers={"pods": {"existingSecret": "trainer-key"}},
+    )
+    assert not charts.find(docs, "Secret")
+    assert failures(charts.check_pod_workers(2, gpus_per_rank=1), docs) == []
+    volumes = one(docs, "StatefulSet")["spec"]["template"]["spec"]["volumes"]
+    assert {"secretName": "trainer-key", "defaultMode": 0o440} in [v.get("secret") for v in volumes]
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ("endpoints", "workers.pods.endpoints"),
+        ("key_path", "must mount the worker key Secret where workers.pods.key_file"),
+        ("other_key", "mount different keys"),
+        ("open_policy", "must admit only the trainer (worker port) and the workers"),
+        ("all_pods", "must admit only the trainer (worker port) and the workers"),
+        ("other_namespaces", "must admit only the trainer (worker port) and the workers"),
+        ("scratch", "must lie on a claim every worker Pod mounts"),
+        ("service_selects_workers", "must not select the worker Pods"),
+        ("replicas", "needs 2 Pods (one per rank)"),
+        ("not_headless", "needs a headless Service"),
+    ],
+)
+def test_a_broken_pod_worker_group_is_caught(pods: Docs, change: str, expected: str) -> None:
+    docs = copy.deepcopy(pods)
+    workers = one(docs, "StatefulSet")
+    pod = workers["spec"]["template"]["spec"]
+    config_map = one(docs, "ConfigMap")
+    config = yaml.safe_load(config_map["data"]["config.yaml"])
+    if change == "endpoints":
+        config["workers"]["pods"]["endpoints"][1] = "orchard-trainer-workers-1:7410"
+    elif change == "key_path":
+        config["workers"]["pods"]["key_file"] = "/etc/orchard/key"
+    elif change == "other_key":
+        [key] = [v for v in pod["volumes"] if v["name"] == "worker-key"]
+        key["secret"]["secretName"] = "another-key"
+    elif change == "open_policy":
+        one(docs, "NetworkPolicy")["spec"]["ingress"].append({"from": [{"podSelector": {}}]})
+    elif change == "all_pods":
+        rules = one(docs, "NetworkPolicy")["spec"]["ingress"]
+        rules.append({"from": [{"podSelector": {"matchLabels": {}}}]})
+    elif change == "other_namespaces":
+        [rule, _] = one(docs, "NetworkPolicy")["spec"]["ingress"]
+        rule["from"][0]["namespaceSelector"] = {}
+    elif change == "scratch":
+        config["weights"]["scratch_dir"] = "/tmp/trainer-scratch"
+    elif change == "service_selects_workers":
+        trainer_service = next(
+            d for d in charts.find(docs, "Service") if d["metadata"]["name"] == "orchard-trainer"
+        )
+        trainer_service["spec"]["selector"] = {"app.kubernetes.io/instance": "orchard"}
+    elif change == "replicas":
+        workers["spec"]["replicas"] = 1
+    elif change == "not_headless":
+        headless = next(
+            d for d in charts.find(docs, "Service") if d["metadata"]["name"].endswith("-workers")
+        )
+        headless["spec"]["clusterIP"] = "10.0.0.7"
+    config_map["data"]["config.yaml"] = yaml.safe_dump(config)
+    found = failures(charts.check_pod_workers(2, gpus_per_rank=1), docs)
+    assert any(expected in f for f in found), found
+
+
+def test_a_pod_worker_config_the_trainer_refuses_is_caught(pods: Docs) -> None:
+    docs = copy.deepcopy(pods)
+    config_map = one(docs, "ConfigMap")
+    config = yaml.safe_load(config_map["data"]["config.yaml"])
+    config["weights"]["scratch_dir"] = "trainer-scratch"
+    config_map["data"]["config.yaml"] = yaml.safe_dump(config)
+    found = failures(charts.check_service_configs, docs)
+    assert any("must be an absolute path on a volume" in f for f in found), found
 
 
 def test_the_umbrella_shares_one_claim(umbrella: Docs) -> None:

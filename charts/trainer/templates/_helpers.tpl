@@ -147,6 +147,24 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- printf "%s-ray" (include "trainer.fullname" .) | trunc 40 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* The worker Pods of workers.kind=pods: the StatefulSet and its headless Service. */}}
+{{- define "trainer.pods.name" -}}
+{{- printf "%s-workers" (include "trainer.fullname" .) | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The Secret holding the key the trainer and its worker Pods share (its key "key"). */}}
+{{- define "trainer.pods.secretName" -}}
+{{- .Values.workers.pods.existingSecret | default (printf "%s-worker-key" (include "trainer.fullname" .)) -}}
+{{- end -}}
+
+{{- define "trainer.pods.keyDir" -}}
+/etc/orchard-trainer-worker
+{{- end -}}
+
+{{- define "trainer.pods.keyFile" -}}
+{{- printf "%s/key" (include "trainer.pods.keyDir" .) -}}
+{{- end -}}
+
 {{/* The worker group's part of the config file: what the controller reads to reach its ranks.
 Empty for subprocess (the service's defaults). */}}
 {{- define "trainer.workersConfig" -}}
@@ -154,6 +172,20 @@ Empty for subprocess (the service's defaults). */}}
 {{- if eq $w.kind "ray" -}}
 {{- $address := $w.ray.address | default (printf "ray://%s-head-svc.%s.svc:10001" (include "trainer.ray.name" .) .Release.Namespace) -}}
 {{- toJson (dict "kind" $w.kind "ranks" (int $w.ranks) "ray" (dict "address" $address "gpus_per_rank" (int $w.gpusPerRank))) -}}
+{{- else if eq $w.kind "pods" -}}
+{{- $name := include "trainer.pods.name" . -}}
+{{- $endpoints := list -}}
+{{- range $i := until (int $w.ranks) -}}
+{{- $endpoints = append $endpoints (printf "%s-%d.%s.%s.svc:%v" $name $i $name $.Release.Namespace $w.pods.port) -}}
+{{- end -}}
+{{- $pods := dict "endpoints" $endpoints "key_file" (include "trainer.pods.keyFile" .) "rendezvous_port" (int $w.pods.rendezvousPort) -}}
+{{- $config := dict "kind" $w.kind "ranks" (int $w.ranks) "max_ranks" (int $w.ranks) "pods" $pods -}}
+{{- /* torch's threads per rank: the worker Pod's whole CPUs (torch would count the node's). */ -}}
+{{- $cpu := toString ((($w.resources | default dict).requests | default dict).cpu | default "") -}}
+{{- if regexMatch "^[1-9][0-9]*$" $cpu -}}
+{{- $_ := set $config "threads_per_rank" (int $cpu) -}}
+{{- end -}}
+{{- toJson $config -}}
 {{- end -}}
 {{- end -}}
 
@@ -165,7 +197,7 @@ Empty for subprocess (the service's defaults). */}}
 {{- end -}}
 {{- $persistence := .Values.artifacts.persistence | default dict -}}
 {{- if and (ne .Values.workers.kind "subprocess") $persistence.enabled (not .Values.artifacts.existingClaim) (not (has "ReadWriteMany" $persistence.accessModes)) -}}
-{{- fail (printf "artifacts.persistence.accessModes %v: Ray worker Pods on other nodes mount the store; it needs ReadWriteMany" $persistence.accessModes) -}}
+{{- fail (printf "artifacts.persistence.accessModes %v: worker Pods on other nodes mount the store; it needs ReadWriteMany" $persistence.accessModes) -}}
 {{- end -}}
 {{- if and (eq .Values.workers.kind "subprocess") .Values.workers.ray.address -}}
 {{- fail "workers.ray.address is set but workers.kind is subprocess: set workers.kind=ray to train on that Ray cluster" -}}

@@ -13,6 +13,8 @@ from orchard.trainer.losses import (
     group_advantages,
     policy_loss,
     sft_loss,
+    sft_loss_and_logp,
+    token_entropy,
     token_logprobs,
 )
 
@@ -202,3 +204,30 @@ def test_sft_loss_is_the_mean_nll_of_masked_targets_only():
     # Masked positions get no gradient at all.
     assert torch.all(logits.grad[0, 0] == 0) and torch.all(logits.grad[1, 1:] == 0)
     assert token_logprobs(logits, targets).shape == (2, 3)
+
+
+def test_sft_loss_at_masked_positions_matches_the_full_softmax_and_gives_the_entropy():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 7, 11, dtype=torch.float64)
+    targets = torch.randint(0, 11, (3, 7))
+    mask = torch.rand(3, 7) > 0.5
+    full = logits.clone().requires_grad_(True)
+    nll = -token_logprobs(full, targets)
+    reference = (nll * mask).sum() / mask.sum()
+    reference.backward()
+    fused = logits.clone().requires_grad_(True)
+    loss, logp = sft_loss_and_logp(fused, targets, mask)
+    loss.backward()
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-12)
+    assert fused.grad is not None and full.grad is not None
+    assert torch.allclose(fused.grad, full.grad, rtol=0, atol=1e-12)
+    entropy = -(logp.exp() * logp).sum(dim=-1).mean()
+    assert entropy.item() == pytest.approx(token_entropy(logits)[mask].mean().item(), rel=1e-12)
+
+
+def test_sft_loss_without_masked_positions_is_zero_with_a_gradient():
+    logits = torch.randn(1, 4, 5, requires_grad=True)
+    loss, logp = sft_loss_and_logp(logits, torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4))
+    assert loss.item() == 0.0 and logp.shape == (0, 5)
+    loss.backward()
+    assert logits.grad is not None and torch.all(logits.grad == 0)

@@ -3,6 +3,7 @@
 ::
 
     orchard-trainer serve --listen 127.0.0.1:7300 --etcd http://127.0.0.1:2379
+    orchard-trainer worker --listen 0.0.0.0:7400 --key-file /etc/orchard-trainer/worker-key
 
     orchard-trainer sft --data trajectories.jsonl --model builtin:tiny --output runs/sft1 \\
         --steps 200 --lr 3e-3 --warmup 20 --micro-batch 16 --accumulate 2 --zero-stage 2
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -229,6 +231,21 @@ def _run_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_worker(args: argparse.Namespace) -> int:
+    from orchard.core.logging import configure_logging  # noqa: PLC0415
+    from orchard.trainer.rank_worker import run_worker  # noqa: PLC0415
+
+    if not args.key_file:
+        print(
+            "orchard-trainer worker: give the shared key's file (--key-file FILE or "
+            "$ORCHARD_TRAINER_WORKER_KEY_FILE)",
+            file=sys.stderr,
+        )
+        return 2
+    configure_logging("trainer-worker", args.log_level)
+    return run_worker(args.listen, args.key_file, stop_timeout_s=args.stop_timeout)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
@@ -239,12 +256,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="orchard-trainer", description="Orchard trainer")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="run the TrainerService (see `orchard-trainer serve --help`)")
+    worker = sub.add_parser(
+        "worker",
+        help="a standing worker that runs one rank of one job at a time for the trainer "
+        "service (workers.kind: pods)",
+    )
+    worker.add_argument(
+        "--listen", default="0.0.0.0:7400", metavar="HOST:PORT", help="address to listen on"
+    )
+    worker.add_argument(
+        "--key-file",
+        default=os.environ.get("ORCHARD_TRAINER_WORKER_KEY_FILE", ""),
+        metavar="FILE",
+        help="file holding the key shared with the trainer service "
+        "(default: $ORCHARD_TRAINER_WORKER_KEY_FILE)",
+    )
+    worker.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long a rank may take to exit when its job ends before it is killed",
+    )
+    worker.add_argument("--log-level", default="INFO", help="logging level")
     _sft_parser(sub)
     _curate_parser(sub)
     plot = sub.add_parser("plot", help="draw a run log (run.jsonl) as a PNG")
     plot.add_argument("run_log", type=Path)
     plot.add_argument("png", type=Path)
     args = parser.parse_args(argv)
+    if args.command == "worker":
+        return _run_worker(args)
     if args.command == "sft":
         return _run_sft(args)
     if args.command == "curate":

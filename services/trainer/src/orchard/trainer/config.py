@@ -18,6 +18,7 @@ __all__ = [
     "ArtifactsConfig",
     "EtcdConfig",
     "JobsConfig",
+    "PodWorkersConfig",
     "RayWorkersConfig",
     "TrainerConfig",
     "WeightsConfig",
@@ -57,7 +58,9 @@ class WeightsConfig(ConfigModel):
         default="trainer-scratch",
         min_length=1,
         description="Local folder of this process: a checkpoint is written here, then put in "
-        "the store, and downloaded checkpoints are cached here; never read by another service.",
+        "the store, and downloaded checkpoints are cached here; never read by another service. "
+        "With `workers.kind` ray on a cluster or pods, the ranks write here too: an absolute "
+        "path on a volume they mount at the same path.",
     )
     registry_model: str = Field(
         default="policy",
@@ -109,6 +112,41 @@ class RayWorkersConfig(ConfigModel):
     )
 
 
+class PodWorkersConfig(ConfigModel):
+    """Ranks on standing worker Pods (`workers.kind: pods`), each running
+    ``orchard-trainer worker``."""
+
+    endpoints: list[str] = Field(
+        default_factory=list,
+        description="The workers as HOST:PORT (e.g. trainer-workers-0.trainer-workers:7400); "
+        "a job of N ranks takes the first N that are free, rank 0's host is the rendezvous "
+        "address. The trainer's scratch folder (`weights.scratch_dir`) and the artifact store "
+        "must be mounted at the same paths in the workers.",
+    )
+    key_file: str = Field(
+        default="",
+        description="File holding the key shared with the workers (at least 16 bytes); both "
+        "sides prove it before anything else is exchanged.",
+    )
+    rendezvous_port: int = Field(
+        default=29500,
+        ge=0,
+        lt=65536,
+        description="torch.distributed port on rank 0's worker; 0: a free port that worker names.",
+    )
+    connect_timeout_s: float = Field(
+        default=10.0, gt=0, description="How long a worker may take to accept a job."
+    )
+
+    @model_validator(mode="after")
+    def _endpoints_parse(self) -> PodWorkersConfig:
+        for endpoint in self.endpoints:
+            host, _, port = endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"workers.pods.endpoints: {endpoint!r} is not HOST:PORT")
+        return self
+
+
 class WorkersConfig(ConfigModel):
     """The worker group each job trains on: rank processes this service starts and drives."""
 
@@ -139,14 +177,27 @@ class WorkersConfig(ConfigModel):
         description="CPU threads of torch in each rank; 0: the machine's cores divided by "
         "the job's ranks (with Ray: `ray.cpus_per_rank`).",
     )
-    kind: Literal["subprocess", "ray"] = Field(
+    kind: Literal["subprocess", "ray", "pods"] = Field(
         default="subprocess",
         description="`subprocess` (the default: ranks are processes this service starts on "
-        "its machine) or `ray` (ranks are Ray actors in a placement group).",
+        "its machine), `ray` (ranks are Ray actors in a placement group) or `pods` (ranks "
+        "run on standing worker Pods, see `workers.pods`).",
     )
     ray: RayWorkersConfig = Field(
         default_factory=RayWorkersConfig, description="Where Ray ranks run."
     )
+    pods: PodWorkersConfig = Field(
+        default_factory=PodWorkersConfig, description="Where ranks on worker Pods run."
+    )
+
+    @model_validator(mode="after")
+    def _pods_named(self) -> WorkersConfig:
+        if self.kind == "pods" and (not self.pods.endpoints or not self.pods.key_file):
+            raise ValueError(
+                "workers.kind is pods: give the workers (workers.pods.endpoints) and the file "
+                "of their shared key (workers.pods.key_file)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _ray_installed(self) -> WorkersConfig:
@@ -186,6 +237,15 @@ class TrainerConfig(ServiceConfig):
             raise ValueError(
                 f"workers.ranks ({self.workers.ranks}) must not exceed workers.max_ranks "
                 f"({self.workers.max_ranks})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _scratch_shared_with_pods(self) -> TrainerConfig:
+        if self.workers.kind == "pods" and not self.weights.scratch_dir.startswith("/"):
+            raise ValueError(
+                f"workers.kind is pods: weights.scratch_dir ({self.weights.scratch_dir!r}) must "
+                "be an absolute path on a volume the worker Pods mount at the same path"
             )
         return self
 

@@ -88,4 +88,13 @@ def init_process_group(spec: ProcessGroupSpec | None = None) -> None:
         # DeepSpeed would JIT-compile its shared-memory all-reduce here (50-95 s on first use);
         # gloo carries the all-reduce instead. Its op table is read once and kept for edits.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if os.environ["WORLD_SIZE"] == "1":
+        # A world of one needs no rendezvous: an in-memory store instead of a TCP one on a
+        # port another process may take between `free_port` and the listen.
+        torch.distributed.init_process_group(
+            backend,
+            store=torch.distributed.HashStore(),  # type: ignore[attr-defined]
+            rank=0,
+            world_size=1,
+        )
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)

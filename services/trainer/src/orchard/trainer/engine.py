@@ -27,7 +27,7 @@ from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 
 from orchard.trainer.batch import TokenBatch
 from orchard.trainer.distributed import ProcessGroupSpec, import_deepspeed, init_process_group
-from orchard.trainer.losses import sft_loss, token_entropy, token_logprobs
+from orchard.trainer.losses import sft_loss_and_logp, token_entropy, token_logprobs
 
 __all__ = [
     "EngineConfig",
@@ -156,9 +156,15 @@ class StepResult:
 
 
 def sft_step_loss(logits: torch.Tensor, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
-    """The SFT loss of one micro-batch, and the policy's entropy on its loss tokens."""
-    loss = sft_loss(logits, batch.targets, batch.loss_mask)
-    return loss, {"entropy": masked_entropy(logits, batch.loss_mask)}
+    """The SFT loss of one micro-batch, and the policy's entropy on its loss tokens (from the
+    loss's own log-softmax: one softmax over the vocabulary serves both)."""
+    loss, logp = sft_loss_and_logp(logits, batch.targets, batch.loss_mask)
+    if logp.numel() == 0:
+        return loss, {"entropy": 0.0}
+    with torch.no_grad():
+        logp = logp.detach()
+        entropy = float(-(logp.exp() * logp).sum(dim=-1).mean())
+    return loss, {"entropy": entropy}
 
 
 def masked_entropy(logits: torch.Tensor, mask: torch.Tensor) -> float:

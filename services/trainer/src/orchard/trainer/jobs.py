@@ -52,7 +52,7 @@ from orchard.trainer.rank import (
 from orchard.trainer.rl import StaleBatchError
 from orchard.trainer.telemetry import StepRecord, StepRecorder
 from orchard.trainer.v1 import trainer_service_pb2 as api
-from orchard.trainer.workers import RankError, WorkerGroup, WorkerGroupConfig
+from orchard.trainer.workers import RankError, RankTransport, WorkerGroup, WorkerGroupConfig
 from orchard.types.v1 import trajectory_pb2
 
 if TYPE_CHECKING:
@@ -241,6 +241,7 @@ class JobRunner:
         recorder: StepRecorder | None = None,
         workers: WorkerGroupConfig | None = None,
         ray: RayWorkers | None = None,
+        transport: RankTransport | None = None,
     ) -> None:
         """Start the job's ranks (slow: each loads the model and builds its engine); with
         `resume_from`, a checkpoint's URL, they restore its weights, optimizer, schedule and
@@ -249,7 +250,9 @@ class JobRunner:
         `checkpoint_url` is this job's folder in the store (``<checkpoint_url>/<job id>``);
         `scratch` a local folder of this process: checkpoints are written there before they
         are put in the store, downloads are cached there, and the run log is kept there.
-        With `ray`, the ranks are Ray actors (`ray_workers.RayWorkerGroup`).
+        With `ray`, the ranks are Ray actors (`ray_workers.RayWorkerGroup`); otherwise
+        `transport` starts them (default: local processes; `pod_workers.PodRanks`: on worker
+        Pods).
         """
         self.job_id = job_id
         self.spec = spec
@@ -291,7 +294,7 @@ class JobRunner:
         try:
             if ray is None:
                 self.group, ready = WorkerGroup.start(
-                    job_id, setup, replace(config, ranks=self.ranks)
+                    job_id, setup, replace(config, ranks=self.ranks), transport=transport
                 )
             else:
                 from orchard.trainer.ray_workers import RayWorkerGroup  # noqa: PLC0415

@@ -239,5 +239,23 @@ def sft_loss(
     length_normalization: bool = False,
 ) -> torch.Tensor:
     """Masked negative log-likelihood of the targets."""
-    nll = -token_logprobs(logits, targets)
-    return masked_mean(nll, mask.bool(), length_normalization=length_normalization)
+    if length_normalization:
+        nll = -token_logprobs(logits, targets)
+        return masked_mean(nll, mask.bool(), length_normalization=True)
+    return sft_loss_and_logp(logits, targets, mask)[0]
+
+
+def sft_loss_and_logp(
+    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token mean negative log-likelihood of the masked targets, and the log-softmax
+    it came from at those positions (`[masked tokens, vocab]`, for statistics such as the
+    entropy). Only the masked positions go through the softmax over the vocabulary, which is
+    most of a small model's loss cost; the other positions get no gradient, as in `sft_loss`.
+    """
+    selected = mask.bool()
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()
+    logp = torch.log_softmax(logits[selected], dim=-1)
+    nll = -logp.gather(-1, targets[selected].unsqueeze(-1)).squeeze(-1)
+    return nll.sum() / max(nll.numel(), 1), logp

@@ -337,7 +337,12 @@ def serve(conn: Connection) -> int:
     threading.Thread(
         target=_exit_with_parent, args=(os.getppid(),), name="parent-watch", daemon=True
     ).start()
-    setup: RankSetup = conn.recv()
+    try:
+        setup = conn.recv()
+    except EOFError:
+        return 0  # a worker Pod's rank whose controller went away before sending the setup
+    if not isinstance(setup, RankSetup):
+        return 0  # its group was closed before it was set up (a worker Pod's rank)
     try:
         trainer = RankTrainer(setup)
     except Exception as exc:

@@ -58,13 +58,14 @@ from orchard.trainer.jobs import (
 )
 from orchard.trainer.masks import TrajectoryError
 from orchard.trainer.metrics import TrainerMetrics
+from orchard.trainer.pod_workers import PodRanks
 from orchard.trainer.prepare import DatasetPreparer
 from orchard.trainer.records import JobRecord, JobStore
 from orchard.trainer.rl import StaleBatchError
 from orchard.trainer.v1 import trainer_service_pb2 as api
 from orchard.trainer.v1 import trainer_service_pb2_grpc
 from orchard.trainer.weight_versions import WeightVersions
-from orchard.trainer.workers import RankLost, WorkerGroupConfig
+from orchard.trainer.workers import RankLost, RankTransport, WorkerGroupConfig
 from orchard.types.v1 import trajectory_pb2
 
 __all__ = ["JobManager", "TrainerServicer"]
@@ -158,6 +159,14 @@ class JobManager:
                 ),
                 RayRuntime(workers.ray.address or None, workers.ray.init_cpus),
             )
+        self.transport: RankTransport | None = None
+        if workers.kind == "pods":
+            self.transport = PodRanks(
+                workers.pods.endpoints,
+                workers.pods.key_file,
+                rendezvous_port=workers.pods.rendezvous_port,
+                connect_timeout_s=workers.pods.connect_timeout_s,
+            )
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -221,6 +230,7 @@ class JobManager:
                 recorder=self.metrics.steps,
                 workers=self.workers,
                 ray=self.ray,
+                transport=self.transport,
             )
         except Exception as exc:
             log.exception("training job %s failed to start", record.id)
@@ -263,6 +273,7 @@ class JobManager:
                 return  # a call saw the loss first and failed the job
             reason = await asyncio.to_thread(running.runner.group.check)
             if reason is None:
+                self._watch(job_id, running)  # a worker Pod's answer woke it, not an exit
                 return
             await self._stop_runner(job_id)
             await self._set_state(

@@ -1,17 +1,19 @@
 """The worker group of a job: rank processes the trainer service starts and drives.
 
 The service process is the controller: it never trains. `WorkerGroup.start` starts one
-process per rank (``python -m orchard.trainer.rank``, in a session of its own so a signal
-meant for the service does not reach it), each with one end of a socket pair; the ranks form a
-torch.distributed group on a free port of 127.0.0.1 and build their DeepSpeed engines.
-`call` sends the same command to every rank and returns rank 0's answer.
+process per rank through a transport: `LocalRanks` (the default) runs
+``python -m orchard.trainer.rank`` as a child process in a session of its own (so a signal
+meant for the service does not reach it) with one end of a socket pair, and the ranks meet on
+a free port of 127.0.0.1; `pod_workers.PodRanks` has standing worker Pods run them
+(``orchard-trainer worker``). Either way the ranks form a torch.distributed group and build
+their DeepSpeed engines, and `call` sends the same command to every rank and returns rank 0's
+answer.
 
-A rank that dies (killed, out of memory, crashed) closes its socket: a call in flight, or the
-next one, raises `RankLost` naming the rank, its pid and how it ended, and the whole group is
-stopped, since the other ranks may be stuck in a collective that will never complete.
-`exited()` lets a caller notice the death of an idle group (a pidfd per rank becomes
-readable). `close` asks every rank to exit, then terminates and kills what is left, and reaps
-every process: no rank outlives its group.
+A rank that dies (killed, out of memory, crashed) closes its connection: a call in flight, or
+the next one, raises `RankLost` naming the rank, where it ran and how it ended, and the whole
+group is stopped, since the other ranks may be stuck in a collective that will never complete.
+`exited()` lets a caller notice the death of an idle group. `close` asks every rank to exit,
+then terminates and kills what is left, and reaps every process: no rank outlives its group.
 """
 
 from __future__ import annotations
@@ -24,15 +26,25 @@ import subprocess
 import sys
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, Pipe, wait
-from typing import Any
+from typing import Any, Protocol
 
 from orchard.trainer.distributed import free_port
 from orchard.trainer.rank import RankFault, RankReady, RankSetup
 
-__all__ = ["RankError", "RankLost", "WorkerGroup", "WorkerGroupConfig"]
+__all__ = [
+    "LocalRanks",
+    "RankError",
+    "RankHandle",
+    "RankLost",
+    "RankTransport",
+    "WorkerGroup",
+    "WorkerGroupConfig",
+    "describe_exit",
+]
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +78,7 @@ class WorkerGroupConfig:
     """torch CPU threads per rank; 0: the machine's cores divided by the ranks."""
 
 
-def _describe_exit(returncode: int | None) -> str:
+def describe_exit(returncode: int | None) -> str:
     if returncode is None:
         return "stopped answering"
     if returncode < 0:
@@ -78,8 +90,75 @@ def _describe_exit(returncode: int | None) -> str:
     return f"exited with status {returncode}"
 
 
+class RankHandle(ABC):
+    """One rank process as the group sees it: a connection that carries commands and answers,
+    and the means to learn how the process ended and to end it. Only the transport differs
+    between a local rank (`LocalRanks`) and one a worker Pod runs
+    (`pod_workers.PodRanks`)."""
+
+    rank: int
+    conn: Connection
+    """Readable when the rank has answered (or ended); the group waits on it."""
+
+    @property
+    @abstractmethod
+    def pid(self) -> int:
+        """The rank's process id (on the worker's host for a remote rank)."""
+
+    @property
+    def where(self) -> str:
+        """Where the rank runs, for messages."""
+        return f"pid {self.pid}"
+
+    def send(self, message: Any) -> None:
+        self.conn.send(message)
+
+    def recv(self) -> Any:
+        """The next answer; `EOFError` or `OSError` once the rank has ended."""
+        return self.conn.recv()
+
+    @abstractmethod
+    def ended(self) -> bool:
+        """Whether the rank has ended (does not block)."""
+
+    @abstractmethod
+    def wait(self, timeout: float | None) -> None:
+        """Wait up to `timeout` seconds (None: for ever) for the rank to end."""
+
+    @abstractmethod
+    def terminate(self) -> None: ...
+
+    @abstractmethod
+    def kill(self) -> None: ...
+
+    @abstractmethod
+    def how(self) -> str:
+        """How the rank ended (``was killed by SIGKILL``), or that it stopped answering."""
+
+    @abstractmethod
+    def exit_fd(self) -> int:
+        """A new descriptor that becomes readable when the rank ends; the caller closes it."""
+
+    def release(self) -> None:
+        self.conn.close()
+
+
+class RankTransport(Protocol):
+    """Starts the rank processes of a group (locally, or on worker Pods)."""
+
+    def launch(self, world: int, ranks: list[RankHandle]) -> tuple[str, int]:
+        """Start `world` ranks, appending each to `ranks` as it starts (so a failure half-way
+        leaves the started ones to the caller to stop); the torch.distributed rendezvous
+        address and port (rank 0's host)."""
+        ...
+
+    def threads(self, config: WorkerGroupConfig) -> int:
+        """torch CPU threads per rank (0: torch's default)."""
+        ...
+
+
 @dataclass
-class _Rank:
+class _LocalRank(RankHandle):
     rank: int
     process: subprocess.Popen[bytes]
     conn: Connection
@@ -88,11 +167,66 @@ class _Rank:
     def pid(self) -> int:
         return self.process.pid
 
+    def ended(self) -> bool:
+        return self.process.poll() is not None
+
+    def wait(self, timeout: float | None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=timeout)
+
+    def terminate(self) -> None:
+        self.process.terminate()
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def how(self) -> str:
+        return describe_exit(self.process.returncode)
+
+    def exit_fd(self) -> int:
+        return os.pidfd_open(self.process.pid)
+
+
+class LocalRanks:
+    """Ranks as child processes of this one (``python -m orchard.trainer.rank``), each in a
+    session of its own and with one end of a socket pair; the rendezvous is a free port of
+    127.0.0.1."""
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        self.env = {**os.environ, **(env or {})}
+
+    def threads(self, config: WorkerGroupConfig) -> int:
+        return config.threads_per_rank or max(1, (os.cpu_count() or 1) // config.ranks)
+
+    def launch(self, world: int, ranks: list[RankHandle]) -> tuple[str, int]:
+        for rank in range(world):
+            ours, theirs = Pipe(duplex=True)
+            try:
+                process = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "orchard.trainer.rank",
+                        "--conn-fd",
+                        str(theirs.fileno()),
+                    ],
+                    pass_fds=(theirs.fileno(),),
+                    env=self.env,
+                    start_new_session=True,
+                )
+            except BaseException:
+                ours.close()
+                raise
+            finally:
+                theirs.close()
+            ranks.append(_LocalRank(rank, process, ours))
+        return "127.0.0.1", free_port()
+
 
 class WorkerGroup:
     """The rank processes of one job (see the module docstring)."""
 
-    def __init__(self, name: str, ranks: list[_Rank], config: WorkerGroupConfig) -> None:
+    def __init__(self, name: str, ranks: list[RankHandle], config: WorkerGroupConfig) -> None:
         self.name = name
         self.config = config
         self._ranks = ranks
@@ -111,41 +245,27 @@ class WorkerGroup:
         config: WorkerGroupConfig,
         *,
         env: dict[str, str] | None = None,
+        transport: RankTransport | None = None,
     ) -> tuple[WorkerGroup, RankReady]:
-        """Start `config.ranks` processes with `setup` (its rank, world and port are set per
-        rank) and wait until every one is ready; returns rank 0's readiness. Raises `RankError`
-        (a rank could not build its engine) or `RankLost`; nothing is left running then."""
+        """Start `config.ranks` ranks with `setup` (its rank, world and port are set per rank)
+        and wait until every one is ready; returns rank 0's readiness. The ranks are local
+        processes (with `env` added to this one's environment) unless `transport` says
+        otherwise. Raises `RankError` (a rank could not build its engine) or `RankLost`;
+        nothing is left running then."""
+        transport = transport or LocalRanks(env)
         world = config.ranks
-        threads = config.threads_per_rank or max(1, (os.cpu_count() or 1) // world)
-        port = free_port()
-        child_env = {**os.environ, **(env or {})}
-        ranks: list[_Rank] = []
+        threads = transport.threads(config)
+        ranks: list[RankHandle] = []
         group = cls(name, ranks, config)
         try:
-            for rank in range(world):
-                ours, theirs = Pipe(duplex=True)
-                try:
-                    process = subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "orchard.trainer.rank",
-                            "--conn-fd",
-                            str(theirs.fileno()),
-                        ],
-                        pass_fds=(theirs.fileno(),),
-                        env=child_env,
-                        start_new_session=True,
-                    )
-                finally:
-                    theirs.close()
-                ranks.append(_Rank(rank, process, ours))
-                ours.send(
+            address, port = transport.launch(world, ranks)
+            for r in ranks:
+                r.send(
                     replace(
                         setup,
-                        rank=rank,
+                        rank=r.rank,
                         world_size=world,
-                        master_addr="127.0.0.1",
+                        master_addr=address,
                         master_port=port,
                         threads=threads,
                     )
@@ -156,7 +276,7 @@ class WorkerGroup:
             raise
         log.info(
             "worker group started",
-            extra={"group": name, "ranks": world, "pids": [r.pid for r in ranks]},
+            extra={"group": name, "ranks": world, "where": [r.where for r in ranks]},
         )
         first: RankReady = ready[0]
         return group, first
@@ -179,21 +299,23 @@ class WorkerGroup:
                 raise RankLost(self.lost or f"the worker group of {self.name} is closed")
             try:
                 for r in self._ranks:
-                    r.conn.send((command, arguments))
+                    r.send((command, arguments))
             except OSError:
                 self._lose(self._dead_rank(), f"while sending {command!r}")
             return self._gather(None, command)[0]
 
     def exited(self) -> Sequence[int]:
-        """One descriptor per rank that becomes readable when the process exits (pidfds)."""
-        return [os.pidfd_open(r.pid) for r in self._ranks]
+        """One descriptor per rank that becomes readable when the rank ends (a pidfd locally);
+        the caller closes them. A remote rank's descriptor also becomes readable when it
+        answers: `check` then finds nothing wrong."""
+        return [r.exit_fd() for r in self._ranks]
 
     def check(self) -> str | None:
         """Why the group is broken (a rank exited) or None; closes it when broken."""
         if self._closed:
             return self.lost
         for r in self._ranks:
-            if r.process.poll() is not None:
+            if r.ended():
                 with self._lock:
                     if not self._closed:
                         self._lose(r, "while idle", raise_=False)
@@ -204,15 +326,15 @@ class WorkerGroup:
 
     def close(self) -> None:
         """Ask every rank to exit, then terminate and kill what is left; reap all. Idempotent."""
-        if self._closed and all(r.process.returncode is not None for r in self._ranks):
+        if self._closed and all(r.ended() for r in self._ranks):
             return
         self._closed = True
         for r in self._ranks:
             with contextlib.suppress(OSError):
-                r.conn.send(("close", {}))
+                r.send(("close", {}))
         _stop(self._ranks, self.config.stop_timeout_s)
         for r in self._ranks:
-            r.conn.close()
+            r.release()
 
     # -- internals -------------------------------------------------------------------------
 
@@ -237,7 +359,7 @@ class WorkerGroup:
             for conn in ready:
                 r = by_conn[id(conn)]
                 try:
-                    status, value = r.conn.recv()
+                    status, value = r.recv()
                 except (EOFError, OSError):
                     self._lose(r, f"in {doing!r}")
                 answers[r.rank] = value
@@ -247,45 +369,42 @@ class WorkerGroup:
             raise fault
         return [answers[k] for k in range(len(self._ranks))]
 
-    def _dead_rank(self) -> _Rank:
+    def _dead_rank(self) -> RankHandle:
         for r in self._ranks:
-            if r.process.poll() is not None:
+            if r.ended():
                 return r
         return self._ranks[0]
 
-    def _lose(self, r: _Rank, when: str, *, raise_: bool = True) -> None:
+    def _lose(self, r: RankHandle, when: str, *, raise_: bool = True) -> None:
         """Record why the group broke, stop every rank, and raise `RankLost`."""
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            r.process.wait(timeout=1.0)
-        how = _describe_exit(r.process.returncode)
+        r.wait(1.0)
         self.lost = (
-            f"rank {r.rank} of {len(self._ranks)} (pid {r.pid}) {how} {when}; the job's "
+            f"rank {r.rank} of {len(self._ranks)} ({r.where}) {r.how()} {when}; the job's "
             "other ranks were stopped"
         )
         log.error("worker group %s lost: %s", self.name, self.lost)
         self._closed = True
         _stop(self._ranks, 0.0)
         for other in self._ranks:
-            other.conn.close()
+            other.release()
         if raise_:
             raise RankLost(self.lost)
 
 
-def _stop(ranks: list[_Rank], grace_s: float) -> None:
-    """Wait up to `grace_s` for the ranks to exit, then SIGTERM, then SIGKILL; reap each."""
+def _stop(ranks: list[RankHandle], grace_s: float) -> None:
+    """Wait up to `grace_s` for the ranks to exit, then terminate, then kill; reap each."""
     _wait_all(ranks, grace_s)
     for r in ranks:
-        if r.process.poll() is None:
-            r.process.terminate()
+        if not r.ended():
+            r.terminate()
     _wait_all(ranks, 5.0)
     for r in ranks:
-        if r.process.poll() is None:
-            r.process.kill()
-        r.process.wait()
+        if not r.ended():
+            r.kill()
+        r.wait(None)
 
 
-def _wait_all(ranks: list[_Rank], seconds: float) -> None:
+def _wait_all(ranks: list[RankHandle], seconds: float) -> None:
     deadline = time.monotonic() + seconds
     for r in ranks:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            r.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        r.wait(max(0.0, deadline - time.monotonic()))
