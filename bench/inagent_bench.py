@@ -6,6 +6,8 @@ Measures, in one run on this machine:
 
 - exec round trip of `true` over gRPC (Unix socket and TCP loopback), p50/p99, beside
   `subprocess.run(['true'])` in this process; the overhead is the difference of the p50s;
+- the agent's own CPU per Exec of `true` (from /proc/PID/stat, rounds interleaved with rounds
+  of GetAgentInfo, the cost of a bare gRPC call to the same agent), and its commands' CPU;
 - start time from exec to health SERVING, bundled executable and Python entry point;
 - idle resident memory (VmRSS) and proportional memory (Pss) of the agent after some calls;
 - the bundle's size on disk.
@@ -49,6 +51,7 @@ RESULTS = ROOT / "bench" / "results" / "inagent.json"
 TARGET_OVERHEAD_MS = 1.0
 TARGET_START_MS = 300.0
 TARGET_IDLE_RSS_MB = 30.0
+TARGET_AGENT_CPU_MS = 0.5
 START_TIMEOUT_S = 20.0
 
 
@@ -218,6 +221,47 @@ def exec_round_trip(target: str, calls: int, warmup: int, label: str) -> Latency
         return time_calls(call, calls, label)
 
 
+def _cpu_ms(pid: int, children: bool = False) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    first = 13 if children else 11  # cutime, cstime / utime, stime (0-based after the name)
+    return (int(fields[first]) + int(fields[first + 1])) * 1e3 / os.sysconf("SC_CLK_TCK")
+
+
+def agent_cpu(target: str, pid: int, calls: int, rounds: int) -> dict[str, Any]:
+    """The agent's CPU per call of Exec `true` and of GetAgentInfo, in interleaved rounds.
+
+    /proc counts in clock ticks (10 ms): a round of ``calls`` calls keeps that error small.
+    """
+    exec_request = inagent_service_pb2.ExecRequest(command=exec_pb2.Command(argv=["true"]))
+    info_request = inagent_service_pb2.GetAgentInfoRequest()
+    per: dict[str, list[float]] = {"exec": [], "info": [], "commands": []}
+    with grpc.insecure_channel(target) as channel:
+        stub = inagent_service_pb2_grpc.AgentServiceStub(channel)
+        for _ in range(50):
+            stub.Exec(exec_request, timeout=10)
+        progress = Progress("agent CPU rounds", rounds)
+        for index in range(rounds):
+            before, children = _cpu_ms(pid), _cpu_ms(pid, children=True)
+            for _ in range(calls):
+                stub.Exec(exec_request, timeout=10)
+            per["exec"].append((_cpu_ms(pid) - before) / calls)
+            per["commands"].append((_cpu_ms(pid, children=True) - children) / calls)
+            before = _cpu_ms(pid)
+            for _ in range(calls):
+                stub.GetAgentInfo(info_request, timeout=10)
+            per["info"].append((_cpu_ms(pid) - before) / calls)
+            progress.update(index + 1)
+    return {
+        "calls_per_round": calls,
+        "rounds": rounds,
+        "exec_ms": statistics.median(per["exec"]),
+        "get_agent_info_ms": statistics.median(per["info"]),
+        "commands_ms": statistics.median(per["commands"]),
+        "note": "medians over rounds; the agent's own user+system CPU per call, the "
+        "commands' (`true`) CPU apart; GetAgentInfo is the gRPC floor of a call to the agent",
+    }
+
+
 def subprocess_true(calls: int, warmup: int) -> Latency:
     true = shutil.which("true") or "true"
 
@@ -325,8 +369,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         print("exec round trip", flush=True)
         baseline = subprocess_true(args.calls, args.warmup)
         unix_target = f"unix:{workdir / 'exec.sock'}"
-        with running_agent(agent_argv, unix_target, workdir):
+        with running_agent(agent_argv, unix_target, workdir) as agent:
             over_unix = exec_round_trip(unix_target, args.calls, args.warmup, "gRPC Exec (unix)")
+            print("agent CPU per exec", flush=True)
+            cpu = agent_cpu(unix_target, agent.pid, args.cpu_calls, args.cpu_rounds)
         tcp_target = f"127.0.0.1:{free_tcp_port()}"
         with running_agent(agent_argv, tcp_target, workdir):
             over_tcp = exec_round_trip(tcp_target, args.calls, args.warmup, "gRPC Exec (tcp)")
@@ -340,6 +386,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "overhead_p50_ms_tcp": over_tcp.p50_ms - baseline.p50_ms,
             "target_overhead_p50_ms": TARGET_OVERHEAD_MS,
             "verdict": verdict(overhead, TARGET_OVERHEAD_MS),
+            "agent_cpu": {**cpu, "target_exec_ms": TARGET_AGENT_CPU_MS},
         }
 
         print("start to health SERVING", flush=True)
@@ -399,6 +446,16 @@ def format_table(results: dict[str, Any]) -> str:
             exec_["verdict"],
         )
     )
+    cpu = exec_["agent_cpu"]
+    rows.append(
+        (
+            "agent CPU per Exec `true`",
+            f"{cpu['exec_ms']:.3f} ms (GetAgentInfo {cpu['get_agent_info_ms']:.3f} ms, "
+            f"`true` itself {cpu['commands_ms']:.3f} ms)",
+            f"<= {TARGET_AGENT_CPU_MS:g} ms",
+            verdict(cpu["exec_ms"], TARGET_AGENT_CPU_MS),
+        )
+    )
     start = results["start"]
     for key in ("bundle", "python"):
         if key in start:
@@ -453,6 +510,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--calls", type=int, default=500, help="timed Exec calls per transport")
     parser.add_argument("--warmup", type=int, default=50, help="untimed calls before timing")
+    parser.add_argument("--cpu-calls", type=int, default=400, help="calls per agent CPU round")
+    parser.add_argument("--cpu-rounds", type=int, default=6, help="agent CPU rounds")
     parser.add_argument("--starts", type=int, default=15, help="starts timed per executable")
     parser.add_argument("--idle-s", type=float, default=2.0, help="idle time before memory")
     parser.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE, help="bundle launcher")

@@ -187,7 +187,8 @@ async def env(env_factory: EnvFactory) -> EnvHandle:
 @pytest.fixture
 async def local_runtime(tmp_path: Path) -> AsyncIterator[Any]:
     """The real ``local`` runtime on private directories and cgroups; a machine that cannot run
-    it (no root, no agent bundle) fails the test: `make setup` and `make inagent-binary`."""
+    it (no root, no agent bundle) fails the test: `make setup` and `make inagent-binary`.
+    Its ``host`` sandboxes come from its pool (built for that image from start)."""
     from orchard.env.runtime.local import LocalRuntime, LocalRuntimeConfig
 
     run_dir = tempfile.mkdtemp(prefix="orc-")
@@ -196,6 +197,7 @@ async def local_runtime(tmp_path: Path) -> AsyncIterator[Any]:
         workspace_dir=str(tmp_path / "sandboxes"),
         run_dir=run_dir,
         cgroup_parent=f"orchard-test-{uuid.uuid4().hex[:8]}",
+        pool_image="host",
     )
     runtime = LocalRuntime(config)
     try:

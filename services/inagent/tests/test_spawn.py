@@ -160,3 +160,28 @@ async def test_inherited_descriptors_are_made_close_on_exec_at_start() -> None:
         supervisor.close()
         os.close(read_end)
         os.close(write_end)
+
+
+async def test_close_kills_a_running_command_and_its_wait_still_ends(tmp_path: Path) -> None:
+    """close() kills the group; the command's end is still reported, then the watch set goes."""
+    supervisor = ProcessSupervisor(reap_orphans=False)
+    supervisor.start()
+    command = supervisor.spawn(_spec(str(tmp_path), ["sleep", "30"]))
+    supervisor.close()
+    result = await asyncio.wait_for(command.wait(), timeout=10)
+    assert result.signal == 9 and result.exit_code is None
+    assert supervisor.running == 0
+    assert supervisor._epoll is None  # closed with the last descriptor it watched
+
+
+async def test_output_and_exit_seen_in_one_pass(supervisor: ProcessSupervisor) -> None:
+    """Many short commands with output, one after another: every byte and status arrives."""
+    for index in range(50):
+        spec = _spec(os.getcwd(), ["sh", "-c", f"echo out{index}; echo err{index} >&2; exit 3"])
+        result = await asyncio.wait_for(supervisor.spawn(spec).wait(), timeout=10)
+        assert (result.stdout, result.stderr) == (
+            f"out{index}\n".encode(),
+            f"err{index}\n".encode(),
+        )
+        assert result.exit_code == 3
+    assert supervisor.running == 0

@@ -37,8 +37,8 @@ from orchard.inagent.v1 import inagent_service_pb2_grpc as agent_grpc
 from orchard.types.v1 import exec_pb2
 
 # Each entry is a runtime, optionally with a variant: the local runtime runs the suite with both
-# of its agent launches.
-RUNTIMES = ["local-zygote", "local-exec", "kubernetes"]
+# of its agent launches, and with sandboxes claimed from a pool built for the busybox image.
+RUNTIMES = ["local-zygote", "local-exec", "local-pooled", "kubernetes"]
 BUSYBOX = "/bin/busybox"
 
 
@@ -72,7 +72,7 @@ class RuntimeHarness(abc.ABC):
 
 
 class LocalHarness(RuntimeHarness):
-    def __init__(self, base: Path, busybox_root: Path, agent_launch: str) -> None:
+    def __init__(self, base: Path, busybox_root: Path, variant: str) -> None:
         from orchard.env.runtime.local import LocalRuntimeConfig
 
         self.base = base
@@ -84,7 +84,8 @@ class LocalHarness(RuntimeHarness):
             run_dir=self.run_dir,
             cgroup_parent=f"orchard-test-{uuid.uuid4().hex[:8]}",
             start_timeout_s=30,
-            agent_launch=agent_launch,
+            agent_launch="exec" if variant == "exec" else "zygote",
+            pool_image=f"rootfs:{busybox_root}" if variant == "pooled" else "",
         )
         self.images = {"busybox": f"rootfs:{busybox_root}", "host": "host"}
         self._cgroup_parents: tuple[str, ...] = ()

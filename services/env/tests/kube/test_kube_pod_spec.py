@@ -101,6 +101,7 @@ def test_pod_manifest_snapshot() -> None:
                                 }
                             },
                         },
+                        {"name": "ORCHARD_AGENT_SANDBOX_ID", "value": "sbx-0123456789ab"},
                         {
                             "name": "ORCHARD_INAGENT_ENV",
                             "valueFrom": {

@@ -304,8 +304,8 @@ async def test_full_etcd_outage_while_30_creations_finish(
 async def test_a_creation_task_that_dies_is_repaired(env: Any, runtime: Any) -> None:
     """A creation whose task ends in an unexpected error is noticed and finished, not left
     PENDING behind this replica's live creating key."""
-    controller = env.app.controller
-    original = controller._settle_ready
+    creation = env.app.controller.creation
+    original = creation._settle_ready
     calls: list[str] = []
 
     async def broken_once(record: Any, made: Any, started: float) -> None:
@@ -314,7 +314,7 @@ async def test_a_creation_task_that_dies_is_repaired(env: Any, runtime: Any) -> 
             raise RuntimeError("boom")
         await original(record, made, started)
 
-    controller._settle_ready = broken_once
+    creation._settle_ready = broken_once
     sandbox = await env.create()
     ready = await env.wait(sandbox.id, timeout_s=10)
     assert ready.state == READY, ready
@@ -339,9 +339,10 @@ async def test_reconcile_repairs_a_creation_of_this_replica_that_no_task_runs(
         runtime=runtime.name,
     )
     record = SandboxRecord(sandbox)
-    result = await controller._insert([(record, lease.id)], "", [])  # no creation started
+    creation = controller.creation
+    result = await creation._insert([(record, lease.id)], "", [])  # no creation started
     assert result.succeeded
-    controller._inserting.discard(record.id)
+    creation._inserting.discard(record.id)
     done = await controller.reconcile()
     assert done["repaired"] == 1, done
     ready = await env.wait(record.id, timeout_s=10)

@@ -378,8 +378,13 @@ class EnvProcess:
                 for entry in os.scandir(self.runtime[key]):
                     if entry.name.startswith("sbx-"):
                         found.add(entry.name.removesuffix(".json"))
+        # Sandbox ids only: pooled sandboxes ("_shell-...") wait there while the service runs.
         for parent in self.cgroup_dirs():
-            found.update(entry.name for entry in os.scandir(parent) if entry.is_dir())
+            found.update(
+                entry.name
+                for entry in os.scandir(parent)
+                if entry.is_dir() and entry.name.startswith("sbx-")
+            )
         return found
 
     def cgroup_dirs(self) -> list[str]:

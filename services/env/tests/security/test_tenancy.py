@@ -86,6 +86,7 @@ ATTEMPTS: dict[str, tuple[Attempt, grpc.StatusCode]] = {
         ),
         NOT_FOUND,
     ),
+    "OpenAgentRoute": (lambda v: api.OpenAgentRouteRequest(sandbox_id=v.sandbox.id), NOT_FOUND),
 }
 
 

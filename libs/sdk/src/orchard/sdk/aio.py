@@ -37,7 +37,9 @@ from typing import Any, TypeVar
 import grpc
 
 from orchard.env.v1 import env_pb2, env_service_pb2, env_service_pb2_grpc
+from orchard.inagent.v1 import inagent_service_pb2
 from orchard.sdk import errors
+from orchard.sdk.agent_route import REFUSED_BEFORE_RUNNING, AgentRoutes
 from orchard.sdk.connection import ConnectionSettings, resolve_connection
 from orchard.sdk.retry import RetryPolicy
 from orchard.sdk.types import (
@@ -93,6 +95,13 @@ class AsyncSandboxClient:
     when unset. A token goes in plaintext only to loopback or Unix endpoints unless
     ``allow_insecure=True``.
 
+    ``direct_agent=True`` runs ``exec`` and file reads straight on each sandbox's agent, with a
+    short-lived credential for that sandbox from the service (``OpenAgentRoute``), and falls back
+    to the service per sandbox when the agent cannot be reached (see
+    :mod:`orchard.sdk.agent_route`).
+    Off by default: the agent is reachable only from the service's host (local runtime) or
+    where the operator's network policy admits the client (Kubernetes).
+
     Use it as ``async with AsyncSandboxClient() as client:`` or call :meth:`close`.
     """
 
@@ -107,6 +116,7 @@ class AsyncSandboxClient:
         tls: bool | None = None,
         tls_ca_file: str | os.PathLike[str] | None = None,
         allow_insecure: bool = False,
+        direct_agent: bool = False,
     ) -> None:
         self.settings: ConnectionSettings = resolve_connection(
             endpoint,
@@ -124,6 +134,14 @@ class AsyncSandboxClient:
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
         self._sandboxes: set[AsyncSandbox] = set()
+        self.routes: AgentRoutes | None = AgentRoutes(self._open_route) if direct_agent else None
+        """The direct routes to agents (``direct_agent=True``), else None."""
+
+    async def _open_route(self, sandbox_id: str) -> Any:
+        request = env_service_pb2.OpenAgentRouteRequest(sandbox_id=sandbox_id)
+        return await self.stub.OpenAgentRoute(
+            request, metadata=self._metadata, timeout=self.timeout
+        )
 
     @property
     def endpoint(self) -> str:
@@ -155,6 +173,8 @@ class AsyncSandboxClient:
         """Stop every handle's heartbeats (sandboxes are not deleted) and close the channel."""
         for sandbox in list(self._sandboxes):
             await sandbox.close()
+        if self.routes is not None:
+            await self.routes.close()
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
@@ -346,6 +366,8 @@ class AsyncSandboxClient:
         request = env_service_pb2.DeleteSandboxRequest(
             sandbox_id=sandbox_id, request_id=uuid.uuid4().hex
         )
+        if self.routes is not None:
+            self.routes.forget(sandbox_id)
         await self._unary("DeleteSandbox", request, retry=True)
 
 
@@ -515,9 +537,41 @@ class AsyncSandbox:
             ),
         )
         deadline = None if timeout is None else timeout + _EXEC_DEADLINE_MARGIN_S
-        response = await self.client._unary("Exec", request, retry=False, deadline=deadline)
-        result = ExecResult.from_proto(response.result, command=_show(command))
+        reply = await self._exec_direct(request.command, deadline)
+        if reply is None:
+            reply = await self.client._unary("Exec", request, retry=False, deadline=deadline)
+        result = ExecResult.from_proto(reply.result, command=_show(command))
         return result.check() if check else result
+
+    async def _exec_direct(self, command: exec_pb2.Command, deadline: float | None) -> Any:
+        """Exec on the agent's direct route; None: the route is not usable, use the service."""
+        routes = self.client.routes
+        route = None if routes is None else await routes.get(self.id)
+        if routes is None or route is None:
+            return None
+        was_connected = route.ready()
+        try:
+            return await route.stub.Exec(
+                inagent_service_pb2.ExecRequest(command=command),
+                metadata=route.metadata,
+                timeout=deadline,
+            )
+        except grpc.RpcError as exc:
+            from orchard.core.errors import error_info  # noqa: PLC0415
+
+            info = error_info(exc)
+            if info is not None and info.reason in REFUSED_BEFORE_RUNNING:
+                routes.mark_down(self.id)  # refused before running: the service runs it
+                routes.fallbacks += 1
+                return None
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                routes.mark_down(self.id)
+                if not was_connected:
+                    # No connection before the call, none after: the agent never had it (its
+                    # socket is gone, say): the service says what became of the sandbox.
+                    routes.fallbacks += 1
+                    return None
+            raise self.client._error(exc, "Exec", True) from None
 
     async def exec_stream(
         self,
@@ -648,17 +702,30 @@ class AsyncSandbox:
     async def read_file_chunks(
         self, path: str, *, offset: int = 0, limit: int = 0
     ) -> AsyncIterator[bytes]:
-        """The content of ``path`` as it arrives; an interrupted stream resumes where it was."""
+        """The content of ``path`` as it arrives; an interrupted stream resumes where it was
+        (through the service, when it was on the direct route)."""
         received = 0
         attempt = 0
+        routes = self.client.routes
         while True:
-            request = env_service_pb2.ReadFileRequest(
-                sandbox_id=self.id,
-                path=path,
-                offset=offset + received,
-                limit=max(limit - received, 0) if limit else 0,
-            )
-            call = self.client.stub.ReadFile(request, metadata=self.client._metadata)
+            route = None if routes is None else await routes.get(self.id)
+            if route is not None:
+                call = route.stub.ReadFile(
+                    inagent_service_pb2.ReadFileRequest(
+                        path=path,
+                        offset=offset + received,
+                        limit=max(limit - received, 0) if limit else 0,
+                    ),
+                    metadata=route.metadata,
+                )
+            else:
+                request = env_service_pb2.ReadFileRequest(
+                    sandbox_id=self.id,
+                    path=path,
+                    offset=offset + received,
+                    limit=max(limit - received, 0) if limit else 0,
+                )
+                call = self.client.stub.ReadFile(request, metadata=self.client._metadata)
             try:
                 async for response in call:
                     if response.data:
@@ -666,6 +733,9 @@ class AsyncSandbox:
                         yield response.data
                 return
             except grpc.RpcError as exc:
+                if routes is not None and route is not None and _route_failed(exc):
+                    routes.mark_down(self.id)  # a read is safe to repeat: on through the service
+                    continue
                 if self.client.retry.should_retry(exc.code(), attempt):
                     await asyncio.sleep(self.client.retry.backoff(attempt))
                     attempt += 1
@@ -931,6 +1001,17 @@ def _command(
 
 def _show(command: str | Sequence[str]) -> str:
     return command if isinstance(command, str) else shlex.join(command)
+
+
+def _route_failed(exc: grpc.RpcError) -> bool:
+    """The direct route failed, not the call: the agent refused the credential, or did not
+    answer."""
+    from orchard.core.errors import error_info  # noqa: PLC0415
+
+    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+        return True
+    info = error_info(exc)
+    return info is not None and info.reason in REFUSED_BEFORE_RUNNING
 
 
 def _has_error_info(exc: grpc.RpcError) -> bool:

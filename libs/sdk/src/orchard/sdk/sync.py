@@ -42,7 +42,8 @@ class SandboxClient:
 
     Arguments as for :class:`~orchard.sdk.aio.AsyncSandboxClient`: ``endpoint`` and ``token``
     default to ``$ORCHARD_ENDPOINT``/``$ORCHARD_TOKEN``, then the profile ``orchard up`` writes;
-    ``tls``, ``tls_ca_file`` (default ``$ORCHARD_TLS_CA``) and ``allow_insecure`` as there.
+    ``tls``, ``tls_ca_file`` (default ``$ORCHARD_TLS_CA``), ``allow_insecure`` and
+    ``direct_agent`` (exec straight on each sandbox's agent) as there.
     Use it as a context manager or call :meth:`close`.
     """
 
@@ -57,6 +58,7 @@ class SandboxClient:
         tls: bool | None = None,
         tls_ca_file: str | os.PathLike[str] | None = None,
         allow_insecure: bool = False,
+        direct_agent: bool = False,
     ) -> None:
         # Resolve (and fail on a bad configuration) before starting a thread.
         self._async = AsyncSandboxClient(
@@ -68,6 +70,7 @@ class SandboxClient:
             tls=tls,
             tls_ca_file=tls_ca_file,
             allow_insecure=allow_insecure,
+            direct_agent=direct_agent,
         )
         self._loop = LoopThread()
 

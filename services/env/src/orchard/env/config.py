@@ -17,6 +17,7 @@ from orchard.core.config import ConfigModel, ServerConfig, ServiceConfig
 
 __all__ = [
     "AdmissionConfig",
+    "AgentRouteConfig",
     "AuthConfig",
     "EnvConfig",
     "EtcdConfig",
@@ -329,6 +330,28 @@ class SecretsConfig(ConfigModel):
         return _host_path(path, "secrets.key_file")
 
 
+class AgentRouteConfig(ConfigModel):
+    """The direct route to sandbox agents (``EnvService.OpenAgentRoute``)."""
+
+    enabled: bool = Field(
+        default=True,
+        description=(
+            "Issue route credentials: a client may then call a sandbox's agent directly with a "
+            "credential for that sandbox alone. False: OpenAgentRoute is UNIMPLEMENTED and "
+            "every call goes through this service."
+        ),
+    )
+    credential_ttl_s: int = Field(
+        default=300,
+        ge=10,
+        le=86400,
+        description=(
+            "How long a route credential is valid, seconds. Agents check expiry against their "
+            "host's clock, so keep this well above the clock skew between hosts."
+        ),
+    )
+
+
 class EnvConfig(ServiceConfig):
     """Everything ``orchard-env`` runs with."""
 
@@ -349,6 +372,7 @@ class EnvConfig(ServiceConfig):
     privileges: PrivilegesConfig = PrivilegesConfig()
     images: ImagesConfig = ImagesConfig()
     secrets: SecretsConfig = SecretsConfig()
+    agent_route: AgentRouteConfig = AgentRouteConfig()
     replica_ttl_s: int = Field(
         default=10,
         ge=2,

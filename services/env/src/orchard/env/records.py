@@ -2,14 +2,15 @@
 
 Keys, under the configured prefix (``orchard/env/`` by default)::
 
-    sandboxes/<tenant>/<sandbox_id>   SandboxRecord (JSON)      the sandbox's own lease
+    sandboxes/<tenant>/<sandbox_id>   SandboxRecord (protobuf)  the sandbox's own lease
     requests/<tenant>/<sha256(request_id)[:32]>   sandbox id    the sandbox's lease
     creating/<tenant>/<sandbox_id>    replica id                the creating replica's lease
     replicas/<replica_id>             start time                that replica's lease
-    owners/<tenant>/<owner_id>        Owner (protobuf JSON)     the owner's lease
+    owners/<tenant>/<owner_id>        OwnerRecord (protobuf)    the owner's lease
     owner-requests/<tenant>/<sha256(request_id)[:32]>   owner id   the owner's lease
     slots/<scope>/<index>             sandbox id                the sandbox's lease
     secrets/key-id                    id of the sealing key     none (see ``sealing.py``)
+    sync/<replica_id>                 empty                     that replica's lease
 
 A sandbox bound to an owner (``spec.owner_id``) has its record, request key and slots under
 the owner's lease instead of one of its own. ``slots/`` keys are admission slots: scope
@@ -17,10 +18,14 @@ the owner's lease instead of one of its own. ``slots/`` keys are admission slots
 key exists while its sandbox is admitted (starting or READY), so a prefix count is the number
 of admitted sandboxes of that scope across every replica.
 
-A record is a JSON envelope: ``sandbox`` is the public ``orchard.env.v1.Sandbox`` in protobuf
-JSON form (``expire_time`` left out: it is the lease's remaining TTL, read on demand), the rest
-are internal fields every replica needs to serve the sandbox (the agent's address, the request
-key to remove with it). Keys sort by sandbox id within a tenant, which ListSandboxes relies on.
+A record is a binary protobuf envelope, ``orchard.env.internal.v1.SandboxRecord`` (owners:
+``OwnerRecord``): ``sandbox`` is the public ``orchard.env.v1.Sandbox`` (``expire_time`` left out:
+it is the lease's remaining TTL), the rest are internal fields every replica needs to serve the
+sandbox (the agent's address, the request key to remove with it). Earlier versions stored a JSON
+envelope; a value starting with ``{`` is read as that (a binary envelope never starts with it:
+its first byte is a field tag), so a deployment upgrades in place and its old records stay
+readable until they are rewritten. Keys sort by sandbox id within a tenant, which ListSandboxes
+relies on.
 ``spec.env`` values are stored sealed (``sealing.SpecSealer``): a record never holds them in
 clear, in etcd or in memory.
 """
@@ -34,15 +39,18 @@ from typing import Any
 
 from google.protobuf import json_format
 
+from orchard.env.internal.v1 import records_pb2
 from orchard.env.v1 import env_pb2
 
 __all__ = [
     "CREATING",
     "OWNERS",
+    "OWNER_REQUESTS",
     "REPLICAS",
     "REQUESTS",
     "SANDBOXES",
     "SLOTS",
+    "SYNC",
     "OwnerRecord",
     "SandboxRecord",
     "creating_key",
@@ -61,8 +69,10 @@ REPLICAS = "replicas/"
 OWNERS = "owners/"
 OWNER_REQUESTS = "owner-requests/"
 SLOTS = "slots/"
+SYNC = "sync/"  # a replica's marker: written to see when its watch has caught up
 
 State = env_pb2.SandboxState
+_JSON_START = b"{"  # how a record in the earlier JSON form starts
 
 
 def sandbox_key(tenant: str, sandbox_id: str) -> str:
@@ -140,26 +150,38 @@ class SandboxRecord:
         return sandbox_key(self.sandbox.tenant, self.sandbox.id)
 
     def encode(self) -> bytes:
-        sandbox = env_pb2.Sandbox()
-        sandbox.CopyFrom(self.sandbox)
-        sandbox.ClearField("expire_time")
-        envelope: dict[str, Any] = {
-            "sandbox": json_format.MessageToDict(sandbox),
-            "agent_address": self.agent_address,
-        }
-        if self.request_key:
-            envelope["request_key"] = self.request_key
-        if self.adopted_by:
-            envelope["adopted_by"] = self.adopted_by
-        if self.queued:
-            envelope["queued"] = True
-            envelope["queue_round"] = self.queue_round
-        if self.slots:
-            envelope["slots"] = list(self.slots)
-        return json.dumps(envelope, separators=(",", ":"), sort_keys=True).encode()
+        envelope = records_pb2.SandboxRecord(
+            agent_address=self.agent_address,
+            request_key=self.request_key,
+            adopted_by=self.adopted_by,
+            queued=self.queued,
+            queue_round=self.queue_round if self.queued else 0,
+            slots=self.slots,
+        )
+        envelope.sandbox.CopyFrom(self.sandbox)
+        envelope.sandbox.ClearField("expire_time")
+        return envelope.SerializeToString(deterministic=True)
 
     @classmethod
     def decode(cls, value: bytes, *, mod_revision: int = 0, lease: int = 0) -> SandboxRecord:
+        if value.startswith(_JSON_START):
+            return cls._decode_json(value, mod_revision=mod_revision, lease=lease)
+        envelope = records_pb2.SandboxRecord.FromString(value)
+        return cls(
+            sandbox=envelope.sandbox,
+            agent_address=envelope.agent_address,
+            request_key=envelope.request_key,
+            adopted_by=envelope.adopted_by,
+            queued=envelope.queued,
+            queue_round=envelope.queue_round,
+            slots=tuple(envelope.slots),
+            mod_revision=mod_revision,
+            lease=lease,
+        )
+
+    @classmethod
+    def _decode_json(cls, value: bytes, *, mod_revision: int, lease: int) -> SandboxRecord:
+        """A record as versions before the binary envelope wrote it."""
         envelope = json.loads(value)
         sandbox = json_format.ParseDict(
             envelope["sandbox"], env_pb2.Sandbox(), ignore_unknown_fields=True
@@ -194,12 +216,18 @@ class OwnerRecord:
         return owner_key(self.owner.tenant, self.owner.id)
 
     def encode(self) -> bytes:
-        owner = env_pb2.Owner()
-        owner.CopyFrom(self.owner)
-        owner.ClearField("expire_time")
-        return json_format.MessageToJson(owner, indent=None, sort_keys=True).encode()
+        envelope = records_pb2.OwnerRecord()
+        envelope.owner.CopyFrom(self.owner)
+        envelope.owner.ClearField("expire_time")
+        return envelope.SerializeToString(deterministic=True)
+
+    @classmethod
+    def decode(cls, value: bytes, *, lease: int = 0) -> OwnerRecord:
+        if value.startswith(_JSON_START):  # the earlier JSON form
+            owner = json_format.Parse(value, env_pb2.Owner(), ignore_unknown_fields=True)
+            return cls(owner=owner, lease=lease)
+        return cls(owner=records_pb2.OwnerRecord.FromString(value).owner, lease=lease)
 
     @classmethod
     def from_kv(cls, kv: Any) -> OwnerRecord:
-        owner = json_format.Parse(kv.value, env_pb2.Owner(), ignore_unknown_fields=True)
-        return cls(owner=owner, lease=kv.lease)
+        return cls.decode(kv.value, lease=kv.lease)

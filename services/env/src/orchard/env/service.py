@@ -9,7 +9,6 @@ import base64
 import binascii
 import hashlib
 import json
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -17,12 +16,15 @@ from typing import Any, TypeVar
 import grpc
 
 from orchard.core.errors import OrchardError, Reason
+from orchard.env.agent_routes import open_route
 from orchard.env.agents import AgentLink
 from orchard.env.auth import TenantAuthenticator
 from orchard.env.config import EnvConfig
 from orchard.env.controller import SandboxController
+from orchard.env.metrics import ExecObservation
 from orchard.env.reasons import EnvReason
 from orchard.env.records import SandboxRecord
+from orchard.env.runtime.base import AgentUnreachable
 from orchard.env.selectors import parse_selector
 from orchard.env.v1 import env_pb2, env_service_pb2, env_service_pb2_grpc
 from orchard.env.validation import (
@@ -197,26 +199,8 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
             return await call(link, self._timeout(context))
         raise AssertionError("unreachable")  # the context manager aborts or re-raises
 
-    @asynccontextmanager
-    async def _exec_metrics(self) -> AsyncIterator[list[str]]:
-        metrics = self.controller.metrics
-        code = ["OK"]
-        started = time.monotonic()
-        metrics.execs_in_flight.inc()
-        try:
-            yield code
-        except OrchardError as exc:
-            code[0] = exc.code.name
-            raise
-        except grpc.aio.AbortError:
-            code[0] = "AGENT_ERROR"
-            raise
-        except BaseException:
-            code[0] = "CANCELLED"
-            raise
-        finally:
-            metrics.execs_in_flight.dec()
-            metrics.exec_seconds.labels(code=code[0]).observe(time.monotonic() - started)
+    def _exec_metrics(self) -> ExecObservation:
+        return self.controller.metrics.exec_observation()
 
     async def Exec(
         self, request: env_service_pb2.ExecRequest, context: grpc.aio.ServicerContext
@@ -432,6 +416,44 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
         expiring = [rule.expire_time for rule in rules if rule.HasField("expire_time")]
         if expiring:
             response.next_expire_time.CopyFrom(min(expiring, key=lambda t: t.ToNanoseconds()))
+        return response
+
+    # -- the direct route ----------------------------------------------------------------------
+
+    async def OpenAgentRoute(
+        self, request: env_service_pb2.OpenAgentRouteRequest, context: grpc.aio.ServicerContext
+    ) -> env_service_pb2.OpenAgentRouteResponse:
+        tenant = self._auth.tenant(context)
+        _require_id(request.sandbox_id)
+        settings = self._config.agent_route
+        if not settings.enabled:
+            raise OrchardError(
+                Reason.UNIMPLEMENTED,
+                "this service issues no agent routes (agent_route.enabled is false); "
+                "call Exec and the file calls here",
+            )
+        # The same checks as Exec: the tenant's own sandbox, READY, its agent verified.
+        link = await self.controller.agent(tenant, request.sandbox_id)
+        try:
+            key = await self.controller.runtime.agent_key(request.sandbox_id)
+        except AgentUnreachable as exc:
+            raise OrchardError(
+                EnvReason.AGENT_UNAVAILABLE,
+                f"sandbox {request.sandbox_id!r}: cannot read its agent key now ({exc}); retry",
+                metadata={"sandbox_id": request.sandbox_id},
+            ) from None
+        if key is None:
+            raise OrchardError(
+                Reason.UNIMPLEMENTED,
+                f"sandbox {request.sandbox_id!r}: its agent holds no key (runtime "
+                f"{self.controller.runtime.name!r}), so it has no direct route; call Exec and "
+                "the file calls here",
+            )
+        route = open_route(key, request.sandbox_id, tenant, link.address, settings.credential_ttl_s)
+        response = env_service_pb2.OpenAgentRouteResponse(
+            address=route.address, credential=route.credential
+        )
+        response.expire_time.FromSeconds(route.expire_unix_s)
         return response
 
 

@@ -57,6 +57,7 @@ class AgentConfig:
     address_file: str | None = None
     ready_fd: int | None = None
     listen_dir_fd: int | None = None
+    require_credential: bool = False
 
     def limits_problem(self) -> str | None:
         """Why the output limits do not fit together or in a message, or None."""
@@ -116,6 +117,7 @@ _QUICK_PARSERS: dict[str, ValueParser] = {
     "address_file": any_string,
     "ready_fd": int_at_least(0),
     "listen_dir_fd": int_at_least(0),
+    "require_credential": parse_bool,
 }
 
 

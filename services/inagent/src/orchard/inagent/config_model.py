@@ -96,6 +96,17 @@ class AgentConfigModel(ServiceConfig):
         ),
     )
 
+    require_credential: bool = Field(
+        _DEFAULTS.require_credential,
+        description=(
+            "Refuse calls that carry no route credential (`authorization: Bearer <credential>` "
+            "from EnvService.OpenAgentRoute), except health, reflection and ProveIdentity. "
+            "False: such calls are served, and the transport must keep them to orchard-env "
+            "(a host-only socket, a NetworkPolicy). A call that carries a credential is checked "
+            "either way."
+        ),
+    )
+
     @field_validator("env")
     @classmethod
     def _check_env(cls, value: dict[str, str]) -> dict[str, str]:

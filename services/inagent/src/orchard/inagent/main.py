@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 from orchard.core.server import GrpcServer, ServiceBinding, run_service
 from orchard.inagent.config import AGENT_FLAGS, AgentConfig, load_agent_config
+from orchard.inagent.credentials import CredentialCheck, CredentialInterceptor
 from orchard.inagent.process import ProcessSupervisor
 from orchard.inagent.service import SERVICE_NAME, AgentServicer
 
@@ -33,15 +34,22 @@ log = logging.getLogger(__name__)
 
 KEY_VARIABLE = "ORCHARD_AGENT_KEY"
 """The sandbox's key, from the runtime that started the agent (a Kubernetes Secret): the agent
-proves with it, over AgentService.ProveIdentity, that it is the agent the runtime started."""
+proves with it, over AgentService.ProveIdentity, that it is the agent the runtime started, and
+checks route credentials with it (:mod:`orchard.inagent.credentials`)."""
+SANDBOX_ID_VARIABLE = "ORCHARD_AGENT_SANDBOX_ID"
+"""The sandbox this agent serves, from the runtime: a route credential for another is refused
+by name (without it, by its signature alone)."""
 
 
 class _Agent:
     """What lives as long as the server: the process supervisor and the start/stop hooks."""
 
-    def __init__(self, identity_key: bytes | None = None) -> None:
+    def __init__(self, identity_key: bytes | None = None, sandbox_id: str | None = None) -> None:
         self.supervisor: ProcessSupervisor | None = None
         self.identity_key = identity_key
+        self.credentials = CredentialCheck(identity_key, sandbox_id)
+        # Its `required` setting arrives with the configuration, after the server's interceptors.
+        self.interceptor = CredentialInterceptor(self.credentials)
 
     def bindings(self, config: AgentConfig) -> list[ServiceBinding]:
         # Called on the running event loop, before the server binds: commands can run as soon
@@ -51,6 +59,7 @@ class _Agent:
             os.set_inheritable(config.ready_fd, False)
         if config.listen_dir_fd is not None:
             os.set_inheritable(config.listen_dir_fd, False)
+        self.interceptor.required = config.require_credential
         self.supervisor = ProcessSupervisor(reap_orphans=config.should_reap_orphans())
         self.supervisor.start()
         servicer = AgentServicer(
@@ -125,10 +134,11 @@ def _take_identity_key() -> bytes | None:
 def run(argv: Sequence[str] | None = None) -> int:
     """Run the agent with ``argv`` (default: the process's arguments); return the exit status."""
     identity_key = _take_identity_key()
+    sandbox_id = os.environ.pop(SANDBOX_ID_VARIABLE, "") or None
     if os.getpid() == 1 or identity_key is not None:
         # Also out of PID 1: /proc/PID/environ still shows the key the agent was started with.
         _make_non_dumpable()
-    agent = _Agent(identity_key)
+    agent = _Agent(identity_key, sandbox_id)
     return run_service(
         "inagent",
         load_agent_config,
@@ -136,6 +146,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         argv=argv,
         description="The Orchard sandbox agent: exec, files and health over gRPC.",
         flags=AGENT_FLAGS,
+        interceptors=(agent.interceptor,),
         on_start=agent.on_start,
         on_stop=agent.on_stop,
     )

@@ -7,10 +7,14 @@ so a cancelled call still ends with the process group killed and the child reape
   ``os.posix_spawn`` when it runs in the agent's own working directory (a third of the cost of
   ``Popen``; every other descriptor of the agent is close-on-exec, inherited ones made so at
   start), else by ``subprocess.Popen`` (``vfork``/``exec``, ``chdir``, other fds closed);
-- its exit is watched through a pidfd (``os.pidfd_open`` + ``loop.add_reader``) and reaped
-  with ``waitpid`` on that pid only; a thread per child waits where pidfds are missing;
+- its exit is watched through a pidfd (``os.pidfd_open``) and reaped with ``waitpid`` on that
+  pid only; a thread per child waits where pidfds are missing;
 - stdout and stderr are read concurrently with non-blocking reads into one reused buffer;
   bytes past the cap are counted and dropped without being copied;
+- the pipes and pidfds of every command sit in one epoll set of the supervisor's, which is
+  itself one reader of the event loop: registering a descriptor is one ``epoll_ctl`` rather
+  than asyncio's per-reader bookkeeping, and one wakeup serves every ready descriptor, pipes
+  before exits, so a command that ended with its pipes closed finishes in that same pass;
 - a timeout or :meth:`RunningCommand.kill` sends SIGKILL to the whole process group.
 
 A command is done when its leader has exited and both pipes are closed, or, if something it
@@ -25,13 +29,17 @@ import collections
 import contextlib
 import enum
 import errno
+import fcntl
 import logging
 import os
+import select
 import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from orchard.core.errors import OrchardError, Reason, from_os_error
 from orchard.inagent.commands import CommandSpec
@@ -205,7 +213,7 @@ class RunningCommand:
         self._stdin_view = memoryview(spec.stdin)
         self._timer = self._loop.call_later(spec.timeout_s, self._on_timeout)
         for pipe in self._pipes:
-            self._loop.add_reader(pipe.fd, self._on_readable, pipe)
+            supervisor._watch(pipe.fd, self._on_readable, pipe)
         if stdin_fd >= 0:
             self._write_stdin()
             if self._stdin_fd >= 0:
@@ -252,20 +260,20 @@ class RunningCommand:
                 target=self._wait_in_thread, name=f"wait-{self.pid}", daemon=True
             ).start()
             return
-        self._loop.add_reader(self._pidfd, self._on_pidfd_readable)
+        self._supervisor._watch(self._pidfd, self._on_pidfd_readable, None, exit_event=True)
 
     def _wait_in_thread(self) -> None:
         _, status = os.waitpid(self.pid, 0)
         self._loop.call_soon_threadsafe(self._on_exit, status)
 
-    def _on_pidfd_readable(self) -> None:
+    def _on_pidfd_readable(self, _: None = None) -> None:
         try:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
         except ChildProcessError:  # reaped elsewhere (should not happen): status unknown
             pid, status = self.pid, 0
         if pid == 0:
             return
-        self._loop.remove_reader(self._pidfd)
+        self._supervisor._unwatch(self._pidfd)
         os.close(self._pidfd)
         self._pidfd = -1
         self._on_exit(status)
@@ -276,6 +284,10 @@ class RunningCommand:
         if self._popen is not None:
             self._popen.returncode = os.waitstatus_to_exitcode(status)
         self._supervisor._untrack(self)
+        for pipe in list(self._pipes):
+            # Usually at end-of-file already (the kernel closes a process's files before it
+            # reports the exit): take it now rather than in another pass of the loop.
+            self._on_readable(pipe)
         if self._pipes:
             # Something left in the background may hold a pipe open; do not wait on it long.
             self._grace_timer = self._loop.call_later(
@@ -312,11 +324,17 @@ class RunningCommand:
                 return  # the pipe is empty for now
 
     def _close_pipe(self, pipe: _Pipe) -> None:
-        self._loop.remove_reader(pipe.fd)
+        self._supervisor._unwatch(pipe.fd)
         os.close(pipe.fd)
         self._pipes.remove(pipe)
-        if not self._pipes and self._wait_status is not None:
+        if self._pipes:
+            return
+        if self._wait_status is not None:
             self._finish()
+        elif self._pidfd >= 0:
+            # Both pipes closed: most often the command has exited too, so look now rather
+            # than in another pass of the loop (a no-op while it still runs).
+            self._on_pidfd_readable()
 
     def _stop_reading(self) -> None:
         for pipe in list(self._pipes):
@@ -374,6 +392,9 @@ class RunningCommand:
         self._waiters.clear()
 
 
+_Watch = tuple[bool, Callable[[Any], None], Any]
+
+
 class ProcessSupervisor:
     """Spawns commands, tracks them until reaped, and kills what is left at :meth:`close`.
 
@@ -392,6 +413,10 @@ class ProcessSupervisor:
         self.read_buffer = memoryview(bytearray(_READ_BYTES))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._devnull = -1
+        self._epoll: select.epoll | None = None
+        # fd → (is an exit event, callback, its argument), for every descriptor in the epoll set
+        self._watched: dict[int, _Watch] = {}
+        self._closed = False
         self._running: dict[int, RunningCommand] = {}
         self._lingering_groups: set[int] = set()
         self._reaper: OrphanReaper | None = None
@@ -407,6 +432,8 @@ class ProcessSupervisor:
         """Bind to the running event loop; install the orphan reaper when asked to."""
         self._loop = asyncio.get_running_loop()
         self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        self._epoll = select.epoll()  # close-on-exec, as Python creates it
+        self._loop.add_reader(self._epoll.fileno(), self._on_events)
         if self.use_posix_spawn:
             self.use_posix_spawn = _inherited_fds_made_close_on_exec()
         if self.reap_orphans:
@@ -482,7 +509,8 @@ class ProcessSupervisor:
                 os.close(stdin_read)
         for fd in (out_read, err_read, stdin_write):
             if fd >= 0:
-                os.set_blocking(fd, False)
+                # One fcntl, not set_blocking's two: a pipe end has no other status flag set.
+                fcntl.fcntl(fd, fcntl.F_SETFL, os.O_NONBLOCK)
         stdout = _Pipe(out_read, Stream.STDOUT, spec.output_limit_bytes)
         stderr = _Pipe(err_read, Stream.STDERR, spec.output_limit_bytes)
         try:
@@ -525,6 +553,47 @@ class ProcessSupervisor:
         except OSError:  # the agent's own directory was removed
             return False
 
+    def _watch(
+        self, fd: int, callback: Callable[[Any], None], arg: Any, *, exit_event: bool = False
+    ) -> None:
+        """Call ``callback(arg)`` whenever ``fd`` is readable, until :meth:`_unwatch`."""
+        if self._epoll is None:
+            raise RuntimeError("ProcessSupervisor.start() was not called, or it was closed")
+        self._epoll.register(fd, select.EPOLLIN)
+        self._watched[fd] = (exit_event, callback, arg)
+
+    def _unwatch(self, fd: int) -> None:
+        """Stop watching ``fd``; call before closing it."""
+        if self._watched.pop(fd, None) is not None and self._epoll is not None:
+            self._epoll.unregister(fd)
+            if self._closed and not self._watched:
+                self._close_epoll()
+
+    def _close_epoll(self) -> None:
+        if self._epoll is not None:
+            if self._loop is not None:
+                self._loop.remove_reader(self._epoll.fileno())
+            self._epoll.close()
+            self._epoll = None
+
+    def _on_events(self) -> None:
+        """Serve every ready descriptor: output first, then exits (see the module docstring)."""
+        if self._epoll is None:
+            return
+        exits: list[int] = []
+        for fd, _ in self._epoll.poll(0):
+            watch = self._watched.get(fd)
+            if watch is None:
+                continue
+            if watch[0]:
+                exits.append(fd)
+            else:
+                watch[1](watch[2])
+        for fd in exits:
+            watch = self._watched.get(fd)
+            if watch is not None:
+                watch[1](watch[2])
+
     def _untrack(self, command: RunningCommand) -> None:
         self._running.pop(command.pid, None)
         if self._reaper is not None:
@@ -555,6 +624,10 @@ class ProcessSupervisor:
         if self._devnull >= 0:
             os.close(self._devnull)
             self._devnull = -1
+        self._closed = True
+        if not self._watched:
+            # Otherwise commands killed above still report their end; the last one closes it.
+            self._close_epoll()
 
 
 def _posix_spawn(spec: CommandSpec, stdin: int, stdout: int, stderr: int) -> int:

@@ -32,6 +32,15 @@ class AgentReason(ErrorReason):
         "The agent was started without a sandbox key (ORCHARD_AGENT_KEY): it cannot prove "
         "which sandbox it serves.",
     )
+    CREDENTIAL_INVALID = (
+        grpc.StatusCode.UNAUTHENTICATED,
+        "The call's route credential is malformed, forged or expired (or missing where the "
+        "agent requires one): open a new route with EnvService.OpenAgentRoute.",
+    )
+    CREDENTIAL_WRONG_SANDBOX = (
+        grpc.StatusCode.PERMISSION_DENIED,
+        "The call's route credential is valid but for another sandbox.",
+    )
     MALFORMED_REQUEST = (
         grpc.StatusCode.INVALID_ARGUMENT,
         "The request bytes are not a valid message of the method's request type.",

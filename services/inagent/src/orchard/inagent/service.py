@@ -52,19 +52,25 @@ def identity_proof(key: bytes, nonce: bytes, sandbox_id: str) -> bytes:
 
 def exit_status(result: ProcessResult) -> exec_pb2.ExitStatus:
     """The contract's ExitStatus for a finished command."""
-    status = exec_pb2.ExitStatus(
-        timed_out=result.timed_out,
-        duration=_duration(result.duration_s),
-        stdout_bytes=result.stdout_bytes,
-        stderr_bytes=result.stderr_bytes,
-        stdout_truncated=result.stdout_truncated,
-        stderr_truncated=result.stderr_truncated,
-    )
+    status = exec_pb2.ExitStatus()
+    fill_exit_status(status, result)
+    return status
+
+
+def fill_exit_status(status: exec_pb2.ExitStatus, result: ProcessResult) -> None:
+    """Write ``result`` into ``status`` in place (a message passed to a constructor is copied)."""
+    status.timed_out = result.timed_out
+    whole = int(result.duration_s)
+    status.duration.seconds = whole
+    status.duration.nanos = round((result.duration_s - whole) * 1e9)
+    status.stdout_bytes = result.stdout_bytes
+    status.stderr_bytes = result.stderr_bytes
+    status.stdout_truncated = result.stdout_truncated
+    status.stderr_truncated = result.stderr_truncated
     if result.signal is not None:
         status.signal = result.signal
     else:
         status.exit_code = result.exit_code or 0
-    return status
 
 
 class AgentServicer(pb_grpc.AgentServiceServicer):
@@ -108,11 +114,11 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
     ) -> pb.ExecResponse:
         command = await self.supervisor.spawn_when_possible(self._prepare(request.command))
         result = await command.wait()
-        return pb.ExecResponse(
-            result=exec_pb2.ExecResult(
-                status=exit_status(result), stdout=result.stdout, stderr=result.stderr
-            )
-        )
+        response = pb.ExecResponse()
+        fill_exit_status(response.result.status, result)
+        response.result.stdout = result.stdout
+        response.result.stderr = result.stderr
+        return response
 
     async def ExecStream(
         self, request: pb.ExecStreamRequest, context: grpc.aio.ServicerContext

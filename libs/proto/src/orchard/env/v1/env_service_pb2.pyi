@@ -24,6 +24,65 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class OpenAgentRouteRequest(_message.Message):
+    """Request of EnvService.OpenAgentRoute."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    """Id of the sandbox."""
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sandbox_id", b"sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenAgentRouteRequest: _TypeAlias = OpenAgentRouteRequest  # noqa: Y015
+
+@_typing.final
+class OpenAgentRouteResponse(_message.Message):
+    """Response of EnvService.OpenAgentRoute."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    CREDENTIAL_FIELD_NUMBER: _builtins.int
+    EXPIRE_TIME_FIELD_NUMBER: _builtins.int
+    address: _builtins.str
+    """gRPC target of the sandbox's agent (orchard.inagent.v1.AgentService): `unix:/path` for
+    the local runtime (a socket on the service's host, open to its user only), `IP:port` (the
+    Pod IP) for the kubernetes runtime.
+    """
+    credential: _builtins.str
+    """Send as metadata `authorization: Bearer <credential>` on every call to the agent. Opaque
+    to clients; valid for this sandbox and tenant only, until `expire_time`.
+    """
+    @_builtins.property
+    def expire_time(self) -> _timestamp_pb2.Timestamp:
+        """When the agent stops accepting the credential; open a new route before then."""
+
+    def __init__(
+        self,
+        *,
+        address: _builtins.str = ...,
+        credential: _builtins.str = ...,
+        expire_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expire_time", b"expire_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "credential", b"credential", "expire_time", b"expire_time"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenAgentRouteResponse: _TypeAlias = OpenAgentRouteResponse  # noqa: Y015
+
+@_typing.final
 class CreateSandboxRequest(_message.Message):
     """Request of EnvService.CreateSandbox."""
 

@@ -126,6 +126,11 @@ class EnvServiceStub:
                 request_serializer=orchard_dot_env_dot_v1_dot_env__service__pb2.UpdateNetworkPolicyRequest.SerializeToString,
                 response_deserializer=orchard_dot_env_dot_v1_dot_env__service__pb2.UpdateNetworkPolicyResponse.FromString,
                 _registered_method=True)
+        self.OpenAgentRoute = channel.unary_unary(
+                '/orchard.env.v1.EnvService/OpenAgentRoute',
+                request_serializer=orchard_dot_env_dot_v1_dot_env__service__pb2.OpenAgentRouteRequest.SerializeToString,
+                response_deserializer=orchard_dot_env_dot_v1_dot_env__service__pb2.OpenAgentRouteResponse.FromString,
+                _registered_method=True)
 
 
 class EnvServiceServicer:
@@ -291,6 +296,22 @@ class EnvServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenAgentRoute(self, request, context):
+        """Opens the direct route to a READY sandbox's agent: where a client can reach it and a
+        short-lived credential for that one sandbox (and the calling tenant), which the agent
+        verifies by itself. The client then calls orchard.inagent.v1.AgentService at `address`
+        with metadata `authorization: Bearer <credential>` until `expire_time`; exec and file
+        calls skip this service. Changes nothing (no record, no state); a new call issues a new
+        credential. Clients that cannot reach `address` keep using Exec and the file calls here.
+        Errors: NOT_FOUND (unknown, or another tenant's sandbox), FAILED_PRECONDITION (not
+        READY), UNIMPLEMENTED (the runtime or configuration offers no direct route),
+        PERMISSION_DENIED (what serves at the agent's address is not the sandbox's agent),
+        UNAVAILABLE (the agent's identity cannot be checked now; retry).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EnvServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -378,6 +399,11 @@ def add_EnvServiceServicer_to_server(servicer, server):
                     servicer.UpdateNetworkPolicy,
                     request_deserializer=orchard_dot_env_dot_v1_dot_env__service__pb2.UpdateNetworkPolicyRequest.FromString,
                     response_serializer=orchard_dot_env_dot_v1_dot_env__service__pb2.UpdateNetworkPolicyResponse.SerializeToString,
+            ),
+            'OpenAgentRoute': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenAgentRoute,
+                    request_deserializer=orchard_dot_env_dot_v1_dot_env__service__pb2.OpenAgentRouteRequest.FromString,
+                    response_serializer=orchard_dot_env_dot_v1_dot_env__service__pb2.OpenAgentRouteResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -846,6 +872,33 @@ class EnvService:
             '/orchard.env.v1.EnvService/UpdateNetworkPolicy',
             orchard_dot_env_dot_v1_dot_env__service__pb2.UpdateNetworkPolicyRequest.SerializeToString,
             orchard_dot_env_dot_v1_dot_env__service__pb2.UpdateNetworkPolicyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenAgentRoute(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.env.v1.EnvService/OpenAgentRoute',
+            orchard_dot_env_dot_v1_dot_env__service__pb2.OpenAgentRouteRequest.SerializeToString,
+            orchard_dot_env_dot_v1_dot_env__service__pb2.OpenAgentRouteResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -124,6 +124,18 @@ class EnvServiceStub:
     Errors: NOT_FOUND, INVALID_ARGUMENT (bad rule), FAILED_PRECONDITION (sandbox FAILED or
     DELETING).
     """
+    OpenAgentRoute: _grpc.UnaryUnaryMultiCallable[_env_service_pb2.OpenAgentRouteRequest, _env_service_pb2.OpenAgentRouteResponse]
+    """Opens the direct route to a READY sandbox's agent: where a client can reach it and a
+    short-lived credential for that one sandbox (and the calling tenant), which the agent
+    verifies by itself. The client then calls orchard.inagent.v1.AgentService at `address`
+    with metadata `authorization: Bearer <credential>` until `expire_time`; exec and file
+    calls skip this service. Changes nothing (no record, no state); a new call issues a new
+    credential. Clients that cannot reach `address` keep using Exec and the file calls here.
+    Errors: NOT_FOUND (unknown, or another tenant's sandbox), FAILED_PRECONDITION (not
+    READY), UNIMPLEMENTED (the runtime or configuration offers no direct route),
+    PERMISSION_DENIED (what serves at the agent's address is not the sandbox's agent),
+    UNAVAILABLE (the agent's identity cannot be checked now; retry).
+    """
 
 @_typing.type_check_only
 class EnvServiceAsyncStub(EnvServiceStub):
@@ -220,6 +232,18 @@ class EnvServiceAsyncStub(EnvServiceStub):
     """Replaces a sandbox's network policy; the runtime applies it before the call returns.
     Errors: NOT_FOUND, INVALID_ARGUMENT (bad rule), FAILED_PRECONDITION (sandbox FAILED or
     DELETING).
+    """
+    OpenAgentRoute: _aio.UnaryUnaryMultiCallable[_env_service_pb2.OpenAgentRouteRequest, _env_service_pb2.OpenAgentRouteResponse]  # type: ignore[assignment]
+    """Opens the direct route to a READY sandbox's agent: where a client can reach it and a
+    short-lived credential for that one sandbox (and the calling tenant), which the agent
+    verifies by itself. The client then calls orchard.inagent.v1.AgentService at `address`
+    with metadata `authorization: Bearer <credential>` until `expire_time`; exec and file
+    calls skip this service. Changes nothing (no record, no state); a new call issues a new
+    credential. Clients that cannot reach `address` keep using Exec and the file calls here.
+    Errors: NOT_FOUND (unknown, or another tenant's sandbox), FAILED_PRECONDITION (not
+    READY), UNIMPLEMENTED (the runtime or configuration offers no direct route),
+    PERMISSION_DENIED (what serves at the agent's address is not the sandbox's agent),
+    UNAVAILABLE (the agent's identity cannot be checked now; retry).
     """
 
 class EnvServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -416,6 +440,24 @@ class EnvServiceServicer(metaclass=_abc_1.ABCMeta):
         """Replaces a sandbox's network policy; the runtime applies it before the call returns.
         Errors: NOT_FOUND, INVALID_ARGUMENT (bad rule), FAILED_PRECONDITION (sandbox FAILED or
         DELETING).
+        """
+
+    @_abc_1.abstractmethod
+    def OpenAgentRoute(
+        self,
+        request: _env_service_pb2.OpenAgentRouteRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_env_service_pb2.OpenAgentRouteResponse, _abc.Awaitable[_env_service_pb2.OpenAgentRouteResponse]]:
+        """Opens the direct route to a READY sandbox's agent: where a client can reach it and a
+        short-lived credential for that one sandbox (and the calling tenant), which the agent
+        verifies by itself. The client then calls orchard.inagent.v1.AgentService at `address`
+        with metadata `authorization: Bearer <credential>` until `expire_time`; exec and file
+        calls skip this service. Changes nothing (no record, no state); a new call issues a new
+        credential. Clients that cannot reach `address` keep using Exec and the file calls here.
+        Errors: NOT_FOUND (unknown, or another tenant's sandbox), FAILED_PRECONDITION (not
+        READY), UNIMPLEMENTED (the runtime or configuration offers no direct route),
+        PERMISSION_DENIED (what serves at the agent's address is not the sandbox's agent),
+        UNAVAILABLE (the agent's identity cannot be checked now; retry).
         """
 
 def add_EnvServiceServicer_to_server(servicer: EnvServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -3,6 +3,7 @@
 ::
 
     orchard bench env --sandboxes 100 --execs-per-sandbox 4 --json env.json
+    orchard bench env --curve 100,400,1000 --profile --json bench/results/env.json
     orchard bench env --endpoint 127.0.0.1:7100 --sandboxes 20
 
 By default it runs against a private stack (embedded etcd + orchard-env with the local runtime
@@ -12,11 +13,21 @@ service on the host reconciles its sandboxes away), else against ``--endpoint``.
 1. a probe: a few sandboxes, created and measured idle (PSS per sandbox, the service's growth,
    the agent's start CPU), then deleted; from it the concurrency is capped when the asked number
    of sandboxes at once would take more than 70% of MemAvailable (and the output says so);
-2. the run: N sandboxes, at most C in flight, each created, waited for, given K execs of the
-   command and deleted, while a sampler thread sums PSS (see :mod:`host_probe`);
-3. the baseline: the same NxK commands through ``subprocess.run`` from a pool of C threads;
-4. the leak check: records the service still lists, cgroups, processes, mounts and (private
+2. the figures, each beside its floor (see :mod:`bench_figures`): exec round trip, sustained
+   execs/s, a burst of concurrent execs and the CPU per exec by process, against
+   ``subprocess.run``; create → READY against a bare namespaced spawn; fork against fresh
+   sandboxes with the same setup;
+3. the run (the lifecycle): N sandboxes, at most C in flight, each created, waited for, given K
+   execs of the command and deleted, while a sampler thread sums PSS (see :mod:`host_probe`),
+   with the CPU per sandbox lifecycle by process; ``--curve`` runs it at several sizes;
+4. the baseline: the same NxK commands through ``subprocess.run`` from a pool of C threads;
+5. the leak check: records the service still lists, cgroups, processes, mounts and (private
    stack) runtime files left behind.
+
+On the private stack, orchard-env and etcd run in cgroup v1 ``cpuacct`` groups of their own
+(where the host has that hierarchy), so the CPU of every sandbox, agent, command and the
+kernel's work for them is counted even after the sandbox is gone. ``--profile`` records py-spy
+flame graphs of orchard-env and one agent beside the JSON.
 
 A table goes to stdout, the full result to ``--json``; progress to stderr.
 """
@@ -29,7 +40,6 @@ import contextlib
 import json
 import os
 import platform
-import resource
 import secrets
 import shlex
 import shutil
@@ -48,18 +58,31 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
+from orchard.sdk.cli.bench_figures import (
+    ExecSettings,
+    ProcessProfiler,
+    exec_figures,
+    fork_figures,
+    profiling,
+    ready_figures,
+)
 from orchard.sdk.cli.host_probe import (
     MEMORY_METHOD,
     ConcurrencyPlan,
+    CpuAccounting,
+    CpuTimes,
     SandboxCgroups,
     cpu_seconds,
+    host_cpu,
     mem_available_bytes,
     mounts_naming,
     plan_concurrency,
+    process_cpu,
     process_running,
     process_start_time,
     pss_bytes,
     remove_cgroup_parent,
+    this_process_cpu,
 )
 from orchard.sdk.cli.output import print_table
 from orchard.sdk.errors import OrchardSDKError
@@ -79,8 +102,17 @@ TARGETS = {
     "wall_seconds": (26.0, "<="),
     "exec_p50_ms": (5.0, "<="),
     "idle_sandbox_mb": (10.0, "<="),
+    "cpu_ms_per_lifecycle": (50.0, "<="),
+    "exec_cpu_ms": (2.0, "<="),
+    "exec_round_trip_p50_ms": (3.0, "<="),
+    "execs_per_second": (1000.0, ">="),
+    "exec_burst_p50_ms": (1000.0, "<="),
+    "create_to_ready_p50_ms": (20.0, "<="),
+    "fork_speedup": (5.0, ">="),
 }
-"""The issue's targets at N=1000, K=4 (shown beside any run for reference)."""
+"""The targets at N=1000, K=4 (shown beside any run for reference)."""
+_RUN_TARGETS = ("success_rate", "leaked", "wall_seconds", "exec_p50_ms", "idle_sandbox_mb")
+"""Those read from the lifecycle run's own fields; the rest from the figures."""
 
 
 class BenchError(OrchardSDKError):
@@ -139,6 +171,47 @@ def add_bench_commands(subparsers: Any, formatter: type[argparse.HelpFormatter])
         help="with --endpoint: a pid (service, etcd) to count in the memory sum; repeatable",
     )
     env.add_argument(
+        "--curve",
+        metavar="N,N,...",
+        help="run the lifecycle at each of these sizes in one invocation (e.g. 100,400,1000); "
+        "the largest is the run the table shows",
+    )
+    env.add_argument(
+        "--exec-sandboxes",
+        type=int,
+        default=50,
+        help="sandboxes the exec figures run on (default: 50, at most N; 0 skips the exec, "
+        "create and fork figures)",
+    )
+    env.add_argument(
+        "--exec-calls", type=int, default=300, help="one-at-a-time execs timed (default: 300)"
+    )
+    env.add_argument(
+        "--exec-sustained", type=int, default=3000, help="execs of the sustained rate (3000)"
+    )
+    env.add_argument(
+        "--exec-concurrency", type=int, default=32, help="execs in flight, sustained (32)"
+    )
+    env.add_argument(
+        "--exec-burst", type=int, default=1000, help="execs started at once (default: 1000)"
+    )
+    env.add_argument(
+        "--ready-repeats", type=int, default=20, help="single creates timed to READY (20)"
+    )
+    env.add_argument("--fork", type=int, default=8, help="K of the fork figure (default: 8)")
+    env.add_argument(
+        "--profile",
+        action="store_true",
+        help="record py-spy flame graphs of orchard-env and one agent (private stack) next to "
+        "--json",
+    )
+    env.add_argument(
+        "--direct-agent",
+        action="store_true",
+        help="exec on the agents directly (the client's direct route) instead of through "
+        "orchard-env",
+    )
+    env.add_argument(
         "--progress",
         choices=("auto", "bar", "lines", "none"),
         default="auto",
@@ -160,6 +233,18 @@ class BenchSettings:
     command: tuple[str, ...]
     image: str = "host"
     probe_sandboxes: int = PROBE_SANDBOXES
+    curve: tuple[int, ...] = ()
+    """Lifecycle sizes to run, smallest first; empty: just ``sandboxes``."""
+    exec_sandboxes: int = 50
+    exec: ExecSettings | None = None
+    ready_repeats: int = 20
+    fork: int = 8
+    profile_dir: Path | None = None
+    direct_agent: bool = False
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return self.curve or (self.sandboxes,)
 
 
 @dataclass(frozen=True)
@@ -171,6 +256,7 @@ class Target:
     service_pids: dict[str, int]  # name → pid counted in the memory sum
     runtime_dirs: tuple[str, ...] = ()  # private stack: directories that must end up empty
     private: bool = False
+    accounting: CpuAccounting | None = None  # cpuacct groups "orchard-env" and "etcd"
 
 
 @dataclass
@@ -355,20 +441,45 @@ class EnvBench:
         from orchard.sdk.retry import RetryPolicy  # noqa: PLC0415
 
         retry = RetryPolicy(max_attempts=5, initial_backoff=0.05, max_backoff=1.0)
+        sizes = self.settings.sizes
+        profiler = ProcessProfiler(self.settings.profile_dir) if self.settings.profile_dir else None
+        env_pid = self.target.service_pids.get("orchard_env")
+        runs: list[tuple[int, ConcurrencyPlan, dict[str, Any]]] = []
         async with AsyncSandboxClient(
-            self.target.endpoint, token=self.target.token, retry=retry, timeout=60.0
+            self.target.endpoint,
+            token=self.target.token,
+            retry=retry,
+            timeout=60.0,
+            direct_agent=self.settings.direct_agent,
         ) as client:
             try:
                 probe = await self._probe(client)
-                plan = self._plan(probe)
-                if plan.capped_by_memory:
-                    sys.stderr.write(f"orchard bench: {plan.explain()}\n")
-                run = await self._main(client, plan.concurrency)
+                figures = await self._figures(client, profiler)
+                for size in sizes:
+                    plan = self._plan(probe, size)
+                    if plan.capped_by_memory:
+                        sys.stderr.write(f"orchard bench: {plan.explain()}\n")
+                    if len(sizes) > 1:
+                        sys.stderr.write(f"orchard bench: lifecycle of {size} sandboxes\n")
+                    largest = size == sizes[-1]
+                    with profiling(profiler, "orchard-env", env_pid if largest else None):
+                        run = await self._main(client, plan.concurrency, size)
+                    runs.append((size, plan, run))
             finally:
+                if profiler is not None:
+                    profiler.close()
                 await self._delete_leftovers(client)
             leaks = await self._leaks(client)
-        baseline = await asyncio.to_thread(self._baseline, plan.concurrency)
-        return self._result(probe, plan, run, baseline, leaks)
+        size, plan, run = runs[-1]
+        baseline = await asyncio.to_thread(self._baseline, plan.concurrency, size)
+        result = self._result(probe, plan, run, baseline, leaks, n=size)
+        result["figures"] = figures
+        result["curve"] = [_curve_entry(n, p, r) for n, p, r in runs]
+        _add_figure_targets(result)
+        if profiler is not None:
+            result["profiles"] = profiler.written
+            result["notes"].extend(profiler.errors)
+        return result
 
     # -- phases ------------------------------------------------------------------------------
 
@@ -399,16 +510,81 @@ class EnvBench:
             "agent_start_cpu_s": statistics.fmean(agent_cpu),
         }
 
-    def _plan(self, probe: dict[str, Any]) -> ConcurrencyPlan:
-        requested = min(
-            self.settings.concurrency or self.settings.sandboxes, self.settings.sandboxes
+    async def _figures(self, client: Any, profiler: ProcessProfiler | None) -> dict[str, Any]:
+        """Exec, create → READY and fork, each beside its floor (see :mod:`bench_figures`)."""
+        count = min(self.settings.exec_sandboxes, max(self.settings.sizes))
+        if count <= 0 or self.settings.exec is None:
+            return {}
+        figures: dict[str, Any] = {}
+        env_pid = self.target.service_pids.get("orchard_env")
+        sys.stderr.write(f"orchard bench: exec figures on {count} sandboxes\n")
+        created = await asyncio.gather(
+            *(self._create(client, f"exec-{i}") for i in range(count)), return_exceptions=True
         )
+        sandboxes = [s for s in created if not isinstance(s, BaseException)]
+        try:
+            if len(sandboxes) < count:
+                error = next(s for s in created if isinstance(s, BaseException))
+                raise BenchError(f"exec figures: a sandbox did not become ready: {error}")
+            with profiling(profiler, "orchard-env-exec", env_pid):
+                figures["exec"] = await exec_figures(
+                    client,
+                    sandboxes,
+                    self.settings.exec,
+                    service_pid=env_pid,
+                    cgroups=self.cgroups,
+                    accounting=self.target.accounting,
+                    profiler=profiler,
+                )
+        except Exception as exc:  # one figure failing must not hide the others
+            figures["exec"] = {"error": str(exc)[:500]}
+        finally:
+            await asyncio.gather(
+                *(self._delete(client, s.id) for s in sandboxes), return_exceptions=True
+            )
+
+        async def create() -> Any:
+            sandbox = await client.create(
+                self.settings.image,
+                labels={LABEL: self.run_id, "index": "figure"},
+                heartbeat_timeout=_HEARTBEAT_TIMEOUT_S,
+                wait=False,
+                keep_alive=False,
+            )
+            self._track(sandbox.id, None)
+            return sandbox
+
+        async def delete(sandbox: Any) -> None:
+            await self._delete(client, sandbox.id)
+
+        if self.settings.ready_repeats > 0:
+            sys.stderr.write("orchard bench: create -> READY, one at a time\n")
+            try:
+                figures["ready"] = await ready_figures(create, delete, self.settings.ready_repeats)
+            except Exception as exc:
+                figures["ready"] = {"error": str(exc)[:500]}
+        if self.settings.fork > 0:
+            sys.stderr.write(f"orchard bench: fork of {self.settings.fork}\n")
+            try:
+                figures["fork"] = await fork_figures(
+                    client,
+                    create,
+                    delete,
+                    self.settings.fork,
+                    {LABEL: self.run_id, "index": "fork"},
+                    track=lambda sandbox: self._track(sandbox.id, None),
+                )
+            except Exception as exc:
+                figures["fork"] = {"error": str(exc)[:500]}
+        return figures
+
+    def _plan(self, probe: dict[str, Any], sandboxes: int) -> ConcurrencyPlan:
+        requested = min(self.settings.concurrency or sandboxes, sandboxes)
         # The larger of the two estimates: the service's own growth per sandbox counts too.
         per_sandbox = int(max(probe["memory_per_sandbox_bytes"], probe["idle_sandbox_bytes"]))
         return plan_concurrency(requested, per_sandbox, mem_available_bytes())
 
-    async def _main(self, client: Any, concurrency: int) -> dict[str, Any]:
-        total = self.settings.sandboxes
+    async def _main(self, client: Any, concurrency: int, total: int) -> dict[str, Any]:
         timings = SandboxTimings()
         progress = BenchProgress(total, self.progress_mode)
         slots = asyncio.Semaphore(concurrency)
@@ -497,7 +673,7 @@ class EnvBench:
             ok = False
         return ok
 
-    def _baseline(self, concurrency: int) -> dict[str, Any]:
+    def _baseline(self, concurrency: int, sandboxes: int) -> dict[str, Any]:
         """The same NxK commands through subprocess.run, C threads, K in a row per task."""
         command = list(self.settings.command)
         latencies: list[float] = []
@@ -519,7 +695,7 @@ class EnvBench:
 
         began = time.perf_counter()
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            for future in [pool.submit(task) for _ in range(self.settings.sandboxes)]:
+            for future in [pool.submit(task) for _ in range(sandboxes)]:
                 future.result()
         return {
             "wall_seconds": time.perf_counter() - began,
@@ -599,12 +775,17 @@ class EnvBench:
         pids = self.cgroups.pids([sandbox_id]).get(sandbox_id, set())
         return sum(cpu_seconds(pid) for pid in pids)
 
-    def _cpu_snapshot(self) -> dict[str, float]:
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        snapshot = {"bench_client": usage.ru_utime + usage.ru_stime}
+    def _cpu_snapshot(self) -> dict[str, CpuTimes]:
+        snapshot = {"bench_client": this_process_cpu(), "host": host_cpu()}
         for name, pid in self.target.service_pids.items():
-            snapshot[name] = cpu_seconds(pid)
-            snapshot[f"{name}_children"] = cpu_seconds(pid, children=True)
+            snapshot[name] = process_cpu(pid)
+            snapshot[f"{name}_children"] = process_cpu(pid, children=True)
+        accounting = self.target.accounting
+        if accounting is not None:
+            for group in accounting.groups:
+                found = accounting.read(group)
+                if found is not None:
+                    snapshot[f"cgroup_{group}"] = found
         return snapshot
 
     # -- the result --------------------------------------------------------------------------
@@ -616,14 +797,16 @@ class EnvBench:
         run: dict[str, Any],
         baseline: dict[str, Any],
         leaks: dict[str, int],
+        *,
+        n: int,
     ) -> dict[str, Any]:
         timings: SandboxTimings = run["timings"]
         sampler: MemorySampler = run["sampler"]
-        n, k = self.settings.sandboxes, self.settings.execs_per_sandbox
+        k = self.settings.execs_per_sandbox
         exec_p50 = percentile(timings.execs, 50)
         base_p50 = percentile(baseline["latencies"], 50)
         fullest = sampler.fullest
-        cpu = {name: round(value, 3) for name, value in run["cpu"].items()}
+        cpu = {name: round(value.total, 3) for name, value in run["cpu"].items()}
         cpu["agent_start"] = round(sum(timings.agent_start_cpu), 3)
         result: dict[str, Any] = {
             "benchmark": "env",
@@ -673,6 +856,7 @@ class EnvBench:
             "service_mb_idle": _mb(probe["service_bytes"]),
             "probe_sandboxes": probe["sandboxes"],
             "cpu_seconds": cpu,
+            "cpu_ms_per_lifecycle": lifecycle_cpu(run["cpu"], n),
             "agent_start_cpu_ms_p50": _ms(percentile(timings.agent_start_cpu, 50)),
             "baseline": {
                 "method": "subprocess.run of the same command, N tasks of K runs each, "
@@ -692,8 +876,80 @@ class EnvBench:
         result["targets_at_1000x4"] = {
             name: {"target": goal, "met": _met(result.get(name), goal, how)}
             for name, (goal, how) in TARGETS.items()
+            if name in _RUN_TARGETS
         }
         return result
+
+
+def lifecycle_cpu(delta: dict[str, CpuTimes], sandboxes: int) -> dict[str, Any]:
+    """CPU per sandbox lifecycle (ms), by process, from one run's before/after difference."""
+    none = CpuTimes()
+    client = delta.get("bench_client", none)
+    env = delta.get("orchard_env", none)
+    etcd = delta.get("cgroup_etcd") or delta.get("etcd", none)
+    group = delta.get("cgroup_orchard-env")
+    split: dict[str, Any] = {
+        "client": client.per(sandboxes),
+        "orchard_env": env.per(sandboxes),
+        "etcd": etcd.per(sandboxes),
+    }
+    if group is not None:
+        # Everything orchard-env started, gone or not: agents, commands, sandbox setup, and
+        # the kernel's work in those processes.
+        split["sandboxes"] = (group - env).per(sandboxes)
+        total = client + group + etcd
+        split["method"] = (
+            "client: getrusage; orchard-env: /proc/PID/stat; sandboxes: cgroup v1 cpuacct "
+            "of orchard-env and all it started, less orchard-env itself; etcd: its cpuacct group"
+        )
+    else:
+        children = delta.get("orchard_env_children", none)
+        split["orchard_env_children"] = children.per(sandboxes)
+        total = client + env + children + etcd
+        split["method"] = (
+            "/proc/PID/stat only (no cpuacct hierarchy): sandbox processes that orchard-env "
+            "did not reap itself are missing"
+        )
+    split["all"] = total.per(sandboxes)
+    # The whole machine, others' load included: an upper bound on a shared host.
+    split["host"] = delta.get("host", none).per(sandboxes)
+    return split
+
+
+def _curve_entry(size: int, plan: ConcurrencyPlan, run: dict[str, Any]) -> dict[str, Any]:
+    timings: SandboxTimings = run["timings"]
+    return {
+        "sandboxes": size,
+        "concurrency": plan.concurrency,
+        "wall_seconds": round(run["wall_seconds"], 3),
+        "success_rate": round(run["succeeded"] / size, 4),
+        "ready_p50_ms": _ms(percentile(timings.ready, 50)),
+        "exec_p50_ms": _ms(percentile(timings.execs, 50)),
+        "cpu_ms_per_lifecycle": lifecycle_cpu(run["cpu"], size),
+    }
+
+
+def _add_figure_targets(result: dict[str, Any]) -> None:
+    """The figures' values beside their targets (in ``targets_at_1000x4``)."""
+    figures = result.get("figures", {})
+    exec_ = figures.get("exec", {})
+    sustained = exec_.get("sustained", {})
+    values = {
+        "cpu_ms_per_lifecycle": result["cpu_ms_per_lifecycle"]["all"]["total"],
+        "exec_cpu_ms": sustained.get("cpu_ms_per_exec", {}).get("all", {}).get("total"),
+        "exec_round_trip_p50_ms": exec_.get("single_round_trip_p50_ms"),
+        "execs_per_second": sustained.get("execs_per_second"),
+        "exec_burst_p50_ms": exec_.get("burst", {}).get("p50_ms"),
+        "create_to_ready_p50_ms": figures.get("ready", {}).get("create_to_ready_p50_ms"),
+        "fork_speedup": figures.get("fork", {}).get("fork_speedup"),
+    }
+    for name, value in values.items():
+        goal, how = TARGETS[name]
+        result["targets_at_1000x4"][name] = {
+            "target": goal,
+            "value": value,
+            "met": _met(value, goal, how),
+        }
 
 
 def _met(value: float | None, goal: float, how: str) -> bool | None:
@@ -717,12 +973,46 @@ def _bench_env(args: argparse.Namespace) -> int:
     command = tuple(shlex.split(args.command))
     if not command:
         raise UsageError("--command must not be empty")
+    curve: tuple[int, ...] = ()
+    if args.curve:
+        try:
+            curve = tuple(sorted({int(part) for part in args.curve.split(",") if part.strip()}))
+        except ValueError:
+            raise UsageError(
+                f"--curve: {args.curve!r} is not a list of sizes like 100,400,1000"
+            ) from None
+        if not curve or curve[0] < 1:
+            raise UsageError("--curve: every size must be at least 1")
+    for name in ("exec_sandboxes", "ready_repeats", "fork"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be 0 or more")
+    for name in ("exec_calls", "exec_sustained", "exec_concurrency", "exec_burst"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.fork > 64:
+        raise UsageError("--fork: at most 64 forks per call")
+    profile_dir = None
+    if args.profile:
+        profile_dir = args.json.parent if args.json else Path.cwd()
     settings = BenchSettings(
-        sandboxes=args.sandboxes,
+        sandboxes=max(curve) if curve else args.sandboxes,
         execs_per_sandbox=args.execs_per_sandbox,
         concurrency=args.concurrency,
         command=command,
         image=args.image,
+        curve=curve,
+        exec_sandboxes=args.exec_sandboxes,
+        exec=ExecSettings(
+            command=command,
+            sequential_calls=args.exec_calls,
+            sustained_calls=args.exec_sustained,
+            concurrency=args.exec_concurrency,
+            burst=args.exec_burst,
+        ),
+        ready_repeats=args.ready_repeats,
+        fork=args.fork,
+        profile_dir=profile_dir,
+        direct_agent=args.direct_agent,
     )
     endpoint = args.bench_endpoint or args.endpoint
     if endpoint:
@@ -751,6 +1041,7 @@ def run_on_private_stack(settings: BenchSettings, progress: str = "auto") -> dic
     cgroup_parent = f"orchard-bench-{tag}"
     run_dir = f"/run/orchard-bench-{tag}"  # short: socket paths must fit in 107 bytes
     token = secrets.token_urlsafe(24)
+    accounting: CpuAccounting | None = None
     stack = LocalStack(
         state,
         listen=f"127.0.0.1:{_free_port()}",
@@ -764,12 +1055,18 @@ def run_on_private_stack(settings: BenchSettings, progress: str = "auto") -> dic
         except StackError as exc:
             raise BenchError(str(exc)) from None
         runtime = stack.runtime_settings()
+        # Before any sandbox exists: all it starts inherits orchard-env's group.
+        accounting = CpuAccounting(f"orchard-bench-{tag}")
+        counted = accounting.add("orchard-env", stack.env_pid) and accounting.add(
+            "etcd", stack.etcd_pid
+        )
         target = Target(
             endpoint=stack.endpoint,
             token=token,
             service_pids={"orchard_env": stack.env_pid, "etcd": stack.etcd_pid},
             runtime_dirs=(runtime["state_dir"], runtime["workspace_dir"], run_dir),
             private=True,
+            accounting=accounting if counted else None,
         )
         result = _run_async(EnvBench(settings, target, progress).run)
         if not stack.alive():
@@ -777,9 +1074,83 @@ def run_on_private_stack(settings: BenchSettings, progress: str = "auto") -> dic
         return result
     finally:
         stack.stop()
+        if accounting is not None:
+            accounting.remove()
         remove_cgroup_parent(cgroup_parent)
         shutil.rmtree(run_dir, ignore_errors=True)
         shutil.rmtree(state, ignore_errors=True)
+
+
+def _split_text(split: dict[str, Any]) -> str:
+    """``name total (sys system)`` for each process in a CPU split."""
+    parts = []
+    for name, value in split.items():
+        # "all" and "host" are shown on rows of their own; a cgroup total is a cross-check.
+        shown = name not in ("all", "host") and not name.startswith("cgroup")
+        if shown and isinstance(value, dict):
+            parts.append(f"{name} {value['total']} (sys {value['system']})")
+    return ", ".join(parts)
+
+
+def _figure_rows(result: dict[str, Any], goal: Callable[[str], str]) -> list[list[Any]]:
+    figures = result.get("figures", {})
+    rows: list[list[Any]] = []
+    for name, figure in figures.items():
+        if "error" in figure:
+            rows.append([name, f"failed: {figure['error'][:80]}", "", ""])
+    exec_ = figures.get("exec", {})
+    if "sustained" in exec_:
+        floor = exec_["floor"]
+        sustained = exec_["sustained"]
+        cpu = sustained["cpu_ms_per_exec"]
+        rows += [
+            [
+                "exec round trip p50 ms",
+                exec_["single_round_trip_p50_ms"],
+                floor["single_round_trip_p50_ms"],
+                goal("exec_round_trip_p50_ms"),
+            ],
+            [
+                f"execs/s at {sustained['concurrency']} in flight",
+                sustained["execs_per_second"],
+                floor["execs_per_second"],
+                goal("execs_per_second"),
+            ],
+            [
+                f"exec p50 ms, {exec_['burst']['calls']} at once",
+                exec_["burst"]["p50_ms"],
+                "",
+                goal("exec_burst_p50_ms"),
+            ],
+            [
+                "CPU ms per exec (all)",
+                cpu["all"]["total"],
+                floor["cpu_ms_per_exec"]["all"]["total"],
+                goal("exec_cpu_ms"),
+            ],
+            ["  split ms", _split_text(cpu), _split_text(floor["cpu_ms_per_exec"]), ""],
+        ]
+    ready = figures.get("ready", {})
+    if "create_to_ready_p50_ms" in ready:
+        rows.append(
+            [
+                "create -> READY p50 ms (one)",
+                ready["create_to_ready_p50_ms"],
+                ready["floor"]["p50_ms"] or ready["floor"]["error"],
+                goal("create_to_ready_p50_ms"),
+            ]
+        )
+    fork = figures.get("fork", {})
+    if "fork_speedup" in fork:
+        rows.append(
+            [
+                f"fork {fork['count']} vs fresh+setup (s)",
+                f"{fork['fork_seconds']} vs {fork['fresh_seconds']} (x{fork['fork_speedup']})",
+                "",
+                goal("fork_speedup"),
+            ]
+        )
+    return rows
 
 
 def _run_async(run: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
@@ -851,7 +1222,35 @@ def show(result: dict[str, Any], out: IO[str] | None = None) -> None:
         ],
         ["exec p50 vs subprocess.run", result["exec_p50_vs_baseline"], ""],
     ]
+    cpu = result["cpu_ms_per_lifecycle"]
+    rows.append(["CPU ms per lifecycle (all)", cpu["all"]["total"], goal("cpu_ms_per_lifecycle")])
+    rows.append(["  split ms", _split_text(cpu), ""])
+    rows.append(["  whole host ms (others' load too)", cpu["host"]["total"], ""])
     print_table(["metric", "value", "target at 1000x4"], rows, out)
+    figures = _figure_rows(result, goal)
+    if figures:
+        out.write("\n")
+        print_table(["figure", "orchard", "floor (same run)", "target"], figures, out)
+    curve = result.get("curve", [])
+    if len(curve) > 1:
+        out.write("\n")
+        print_table(
+            ["sandboxes", "wall s", "success", "ready p50 ms", "exec p50 ms", "CPU ms/lifecycle"],
+            [
+                [
+                    entry["sandboxes"],
+                    entry["wall_seconds"],
+                    entry["success_rate"],
+                    entry["ready_p50_ms"],
+                    entry["exec_p50_ms"],
+                    entry["cpu_ms_per_lifecycle"]["all"]["total"],
+                ]
+                for entry in curve
+            ],
+            out,
+        )
+    for name, path in result.get("profiles", {}).items():
+        out.write(f"profile of {name}: {path} (beside the JSON)\n")
     if result["concurrency_note"]:
         out.write(f"\nnote: {result['concurrency_note']}\n")
     for note in result["notes"]:

@@ -1,5 +1,6 @@
 """What ``orchard bench env`` reads from this host: proportional memory of processes, the
-cgroups of sandboxes, CPU time, MemAvailable, and what a run left behind.
+cgroups of sandboxes, CPU time (per process, per cpuacct group, the whole host), MemAvailable,
+and what a run left behind.
 
 Memory is PSS (proportional set size): the ``Pss:`` line of ``/proc/PID/smaps_rollup``, so
 pages shared by many sandboxes (the agent bundle, the host's libraries) count once in total,
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,13 +21,18 @@ __all__ = [
     "MEMORY_FRACTION",
     "MEMORY_METHOD",
     "ConcurrencyPlan",
+    "CpuAccounting",
+    "CpuTimes",
     "SandboxCgroups",
     "cpu_seconds",
+    "host_cpu",
     "mem_available_bytes",
     "plan_concurrency",
+    "process_cpu",
     "process_running",
     "process_start_time",
     "pss_bytes",
+    "this_process_cpu",
 ]
 
 MEMORY_METHOD = (
@@ -67,6 +74,155 @@ def cpu_seconds(pid: int, *, children: bool = False, proc: str = "/proc") -> flo
         return 0.0
     first = 13 if children else 11  # cutime, cstime / utime, stime (0-based after the name)
     return (int(fields[first]) + int(fields[first + 1])) / _CLOCK_TICKS
+
+
+@dataclass(frozen=True)
+class CpuTimes:
+    """CPU seconds in user mode and in the kernel (system)."""
+
+    user: float = 0.0
+    system: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.user + self.system
+
+    def __add__(self, other: CpuTimes) -> CpuTimes:
+        return CpuTimes(self.user + other.user, self.system + other.system)
+
+    def __sub__(self, other: CpuTimes) -> CpuTimes:
+        return CpuTimes(self.user - other.user, self.system - other.system)
+
+    def per(self, count: int, scale: float = 1e3) -> dict[str, float]:
+        """user, system and total per item, in milliseconds by default."""
+        n = max(1, count)
+        return {
+            "user": round(self.user * scale / n, 3),
+            "system": round(self.system * scale / n, 3),
+            "total": round(self.total * scale / n, 3),
+        }
+
+
+def process_cpu(pid: int, *, children: bool = False, proc: str = "/proc") -> CpuTimes:
+    """:func:`cpu_seconds` split into user and system (zero when the process is gone)."""
+    fields = _stat_fields(pid, proc)
+    if len(fields) < 15:
+        return CpuTimes()
+    first = 13 if children else 11
+    return CpuTimes(int(fields[first]) / _CLOCK_TICKS, int(fields[first + 1]) / _CLOCK_TICKS)
+
+
+def this_process_cpu(*, children: bool = False) -> CpuTimes:
+    """This process's CPU (with ``children``: of its reaped children), from getrusage."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF)
+    return CpuTimes(usage.ru_utime, usage.ru_stime)
+
+
+def host_cpu(stat: str = "/proc/stat") -> CpuTimes:
+    """Busy CPU seconds of the whole host since boot: user (user, nice) and system (system,
+    irq, softirq); every process on the machine, this benchmark's and others'."""
+    with open(stat, encoding="ascii") as file:
+        fields = [int(v) for v in file.readline().split()[1:8]]
+    user, nice, system, _idle, _iowait, irq, softirq = fields
+    return CpuTimes((user + nice) / _CLOCK_TICKS, (system + irq + softirq) / _CLOCK_TICKS)
+
+
+class CpuAccounting:
+    """cgroup v1 ``cpuacct`` groups ``<mount>/<name>/<group>`` that processes are moved into,
+    with every descendant they have then; processes they start later inherit the group.
+
+    The local runtime moves its sandboxes into cpu, memory and pids groups, not cpuacct, so a
+    service's group also counts every sandbox it starts (agents, commands, the kernel's work
+    for them), also after the sandbox is gone. Unavailable (``available`` False) without a v1
+    cpuacct hierarchy or without the right to write it.
+    """
+
+    def __init__(self, name: str, mountinfo: str = "/proc/self/mountinfo") -> None:
+        self.root = _cpuacct_mount(mountinfo)
+        self.base = f"{self.root}/{name}" if self.root else ""
+        self.available = bool(self.root) and os.access(self.root, os.W_OK)
+        self.groups: list[str] = []
+
+    def add(self, group: str, pid: int) -> bool:
+        """Move ``pid`` and its descendants into ``group``; False when that cannot be done."""
+        if not self.available:
+            return False
+        directory = f"{self.base}/{group}"
+        try:
+            os.makedirs(directory, exist_ok=True)
+            if group not in self.groups:
+                self.groups.append(group)
+            for member in [pid, *_descendants(pid)]:
+                with (
+                    contextlib.suppress(OSError),
+                    open(f"{directory}/cgroup.procs", "w", encoding="ascii") as file,
+                ):
+                    file.write(str(member))
+        except OSError:
+            return False
+        return True
+
+    def read(self, group: str) -> CpuTimes | None:
+        """CPU of everything that ran in ``group``: ``cpuacct.usage`` (ns) split into user and
+        system by ``cpuacct.stat``; None when the group is missing."""
+        directory = f"{self.base}/{group}"
+        try:
+            with open(f"{directory}/cpuacct.usage", encoding="ascii") as file:
+                total = int(file.read()) / 1e9
+            with open(f"{directory}/cpuacct.stat", encoding="ascii") as file:
+                ticks = dict(line.split() for line in file if line.strip())
+        except (OSError, ValueError):
+            return None
+        user, system = int(ticks.get("user", 0)), int(ticks.get("system", 0))
+        share = user / (user + system) if user + system else 1.0
+        return CpuTimes(total * share, total * (1 - share))
+
+    def remove(self) -> None:
+        """Move what is left to the root group and remove the groups (best effort)."""
+        for group in reversed(self.groups):
+            directory = f"{self.base}/{group}"
+            with contextlib.suppress(OSError):
+                with open(f"{directory}/cgroup.procs", encoding="ascii") as file:
+                    left = file.read().split()
+                for pid in left:
+                    with (
+                        contextlib.suppress(OSError),
+                        open(f"{self.root}/cgroup.procs", "w", encoding="ascii") as root,
+                    ):
+                        root.write(pid)
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)
+        if self.base:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.base)
+        self.groups.clear()
+
+
+def _cpuacct_mount(mountinfo: str) -> str:
+    with contextlib.suppress(OSError), open(mountinfo, encoding="utf-8") as file:
+        for line in file:
+            left, _, right = line.partition(" - ")
+            rest = right.split()
+            if len(rest) >= 3 and rest[0] == "cgroup" and "cpuacct" in rest[2].split(","):
+                return left.split()[4].replace("\\040", " ")
+    return ""
+
+
+def _descendants(pid: int, proc: str = "/proc") -> list[int]:
+    """Every process below ``pid`` now (from each process's parent in ``/proc/PID/stat``)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir(proc):
+        if entry.isdigit():
+            fields = _stat_fields(int(entry), proc)
+            if len(fields) > 1:
+                children.setdefault(int(fields[1]), []).append(int(entry))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def process_start_time(pid: int, proc: str = "/proc") -> int:

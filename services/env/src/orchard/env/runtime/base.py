@@ -209,6 +209,13 @@ class Runtime(abc.ABC):
         kubernetes runtime asks the agent to prove it holds the sandbox's key."""
         return True
 
+    async def agent_key(self, sandbox_id: str) -> bytes | None:
+        """The key this runtime gave the sandbox's agent (its ``ORCHARD_AGENT_KEY``), with
+        which the service signs route credentials that the agent checks by itself
+        (``EnvService.OpenAgentRoute``); None: its agents hold no key, so no direct route.
+        Raises :class:`AgentUnreachable` when it cannot be read now."""
+        return None
+
     async def adopt(self, sandbox_id: str) -> None:
         """Report this sandbox's exit through :meth:`exits` from now on, though another
         process started it (a replica that died); a no-op where every runtime client already

@@ -13,7 +13,9 @@ One Pod per sandbox, named after the sandbox id (also its hostname):
 - requests equal limits from the sandbox request (cpu, memory, ephemeral storage);
 - the sandbox's agent key (``identity.py``) as the agent's ``ORCHARD_AGENT_KEY``, from a Secret
   of its own (``secretKeyRef``): the agent takes it out of its environment at start and makes
-  itself non-dumpable, so commands (without ``CAP_SYS_PTRACE``, dropped) cannot read it;
+  itself non-dumpable, so commands (without ``CAP_SYS_PTRACE``, dropped) cannot read it; with
+  it the agent also checks route credentials (``EnvService.OpenAgentRoute``), and
+  ``ORCHARD_AGENT_SANDBOX_ID`` names the sandbox they must be for;
 - the spec's ``env`` values in that same Secret, each variable a ``secretKeyRef`` (so no value
   is in the Pod spec, and Kubernetes expands no ``$(VAR)`` inside one); ``ORCHARD_*``
   variables, which the agent takes as its own settings, go to it as one JSON value
@@ -82,6 +84,8 @@ BUNDLE_IN_IMAGE = "/opt/orchard-inagent"
 POD_IP_VAR = "ORCHARD_POD_IP"
 KEY_VARIABLE = "ORCHARD_AGENT_KEY"
 """The agent's environment variable holding the sandbox's key (services/inagent)."""
+SANDBOX_ID_VARIABLE = "ORCHARD_AGENT_SANDBOX_ID"
+"""The agent's environment variable naming its sandbox (services/inagent)."""
 KEY_FIELD = "agent-key"
 AGENT_ENV_FIELD = "agent-env"
 AGENT_ENV_VARIABLE = "ORCHARD_INAGENT_ENV"
@@ -272,6 +276,8 @@ def pod_manifest(
     env: list[dict[str, Any]] = [
         {"name": POD_IP_VAR, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         _from_secret(KEY_VARIABLE, spec.sandbox_id, KEY_FIELD),
+        # The agent refuses a route credential for another sandbox by name.
+        {"name": SANDBOX_ID_VARIABLE, "value": spec.sandbox_id},
     ]
     if any(name.startswith("ORCHARD_") for name in spec.env):
         # The agent takes ORCHARD_* variables as its own settings and hides them from commands:

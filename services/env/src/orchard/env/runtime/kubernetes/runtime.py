@@ -310,6 +310,11 @@ class KubernetesRuntime(Runtime):
             )
         return RuntimeSandbox(sandbox_id, address, agent_version=version)
 
+    async def agent_key(self, sandbox_id: str) -> bytes | None:
+        """The key in the sandbox's Secret (read once per replica); None without one."""
+        key = self._keys.get(sandbox_id) or await self._read_key(sandbox_id)
+        return key.encode() if key else None
+
     async def verify_agent(self, sandbox_id: str, address: str) -> bool:
         """Whether what serves at ``address`` holds the sandbox's key (read from its Secret once
         per runtime, unless this runtime made it): asked over a fresh nonce, so no earlier

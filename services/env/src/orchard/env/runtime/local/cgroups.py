@@ -1,14 +1,19 @@
 """One cgroup per sandbox, with cpu, memory and pids limits: cgroup v2 where the host delegates
 those controllers to the unified tree, else the v1 hierarchies.
 
-Layout: ``<parent>/<sandbox id>`` in each hierarchy used (v1: cpu, memory and pids, which may
-share a directory when co-mounted; v2: one directory). A relative parent lies below the
-service's own cgroup, so sandboxes stay inside whatever limits the service itself runs under.
+Layout: ``<parent>/<sandbox id>`` in each hierarchy used (v1: cpu, memory and pids, and the
+freezer where it is mounted, which may share a directory when co-mounted; v2: one directory).
+A relative parent lies below the service's own cgroup, so sandboxes stay inside whatever limits
+the service itself runs under.
+
+Freezing (``freeze``/``thaw``: v1 ``freezer.state``, v2 ``cgroup.freeze``) stops every task of a
+sandbox at once, so that a fork copies a file system nobody writes to meanwhile.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import contextlib
 import errno
 import os
@@ -18,10 +23,17 @@ from pathlib import Path
 
 from orchard.env.runtime.base import RuntimeResources, RuntimeUnavailable
 
-__all__ = ["CgroupDriver", "CgroupV1", "CgroupV2", "select_cgroup_driver"]
+__all__ = ["CgroupDriver", "CgroupV1", "CgroupV2", "FreezeFailed", "select_cgroup_driver"]
 
 CONTROLLERS = ("cpu", "memory", "pids")
+FREEZER = "freezer"  # v1 only, and optional: without it a v1 sandbox cannot be frozen
 CFS_PERIOD_US = 100_000
+FREEZE_TIMEOUT_S = 5.0
+_FREEZE_POLL_S = 0.001
+
+
+class FreezeFailed(Exception):
+    """A sandbox's cgroup did not reach the frozen state in time (it was thawed again)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +124,68 @@ class CgroupDriver(abc.ABC):
         """Files a process writes its pid to, to join the sandbox's cgroup(s)."""
         return [f"{directory}/cgroup.procs" for directory in dirs]
 
+    def move(self, pid: int, dirs: tuple[str, ...]) -> None:
+        """Move the process ``pid`` (alone: a single-threaded process) into ``dirs``."""
+        for path in self.procs_files(dirs):
+            _write(path, str(pid))
+
+    def take_over(
+        self, old_dirs: tuple[str, ...], pid: int, sandbox_id: str, resources: RuntimeResources
+    ) -> tuple[str, ...]:
+        """Give the cgroup(s) ``old_dirs``, whose only task is ``pid``, to ``sandbox_id`` with
+        ``resources``; returns the new directories.
+
+        Renamed where the hierarchy allows it (v1): moving a task between v1 cgroups waits for
+        an RCU grace period per hierarchy (about 2 ms each). Elsewhere (v2 has no rename) the
+        task moves into new cgroups and the old ones go.
+        """
+        dirs = self.dirs_for(sandbox_id)
+        try:
+            for old, new in zip(old_dirs, dirs, strict=True):
+                os.rename(old, new)
+        except (OSError, ValueError):
+            for old, new in zip(old_dirs, dirs, strict=False):
+                with contextlib.suppress(OSError):
+                    os.rename(new, old)  # back, so that the fallback starts from one layout
+            self.create(sandbox_id, resources)
+            self.move(pid, dirs)
+            self.remove(old_dirs)
+            return dirs
+        self._limit(dirs, resources)
+        return dirs
+
+    @abc.abstractmethod
+    def can_freeze(self, dirs: tuple[str, ...]) -> bool:
+        """Whether :meth:`freeze` can stop the tasks of these cgroup(s)."""
+
+    @abc.abstractmethod
+    def _request_freeze(self, dirs: tuple[str, ...], frozen: bool) -> None: ...
+
+    @abc.abstractmethod
+    def is_frozen(self, dirs: tuple[str, ...]) -> bool:
+        """Whether every task in the cgroup(s) is stopped by the freezer."""
+
+    async def freeze(self, dirs: tuple[str, ...], timeout_s: float = FREEZE_TIMEOUT_S) -> None:
+        """Stop every task in the cgroup(s) and return once all are stopped.
+
+        Raises :class:`FreezeFailed` (the cgroup thawed again) when that takes longer than
+        ``timeout_s``, e.g. a task stuck in the kernel."""
+        self._request_freeze(dirs, True)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.is_frozen(dirs):
+            if loop.time() > deadline:
+                self.thaw(dirs)
+                raise FreezeFailed(f"{', '.join(dirs)} did not freeze within {timeout_s:g} s")
+            # The kernel stops tasks as they reach a safe point: usually well under a millisecond.
+            await asyncio.sleep(_FREEZE_POLL_S)
+
+    def thaw(self, dirs: tuple[str, ...]) -> None:
+        """Let the cgroup's tasks run again (no-op when not frozen, or gone)."""
+        if self.can_freeze(dirs):
+            with contextlib.suppress(FileNotFoundError):
+                self._request_freeze(dirs, False)
+
     @abc.abstractmethod
     def oom_kills(self, dirs: tuple[str, ...]) -> int:
         """How many processes the OOM killer killed in the sandbox's cgroup so far."""
@@ -134,6 +208,7 @@ class CgroupDriver(abc.ABC):
 
     def kill_tasks(self, dirs: tuple[str, ...]) -> int:
         """SIGKILL every process in the cgroup(s); returns how many were signalled."""
+        self.thaw(dirs)  # a v1 frozen task dies only once thawed
         pids = self.tasks(dirs)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
@@ -178,6 +253,10 @@ class CgroupV1(CgroupDriver):
                     f"{controller} cgroup /sys/fs/cgroup/{controller}`, or use cgroup v2"
                 )
             by_controller[controller] = _join(mount.point, own.get(controller, "/"), parent)
+        # Last, so that the others keep their places in the cgroup_dirs of older state files.
+        freezer = next((m for m in mounts if FREEZER in m.options), None)
+        if freezer is not None:
+            by_controller[FREEZER] = _join(freezer.point, own.get(FREEZER, "/"), parent)
         parents = tuple(dict.fromkeys(by_controller.values()))
         return cls(parents, by_controller)
 
@@ -194,11 +273,17 @@ class CgroupV1(CgroupDriver):
     def _limit(self, dirs: tuple[str, ...], resources: RuntimeResources) -> None:
         memory = self._dir(dirs, "memory")
         if resources.memory_bytes:
-            _write(f"{memory}/memory.limit_in_bytes", str(resources.memory_bytes))
+            limit, memsw = str(resources.memory_bytes), f"{memory}/memory.memsw.limit_in_bytes"
+            try:
+                _write(f"{memory}/memory.limit_in_bytes", limit)
+            except OSError:
+                # Raising a taken-over cgroup's limit above its memory+swap limit: that first.
+                _write(memsw, limit)
+                _write(f"{memory}/memory.limit_in_bytes", limit)
             # Without this, swap would let the sandbox exceed the limit (absent: no swap
             # accounting on this kernel, nothing to close).
             with contextlib.suppress(FileNotFoundError, PermissionError):
-                _write(f"{memory}/memory.memsw.limit_in_bytes", str(resources.memory_bytes))
+                _write(memsw, limit)
         _write(f"{self._dir(dirs, 'pids')}/pids.max", str(resources.pids or "max"))
         if resources.cpu_millis:
             cpu = self._dir(dirs, "cpu")
@@ -207,6 +292,26 @@ class CgroupV1(CgroupDriver):
 
     def oom_kills(self, dirs: tuple[str, ...]) -> int:
         return _counter(f"{self._dir(dirs, 'memory')}/memory.oom_control", "oom_kill")
+
+    def _freezer_dir(self, dirs: tuple[str, ...]) -> str | None:
+        # By prefix, not position: a sandbox started before the freezer was used lacks one.
+        parent = self.by_controller.get(FREEZER)
+        if parent is None:
+            return None
+        return next((d for d in dirs if os.path.dirname(d) == parent), None)
+
+    def can_freeze(self, dirs: tuple[str, ...]) -> bool:
+        return self._freezer_dir(dirs) is not None
+
+    def _request_freeze(self, dirs: tuple[str, ...], frozen: bool) -> None:
+        directory = self._freezer_dir(dirs)
+        if directory is None:
+            raise FreezeFailed(f"no v1 freezer cgroup among {', '.join(dirs)}")
+        _write(f"{directory}/freezer.state", "FROZEN" if frozen else "THAWED")
+
+    def is_frozen(self, dirs: tuple[str, ...]) -> bool:
+        directory = self._freezer_dir(dirs)
+        return directory is not None and _read(f"{directory}/freezer.state").strip() == "FROZEN"
 
 
 class CgroupV2(CgroupDriver):
@@ -273,6 +378,16 @@ class CgroupV2(CgroupDriver):
 
     def oom_kills(self, dirs: tuple[str, ...]) -> int:
         return _counter(f"{dirs[0]}/memory.events", "oom_kill")
+
+    def can_freeze(self, dirs: tuple[str, ...]) -> bool:
+        return bool(dirs) and os.path.exists(f"{dirs[0]}/cgroup.freeze")  # Linux 5.2+
+
+    def _request_freeze(self, dirs: tuple[str, ...], frozen: bool) -> None:
+        _write(f"{dirs[0]}/cgroup.freeze", "1" if frozen else "0")
+
+    def is_frozen(self, dirs: tuple[str, ...]) -> bool:
+        # cgroup.freeze is what was asked; cgroup.events says when every task has stopped.
+        return _counter(f"{dirs[0]}/cgroup.events", "frozen") == 1
 
     def kill_tasks(self, dirs: tuple[str, ...]) -> int:
         count = len(self.tasks(dirs))

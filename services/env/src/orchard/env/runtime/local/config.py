@@ -153,6 +153,21 @@ class LocalRuntimeConfig(BaseModel):
         "orchard-inagent must be importable there. exec: the bundle's executable, the same "
         "bytes the kubernetes runtime copies in (about 0.35 s CPU and 20 MB per sandbox).",
     )
+    pool_size: int = Field(
+        4,
+        ge=0,
+        le=1024,
+        description="Sandboxes built ahead, up to the claim (namespaces, cgroup, the root of the "
+        "image the latest create used), so that a create of that image only hands over its "
+        "request and starts the agent. Refilled in the background after each create; released "
+        "at close. Creates of other images, with a disk limit, and forks start afresh. 0: off.",
+    )
+    pool_image: str = Field(
+        "",
+        description="The image pooled sandboxes are built for, from start (start returns with "
+        "one ready), instead of the image of the latest create; an image reference as in a "
+        "request (e.g. host, rootfs:/dir), resolved as the operator's.",
+    )
     default_resources: LocalResources = Field(
         default=LocalResources(),
         description="Limits for requests that leave a value at zero.",

@@ -17,10 +17,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import marshal
 import os
 import re
 import subprocess
+import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 from orchard.env.images import ImageResolver, ResolvedImage
 from orchard.env.images.trust import real_paths
@@ -36,12 +39,14 @@ from orchard.env.runtime.base import (
     SandboxExit,
     SandboxStatus,
 )
-from orchard.env.runtime.local.cgroups import CgroupDriver, select_cgroup_driver
+from orchard.env.runtime.local.agent_keys import AgentKeys
+from orchard.env.runtime.local.cgroups import CgroupDriver, FreezeFailed, select_cgroup_driver
 from orchard.env.runtime.local.config import LocalRuntimeConfig
 from orchard.env.runtime.local.disk import make_layer_disk, release_layer_disk
 from orchard.env.runtime.local.network import SandboxNetworks
+from orchard.env.runtime.local.pool import SHELL_ID, PoolKey, Shell, ShellPool, new_shell_id
 from orchard.env.runtime.local.process import open_pidfd, peer_pid, signal_pidfd
-from orchard.env.runtime.local.spawn import AgentLaunch, start_sandbox_process
+from orchard.env.runtime.local.spawn import AgentLaunch, StartedSandbox, start_sandbox_process
 from orchard.env.runtime.local.state import SandboxPaths, SandboxState, StateStore
 from orchard.env.runtime.local.zygote import AgentZygote
 
@@ -60,6 +65,10 @@ _MAX_UNIX_PATH = 107
 _KILL_WAIT_S = 10.0
 _CGROUP_DRAIN_TRIES = 200
 _LOG_TAIL_BYTES = 1500
+CLAIM_FIFO = "claim"  # in a pooled sandbox's run directory, until its claim
+# sandbox_init.CLAIMED (that module is a script, not imported): what a claim sets.
+CLAIMED = ("hostname", "working_dir", "argv", "env", "raw_sockets", "user_namespaces")
+_MAX_CLAIM_BYTES = 60_000  # below a pipe's 64 KiB buffer
 
 
 def agent_package_version() -> str:
@@ -93,8 +102,9 @@ def remove_tree(path: str) -> None:
         )
 
 
-def _check_id(sandbox_id: str) -> None:
-    if not _ID.fullmatch(sandbox_id):
+def _check_id(sandbox_id: str, *, pooled: bool = False) -> None:
+    """Refuse ids a request may not name; ``pooled``: a pooled sandbox's id too (delete)."""
+    if not _ID.fullmatch(sandbox_id) and not (pooled and SHELL_ID.fullmatch(sandbox_id)):
         raise ValueError(
             f"sandbox id {sandbox_id!r}: 1-63 characters of letters, digits, '_', '.', '-', "
             "starting with a letter or digit"
@@ -130,6 +140,14 @@ async def _readable(fd: int, timeout_s: float) -> bool:
         loop.remove_reader(fd)
 
 
+@dataclass
+class _FreezeHold:
+    """A source sandbox frozen for the forks copying it."""
+
+    frozen: asyncio.Future[None]
+    users: int = 0
+
+
 class LocalRuntime(Runtime):
     """Sandboxes on this host (needs root). See the module docstring."""
 
@@ -143,10 +161,13 @@ class LocalRuntime(Runtime):
         )
         self.store = StateStore(config.state_dir)
         self.networks = SandboxNetworks(config.network, config.state_dir)
+        self.agent_keys = AgentKeys(config.state_dir)
         self._cgroups: CgroupDriver | None = None
         self._locks: dict[str, asyncio.Lock] = {}
         self._pidfds: dict[str, int] = {}  # sandbox id → pidfd of its PID 1, while running
         self._deleting: set[str] = set()
+        self._freezes: dict[str, _FreezeHold] = {}  # source id → its freeze while forks copy
+        self._pool = ShellPool(0, self._build_shell, self._discard_shell)  # sized at start
         self._exits: asyncio.Queue[SandboxExit | None] = asyncio.Queue()
         self._started = False
         self._zygote = AgentZygote(config.python) if config.agent_launch == "zygote" else None
@@ -169,7 +190,14 @@ class LocalRuntime(Runtime):
             os.makedirs(directory, mode=0o711, exist_ok=True)
         self._started = True
         for sandbox_id in self.store.ids():
-            self._adopt(sandbox_id)
+            if not SHELL_ID.fullmatch(sandbox_id):
+                self._adopt(sandbox_id)
+        # Pooled sandboxes of an earlier run ended with it: remove what is left of them.
+        for shell_id in await self._dead_shells():
+            await self.delete(shell_id)
+        self._pool = ShellPool(self.config.pool_size, self._build_shell, self._discard_shell)
+        if self.config.pool_size and self.config.pool_image:
+            await self._pool.pin(await self._pool_key(self.config.pool_image))
         log.info(
             "local runtime ready",
             extra={"cgroup": cgroups.version, "adopted": sorted(self._pidfds)},
@@ -205,6 +233,7 @@ class LocalRuntime(Runtime):
             loop.remove_reader(pidfd)
             os.close(pidfd)
         self._pidfds.clear()
+        await self._pool.close()
         if self._zygote is not None:
             await self._zygote.close()
         self._started = False
@@ -243,12 +272,14 @@ class LocalRuntime(Runtime):
                 # Shielded: a cancelled create still releases everything it made.
                 await asyncio.shield(self._delete_locked(sandbox_id))
                 raise
+            finally:
+                self._pool.refill()
 
     async def _create_locked(
         self,
         spec: RuntimeSandboxSpec,
         image: ResolvedImage,
-        snapshot_of: SandboxPaths | None = None,
+        snapshot_of: SandboxState | None = None,
     ) -> RuntimeSandbox:
         cgroups = self._driver()
         sandbox_id = spec.sandbox_id
@@ -266,21 +297,11 @@ class LocalRuntime(Runtime):
             memory_limit_bytes=resources.memory_bytes,
             labels=dict(spec.labels),
         )
-        self.store.write(state)  # first, so that a crash from here on leaves a findable record
-        os.makedirs(paths.workspace, mode=0o700)
-        if paths.disk_bytes:
-            await make_layer_disk(paths.disk_image, paths.layer, paths.disk_bytes)
-        for directory in (paths.upper, paths.work, paths.root):
-            os.mkdir(directory, 0o755)
-        os.makedirs(paths.run, mode=0o755)
-        if snapshot_of is not None:
-            await self._copy_upper(snapshot_of, paths)
-        cgroups.create(sandbox_id, resources)
-        launch = self._launch(spec, image, state)
-        if self._zygote is not None:
-            started = await self._zygote.start_sandbox_process(launch)
-        else:
-            started = await start_sandbox_process(launch, self.config.python)
+        started = None
+        if snapshot_of is None and not paths.disk_bytes:
+            started = await self._claim_shell(spec, image, state, resources)
+        if started is None:
+            started = await self._start_fresh(spec, image, state, resources, snapshot_of)
         try:
             self._pidfds[sandbox_id] = started.pidfd
             self.store.write(state.with_process(started.pid, started.start_time))
@@ -306,6 +327,180 @@ class LocalRuntime(Runtime):
         self._watch(sandbox_id, started.pidfd)
         return RuntimeSandbox(sandbox_id, f"unix:{paths.run}/{SOCKET_NAME}", self._agent_version)
 
+    async def _start_fresh(
+        self,
+        spec: RuntimeSandboxSpec,
+        image: ResolvedImage,
+        state: SandboxState,
+        resources: RuntimeResources,
+        snapshot_of: SandboxState | None,
+    ) -> StartedSandbox:
+        """Make the sandbox's directories and cgroup and start its PID 1 (not yet ready)."""
+        paths, cgroups = state.paths, self._driver()
+        self.store.write(state)  # first, so that a crash from here on leaves a findable record
+        os.makedirs(paths.workspace, mode=0o700)
+        if paths.disk_bytes:
+            await make_layer_disk(paths.disk_image, paths.layer, paths.disk_bytes)
+        for directory in (paths.upper, paths.work, paths.root):
+            os.mkdir(directory, 0o755)
+        os.makedirs(paths.run, mode=0o755)
+        if snapshot_of is not None:
+            await self._copy_frozen(snapshot_of, paths)
+        cgroups.create(state.sandbox_id, resources)
+        launch = self._launch(spec, image, state)
+        return await self._start_process(launch)
+
+    async def _start_process(self, launch: AgentLaunch) -> StartedSandbox:
+        if self._zygote is not None:
+            return await self._zygote.start_sandbox_process(launch)
+        return await start_sandbox_process(launch, self.config.python)
+
+    # -- pooled sandboxes (pool.py) ----------------------------------------------------------
+
+    async def _claim_shell(
+        self,
+        spec: RuntimeSandboxSpec,
+        image: ResolvedImage,
+        state: SandboxState,
+        resources: RuntimeResources,
+    ) -> StartedSandbox | None:
+        """Turn a pooled sandbox into ``spec``'s; None when none fits (then start afresh)."""
+        launch = self._launch(spec, image, state)
+        claim = marshal.dumps({name: getattr(launch, name) for name in CLAIMED})
+        if len(claim) > _MAX_CLAIM_BYTES:
+            return None  # the FIFO's buffer must take it whole: never block the event loop
+        shell = self._pool.take(
+            PoolKey(image.lower_dirs, launch.masked_dirs),
+            pinned_image=spec.image == self.config.pool_image,
+        )
+        if shell is None:
+            return None
+        cgroups, paths, started = self._driver(), state.paths, shell.started
+        claimed = state.with_process(started.pid, started.start_time)
+        try:
+            self.store.write(claimed)  # first: from here on, delete finds the sandbox
+            cgroups.take_over(shell.state.cgroup_dirs, started.pid, state.sandbox_id, resources)
+            os.rename(shell.state.paths.workspace, paths.workspace)
+            os.rename(shell.state.paths.run, paths.run)
+            self.store.remove(shell.shell_id)
+            os.write(shell.claim_fd, claim)
+        except BaseException as exc:
+            shell.close_fds()  # its PID 1 sees end-of-file and exits
+            await asyncio.shield(self._delete_locked(state.sandbox_id))
+            await asyncio.shield(self._delete_locked(shell.shell_id))
+            if not isinstance(exc, Exception):
+                raise
+            log.warning("sandbox %s: a pooled sandbox failed at claim: %r", spec.sandbox_id, exc)
+            return None
+        os.close(shell.claim_fd)  # end-of-file: the claim is whole
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"{paths.run}/{CLAIM_FIFO}")
+        return started
+
+    async def _pool_key(self, image_reference: str) -> PoolKey:
+        image = await asyncio.to_thread(self.images.resolve, image_reference, None)
+        return PoolKey(image.lower_dirs, self._masked_dirs(image))
+
+    async def _build_shell(self, key: PoolKey) -> Shell:
+        """A sandbox built up to its claim, under an id no request can use."""
+        shell_id = new_shell_id()
+        self._pool.building(shell_id)
+        cgroups, paths = self._driver(), self._paths(shell_id)
+        resources = self._resources(RuntimeResources())
+        state = SandboxState(
+            sandbox_id=shell_id,
+            image="",
+            paths=paths,
+            cgroup_dirs=cgroups.dirs_for(shell_id),
+            memory_limit_bytes=resources.memory_bytes,
+        )
+        claim_fd = -1
+        started: StartedSandbox | None = None
+        try:
+            self.store.write(state)  # first, as for any sandbox
+            os.makedirs(paths.workspace, mode=0o700)
+            for directory in (paths.upper, paths.work, paths.root):
+                os.mkdir(directory, 0o755)
+            os.makedirs(paths.run, mode=0o755)
+            fifo = f"{paths.run}/{CLAIM_FIFO}"
+            os.mkfifo(fifo, 0o600)
+            # Read and write: opening never waits, and this is the FIFO's only writer.
+            claim_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+            cgroups.create(shell_id, resources)
+            started = await self._start_process(self._shell_launch(key, state, fifo))
+            state = state.with_process(started.pid, started.start_time)
+            self.store.write(state)
+            await started.wait_shell(self.config.start_timeout_s)
+        except BaseException:
+            for fd in (claim_fd, *((started.pidfd, started.ready_fd) if started else ())):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            await asyncio.shield(self._delete_locked(shell_id))
+            raise
+        return Shell(key, state, started, claim_fd)
+
+    def _shell_launch(self, key: PoolKey, state: SandboxState, fifo: str) -> AgentLaunch:
+        """What a pooled sandbox is built with: the request's part comes with its claim."""
+        paths = state.paths
+        return AgentLaunch(
+            hostname=state.sandbox_id,
+            root=paths.root,
+            lower_dirs=key.lower_dirs,
+            upper_dir=paths.upper,
+            work_dir=paths.work,
+            agent_bundle=os.path.realpath(self.config.agent_bundle),
+            run_dir=paths.run,
+            socket_name=SOCKET_NAME,
+            working_dir="/",
+            masked_dirs=key.masked_dirs,
+            cgroup_procs=tuple(self._driver().procs_files(state.cgroup_dirs)),
+            log_file=paths.log,
+            argv=(),
+            env={},
+            claim_fifo=fifo,
+        )
+
+    async def _discard_shell(self, shell: Shell) -> None:
+        shell.close_fds()  # end-of-file on its claim FIFO: its PID 1 exits by itself
+        try:
+            async with self._lock(shell.shell_id):
+                await self._delete_locked(shell.shell_id)
+        except Exception:
+            log.exception("cannot remove pooled sandbox %s", shell.shell_id)
+
+    async def _dead_shells(self, found: set[str] | None = None) -> set[str]:
+        """Pooled sandboxes whose PID 1 is gone (their runtime exited): leftovers."""
+        if found is None:
+            found = set(self.store.ids()) | self._driver().ids()
+            for directory in (self.config.workspace_dir, self.config.run_dir):
+                with contextlib.suppress(FileNotFoundError):
+                    found.update(entry.name for entry in os.scandir(directory) if entry.is_dir())
+        return {name for name in found if SHELL_ID.fullmatch(name) and not self._shell_alive(name)}
+
+    def _shell_alive(self, shell_id: str) -> bool:
+        """Whether a shell is this pool's or still has a PID 1 (another runtime's)."""
+        if self._pool.owns(shell_id):
+            return True
+        state = self.store.read(shell_id)
+        if state is None:
+            return False
+        if not state.pid:  # being built, unless it was for longer than a start may take
+            with contextlib.suppress(FileNotFoundError):
+                age = time.time() - self.store.path(shell_id).stat().st_mtime
+                return age < self.config.start_timeout_s
+            return False
+        pidfd = open_pidfd(state.pid, state.start_time)
+        if pidfd is None:
+            return False
+        os.close(pidfd)
+        return True
+
+    def _masked_dirs(self, image: ResolvedImage) -> tuple[str, ...]:
+        # The host image shows the host's root: hide this runtime's state whatever resolved it.
+        if not image.is_host:
+            return ()
+        return real_paths((*self.private_paths(), *image.masked_paths))
+
     def _launch(
         self, spec: RuntimeSandboxSpec, image: ResolvedImage, state: SandboxState
     ) -> AgentLaunch:
@@ -322,6 +517,9 @@ class LocalRuntime(Runtime):
 
             argv += ["--set", f"env={json.dumps(agent_own)}"]
             env = {name: value for name, value in env.items() if name not in agent_own}
+        # The agent takes both out of its environment at start; commands never see them.
+        env["ORCHARD_AGENT_KEY"] = self.agent_keys.key_for(spec.sandbox_id)
+        env["ORCHARD_AGENT_SANDBOX_ID"] = spec.sandbox_id
         return AgentLaunch(
             hostname=spec.sandbox_id,
             root=state.paths.root,
@@ -332,10 +530,7 @@ class LocalRuntime(Runtime):
             run_dir=state.paths.run,
             socket_name=SOCKET_NAME,
             working_dir=working_dir,
-            # The host image shows the host's root: hide this runtime's state whatever resolved it.
-            masked_dirs=(
-                real_paths((*self.private_paths(), *image.masked_paths)) if image.is_host else ()
-            ),
+            masked_dirs=self._masked_dirs(image),
             cgroup_procs=tuple(self._driver().procs_files(state.cgroup_dirs)),
             log_file=state.paths.log,
             argv=tuple(argv),
@@ -352,9 +547,11 @@ class LocalRuntime(Runtime):
         modes and extended attributes kept; copy-on-write where the file system can). The copy
         is the fork's upper rather than a lower layer of its own: overlayfs refuses a lower
         layer inside another one (ELOOP), which every directory is for the host image (``/``).
-        The source keeps running and is not paused: a file it is writing during the copy may
-        arrive torn in the fork; files it finished writing before the call arrive whole.
-        Processes are not copied.
+        The source's cgroup is frozen while the copy runs and thawed after (also when it fails),
+        so the copy is the file system of one instant: no file arrives half-written by a process
+        that was writing it. Its agent answers again once thawed. On a v1 host without the
+        freezer hierarchy the source keeps running and a file it writes meanwhile may arrive
+        torn. Processes are not copied.
         """
         self._require_started()
         _check_id(source_id)
@@ -372,10 +569,40 @@ class LocalRuntime(Runtime):
                     FailureReason.INTERNAL, f"sandbox {sandbox_id} exists already; delete it first"
                 )
             try:
-                return await self._create_locked(spec, image, snapshot_of=source.paths)
+                return await self._create_locked(spec, image, snapshot_of=source)
             except BaseException:
                 await asyncio.shield(self._delete_locked(sandbox_id))
                 raise
+
+    async def _copy_frozen(self, source: SandboxState, paths: SandboxPaths) -> None:
+        """Copy the source's upper layer with the source frozen, then thaw it."""
+        source_id, dirs, cgroups = source.sandbox_id, source.cgroup_dirs, self._driver()
+        if not cgroups.can_freeze(dirs):
+            log.warning("sandbox %s: no freezer; copying it while it runs", source_id)
+            await self._copy_upper(source.paths, paths)
+            return
+        # Forks of one source at once share one freeze; the last to finish thaws.
+        hold = self._freezes.get(source_id)
+        if hold is None:
+            hold = self._freezes[source_id] = _FreezeHold(
+                asyncio.ensure_future(cgroups.freeze(dirs))
+            )
+        hold.users += 1
+        try:
+            try:
+                await asyncio.shield(hold.frozen)
+            except FreezeFailed as exc:
+                raise RuntimeFailure(
+                    FailureReason.INTERNAL, f"cannot freeze sandbox {source_id} to copy it: {exc}"
+                ) from None
+            await self._copy_upper(source.paths, paths)
+        finally:
+            hold.users -= 1
+            if hold.users == 0:
+                del self._freezes[source_id]
+                if not hold.frozen.done():
+                    hold.frozen.cancel()
+                cgroups.thaw(dirs)  # also when the copy failed or the fork was cancelled
 
     @staticmethod
     async def _copy_upper(source: SandboxPaths, paths: SandboxPaths) -> None:
@@ -400,7 +627,7 @@ class LocalRuntime(Runtime):
 
     async def delete(self, sandbox_id: str) -> None:
         self._require_started()
-        _check_id(sandbox_id)
+        _check_id(sandbox_id, pooled=True)  # list_sandboxes reports dead pooled ones
         async with self._lock(sandbox_id):
             await self._delete_locked(sandbox_id)
 
@@ -411,6 +638,8 @@ class LocalRuntime(Runtime):
             pidfd = self._unwatch(sandbox_id)
             if pidfd is None and state is not None:
                 pidfd = open_pidfd(state.pid, state.start_time)
+            if state is not None:
+                self._driver().thaw(state.cgroup_dirs)  # a frozen PID 1 would not die
             if pidfd is not None:
                 try:
                     # PID 1 of the pid namespace: the kernel kills everyone else in it, and
@@ -454,7 +683,7 @@ class LocalRuntime(Runtime):
 
     async def status(self, sandbox_id: str) -> SandboxStatus:
         self._require_started()
-        _check_id(sandbox_id)
+        _check_id(sandbox_id, pooled=True)
         if sandbox_id in self._pidfds:
             return SandboxStatus.RUNNING
         state = self.store.read(sandbox_id)
@@ -475,7 +704,9 @@ class LocalRuntime(Runtime):
         for directory in (self.config.workspace_dir, self.config.run_dir):
             with contextlib.suppress(FileNotFoundError):
                 found.update(entry.name for entry in os.scandir(directory) if entry.is_dir())
-        return sorted(name for name in found if _ID.fullmatch(name))
+        # Pooled sandboxes only once dead: live ones are this pool's or another runtime's.
+        dead = await self._dead_shells(found)
+        return sorted(name for name in found if _ID.fullmatch(name) or name in dead)
 
     async def update_egress(self, sandbox_id: str, egress: Sequence[EgressRule]) -> None:
         """Replace the sandbox's allowed destinations in one nftables transaction (the first
@@ -523,6 +754,10 @@ class LocalRuntime(Runtime):
             state.pid,
         )
         return False
+
+    async def agent_key(self, sandbox_id: str) -> bytes | None:
+        _check_id(sandbox_id)
+        return self.agent_keys.key_for(sandbox_id).encode()
 
     # -- watching ----------------------------------------------------------------------------
 

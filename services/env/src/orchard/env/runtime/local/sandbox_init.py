@@ -17,6 +17,14 @@ Protocol on the ready descriptor (``plan["ready_fd"]``, inherited by the agent a
 ``--ready-fd``): the agent writes its addresses and closes it; a failure before the agent
 starts is one line ``!REASON message`` (``REASON`` a ``FailureReason`` value).
 
+A pooled sandbox ("shell", ``plan["claim_fifo"]`` set) is built before any request names it:
+everything up to the pivot into its root, then it writes the line ``#shell`` on the ready
+descriptor and waits on the FIFO for its claim, a ``marshal`` dict of :data:`CLAIMED` (what the
+request decides: hostname, working directory, the agent's argv and env, the privilege options),
+which the runtime writes and closes. Only then does it set the hostname, enter the working
+directory and give up privilege, exactly as a fresh sandbox does. End-of-file without a claim
+(the runtime closed the pool, or died) ends the shell.
+
 Python 3.11 has no ``os.unshare``, hence ``ctypes`` for ``unshare``, ``mount``, ``umount2``,
 ``pivot_root`` and ``sethostname``.
 """
@@ -439,6 +447,38 @@ def agent_flags(plan: dict[str, object]) -> list[str]:
     ]
 
 
+SHELL_READY = b"#shell\n"
+"""Written on the ready descriptor by a pooled sandbox once it waits for its claim."""
+CLAIMED = ("hostname", "working_dir", "argv", "env", "raw_sockets", "user_namespaces")
+"""The plan entries a claim sets; everything else of the plan was fixed when the shell was built."""
+_MAX_CLAIM_BYTES = 1 << 20
+
+
+def wait_for_claim(ready_fd: int, claim_fd: int) -> dict[str, object]:
+    """As a pooled PID 1: say so, then read the claim to end-of-file."""
+    os.write(ready_fd, SHELL_READY)
+    os.set_blocking(claim_fd, True)
+    chunks = []
+    size = 0
+    while chunk := os.read(claim_fd, 65536):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > _MAX_CLAIM_BYTES:
+            raise SetupError("INTERNAL", "the claim of a pooled sandbox is too large")
+    os.close(claim_fd)
+    if not chunks:
+        raise SetupError("INTERNAL", "the pooled sandbox was released unclaimed")
+    claim = marshal.loads(b"".join(chunks))
+    if not isinstance(claim, dict) or sorted(claim) != sorted(CLAIMED):
+        raise SetupError("INTERNAL", "malformed claim of a pooled sandbox")
+    return claim
+
+
+def set_hostname(name: str) -> None:
+    hostname = name.encode()
+    _check(_libc.sethostname(hostname, len(hostname)), "sethostname")
+
+
 def enter_root(plan: dict[str, object]) -> None:
     """As PID 1 of the new namespaces: build the root, pivot into it and give up privilege.
 
@@ -450,20 +490,31 @@ def enter_root(plan: dict[str, object]) -> None:
     log_fd = os.open(str(plan["log_file"]), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
     null_fd = os.open("/dev/null", os.O_RDONLY)
     listen_fd = os.open(str(plan["run_dir"]), O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    claim_fifo = str(plan.get("claim_fifo") or "")
+    # Not blocking: with the runtime gone (no writer) the read below sees end-of-file at once.
+    claim_fd = os.open(claim_fifo, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC) if claim_fifo else -1
     with open("/proc/sys/kernel/cap_last_cap", encoding="ascii") as file:
         last_cap = int(file.read())
     mount(None, "/", None, MS_REC | MS_PRIVATE)
-    hostname = str(plan["hostname"]).encode()
-    _check(_libc.sethostname(hostname, len(hostname)), "sethostname")
+    if not claim_fifo:
+        set_hostname(str(plan["hostname"]))
     root = build_root(plan)
     pivot_into(root)
-    os.chdir(str(plan["working_dir"]))
+    if not claim_fifo:
+        os.chdir(str(plan["working_dir"]))
     loopback_up()
     os.dup2(null_fd, 0)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
-    for low, high in _gaps(3, 65536, sorted((ready_fd, listen_fd))):
+    kept = sorted(fd for fd in (ready_fd, listen_fd, claim_fd) if fd >= 0)
+    for low, high in _gaps(3, 65536, kept):
         os.closerange(low, high)
+    if claim_fifo:
+        plan.update(wait_for_claim(ready_fd, claim_fd))
+        set_hostname(str(plan["hostname"]))
+        # Inside the pivoted root: a symlink in the image cannot lead this out of it.
+        ensure_dir(str(plan["working_dir"]))
+        os.chdir(str(plan["working_dir"]))
     os.set_inheritable(ready_fd, True)
     os.set_inheritable(listen_fd, True)
     plan["listen_dir_fd"] = listen_fd

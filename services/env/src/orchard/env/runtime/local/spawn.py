@@ -24,6 +24,7 @@ from orchard.env.runtime.local.process import open_pidfd, process_start_time
 __all__ = ["AgentLaunch", "StartedSandbox", "start_sandbox_process"]
 
 SANDBOX_INIT = Path(__file__).with_name("sandbox_init.py")
+SHELL_READY = b"#shell\n"  # sandbox_init.SHELL_READY (that module is a script: not imported)
 _HELPER_TIMEOUT_S = 10.0
 
 
@@ -47,6 +48,7 @@ class AgentLaunch:
     env: dict[str, str]
     raw_sockets: bool = False  # commands keep CAP_NET_RAW
     user_namespaces: bool = False  # commands may create user namespaces
+    claim_fifo: str = ""  # set: a pooled sandbox, which waits there for its claim (pool.py)
 
     def plan(self, ready_fd: int) -> dict[str, Any]:
         plan = {name: getattr(self, name) for name in self.__dataclass_fields__}
@@ -73,21 +75,68 @@ class StartedSandbox:
                 f"the agent did not serve within {timeout_s:g} s",
             ) from None
         lines = text.decode(errors="replace").splitlines()
-        if lines and lines[0].startswith("!"):
-            reason, _, message = lines[0][1:].partition(" ")
-            try:
-                failure = FailureReason(reason)
-            except ValueError:
-                failure = FailureReason.INTERNAL
-            raise RuntimeFailure(failure, message)
+        _raise_failure(lines)
         if not lines:
             raise RuntimeFailure(FailureReason.AGENT_EXITED, "the agent exited before it served")
         return lines
+
+    async def wait_shell(self, timeout_s: float) -> None:
+        """Return once a pooled sandbox waits for its claim (its ``#shell`` line)."""
+        try:
+            text = await asyncio.wait_for(_read_line(self.ready_fd), timeout_s)
+        except TimeoutError:
+            raise RuntimeFailure(
+                FailureReason.AGENT_START_TIMEOUT,
+                f"the pooled sandbox was not built within {timeout_s:g} s",
+            ) from None
+        if text == SHELL_READY:
+            return
+        _raise_failure(text.decode(errors="replace").splitlines())
+        raise RuntimeFailure(FailureReason.AGENT_EXITED, "the pooled sandbox exited unclaimed")
 
     def close(self) -> None:
         for fd in (self.ready_fd,):
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+def _raise_failure(lines: list[str]) -> None:
+    if lines and lines[0].startswith("!"):
+        reason, _, message = lines[0][1:].partition(" ")
+        try:
+            failure = FailureReason(reason)
+        except ValueError:
+            failure = FailureReason.INTERNAL
+        raise RuntimeFailure(failure, message)
+
+
+async def _read_line(fd: int) -> bytes:
+    """Read ``fd`` up to and with the first newline (nothing after it), or to end-of-file."""
+    loop = asyncio.get_running_loop()
+    data = bytearray()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def on_readable() -> None:
+        # One byte at a time: what follows the line belongs to the next reader.
+        try:
+            chunk = os.read(fd, 1)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            if not done.done():
+                done.set_exception(exc)
+            return
+        data.extend(chunk)
+        if (not chunk or chunk == b"\n") and not done.done():
+            done.set_result(None)
+
+    os.set_blocking(fd, False)
+    loop.add_reader(fd, on_readable)
+    try:
+        await done
+    finally:
+        loop.remove_reader(fd)
+    return bytes(data)
 
 
 async def _read_to_eof(fd: int) -> bytes:

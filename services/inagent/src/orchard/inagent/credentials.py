@@ -1,0 +1,233 @@
+"""Route credentials: calls that reach the agent directly, not through orchard-env.
+
+orchard-env (``EnvService.OpenAgentRoute``) gives a client a short-lived credential for one
+sandbox; the client sends it as ``authorization: Bearer <credential>`` on every call to the
+agent, and the agent checks it here without calling anyone. The credential is text::
+
+    v1.<sandbox id>.<tenant>.<expiry>.<nonce>.<mac>
+
+with the sandbox id, the tenant, the nonce and the MAC in unpadded base64url and the expiry in
+whole Unix seconds. The MAC is HMAC-SHA256 over everything before its own dot, keyed with
+:func:`route_key` of the sandbox key (``ORCHARD_AGENT_KEY``, which the runtime hands the agent
+at start). The derived key keeps the two uses of the sandbox key apart: ``ProveIdentity``
+answers HMAC(key, nonce || sandbox id) for any caller's nonce and id, and no such message ends
+in the byte 0xff (an id is UTF-8), so its answers are never a route key.
+
+A call without the header is served as before (the transport is what restricts those to
+orchard-env: see the README); with the agent's ``require_credential`` setting it is refused,
+except health, reflection and ``ProveIdentity``. A call with a credential that fails the check
+is refused: UNAUTHENTICATED when the credential is malformed, forged or expired,
+PERMISSION_DENIED when it is valid but for another sandbox. Checked credentials are kept until
+they expire, so a client's later calls cost one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+
+from orchard.core.errors import OrchardError
+from orchard.inagent.reasons import AgentReason
+
+__all__ = [
+    "CredentialCheck",
+    "CredentialInterceptor",
+    "issue_credential",
+    "route_key",
+]
+
+VERSION = "v1"
+ROUTE_KEY_LABEL = b"orchard agent route credential\xff"
+"""What the sandbox key signs to derive the route key; ends in 0xff (see the module doc)."""
+MAX_CREDENTIAL_CHARS = 2048
+CACHE_ENTRIES = 4096
+"""Checked credentials kept; the cache is emptied when it fills (clients reuse theirs)."""
+OPEN_METHODS = frozenset(
+    {
+        "/grpc.health.v1.Health/Check",
+        "/grpc.health.v1.Health/Watch",
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        "/orchard.inagent.v1.AgentService/ProveIdentity",
+    }
+)
+"""Methods served without a credential even when one is required."""
+_SCHEME = "bearer "
+
+
+def route_key(sandbox_key: bytes) -> bytes:
+    """The key that signs route credentials, derived from the sandbox key."""
+    return hmac.new(sandbox_key, ROUTE_KEY_LABEL, hashlib.sha256).digest()
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def issue_credential(
+    sandbox_key: bytes, sandbox_id: str, tenant: str, expire_unix_s: int, nonce: bytes
+) -> str:
+    """A credential for ``sandbox_id`` and ``tenant`` valid until ``expire_unix_s``; what
+    orchard-env issues (its own copy of this format lives in ``orchard.env.agent_routes``)."""
+    signed = ".".join(
+        (
+            VERSION,
+            _b64(sandbox_id.encode()),
+            _b64(tenant.encode()),
+            str(int(expire_unix_s)),
+            _b64(nonce),
+        )
+    )
+    mac = hmac.new(route_key(sandbox_key), signed.encode("ascii"), hashlib.sha256).digest()
+    return f"{signed}.{_b64(mac)}"
+
+
+def _unauthenticated(message: str) -> OrchardError:
+    return OrchardError(AgentReason.CREDENTIAL_INVALID, message)
+
+
+class CredentialCheck:
+    """Verifies route credentials against one sandbox key (see the module docstring)."""
+
+    def __init__(
+        self,
+        sandbox_key: bytes | None,
+        sandbox_id: str | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._key = route_key(sandbox_key) if sandbox_key else None
+        self._sandbox_id = sandbox_id or None
+        self._clock = clock
+        self._verified: dict[str, int] = {}  # credential → expiry, Unix seconds
+
+    def check(self, credential: str) -> None:
+        """Return when ``credential`` is valid here now; raise an OrchardError otherwise."""
+        now = self._clock()
+        expiry = self._verified.get(credential)
+        if expiry is not None:
+            if now < expiry:
+                return
+            del self._verified[credential]
+            raise _unauthenticated(_expired(expiry, now))
+        expiry = self._verify(credential, now)
+        if len(self._verified) >= CACHE_ENTRIES:
+            self._verified.clear()
+        self._verified[credential] = expiry
+
+    def _verify(self, credential: str, now: float) -> int:
+        if self._key is None:
+            raise OrchardError(
+                AgentReason.AGENT_KEY_MISSING,
+                "this agent was started without a sandbox key (ORCHARD_AGENT_KEY): it cannot "
+                "check route credentials; call it through orchard-env",
+            )
+        parts = credential.split(".") if len(credential) <= MAX_CREDENTIAL_CHARS else []
+        if len(parts) != 6 or parts[0] != VERSION:
+            raise _unauthenticated(
+                "the route credential is malformed; open a new route (EnvService.OpenAgentRoute)"
+            )
+        signed, _, mac_text = credential.rpartition(".")
+        try:
+            mac = _unb64(mac_text)
+            sandbox_id = _unb64(parts[1]).decode()
+            expiry = int(parts[3])
+        except (binascii.Error, ValueError):
+            raise _unauthenticated(
+                "the route credential is malformed; open a new route (EnvService.OpenAgentRoute)"
+            ) from None
+        expected = hmac.new(self._key, signed.encode("ascii"), hashlib.sha256).digest()
+        if not hmac.compare_digest(mac, expected):
+            raise _unauthenticated(
+                "the route credential was not issued for this sandbox's agent (wrong signature); "
+                "open a route to the sandbox you mean (EnvService.OpenAgentRoute)"
+            )
+        if self._sandbox_id is not None and sandbox_id != self._sandbox_id:
+            raise OrchardError(
+                AgentReason.CREDENTIAL_WRONG_SANDBOX,
+                f"the route credential is for sandbox {sandbox_id!r}; this agent serves "
+                f"sandbox {self._sandbox_id!r}",
+                metadata={"sandbox_id": self._sandbox_id},
+            )
+        if now >= expiry:
+            raise _unauthenticated(_expired(expiry, now))
+        return expiry
+
+
+def _expired(expiry: int, now: float) -> str:
+    return (
+        f"the route credential expired {now - expiry:.0f} s ago; open a new route "
+        "(EnvService.OpenAgentRoute)"
+    )
+
+
+def credential_of(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+    """The bearer credential in a call's metadata; None without an ``authorization`` entry."""
+    for key, value in metadata or ():
+        if key == "authorization":
+            text = value.decode() if isinstance(value, bytes) else value
+            if text[: len(_SCHEME)].lower() != _SCHEME:
+                raise _unauthenticated("the authorization metadata must be `Bearer <credential>`")
+            return text[len(_SCHEME) :].strip()
+    return None
+
+
+class CredentialInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Refuses calls whose route credential fails :class:`CredentialCheck`; see the module
+    docstring for calls without one. A refused call gets a handler of the same kind that
+    raises, which the server's error interceptor turns into the status."""
+
+    def __init__(self, check: CredentialCheck, *, required: bool = False) -> None:
+        self._check = check
+        self.required = required
+
+    async def intercept_service(
+        self, continuation: Any, handler_call_details: grpc.HandlerCallDetails
+    ) -> Any:
+        try:
+            credential = credential_of(handler_call_details.invocation_metadata)
+            if credential is not None:
+                self._check.check(credential)
+            elif self.required and handler_call_details.method not in OPEN_METHODS:
+                raise _unauthenticated(
+                    "this agent serves only calls with a route credential: send "
+                    "`authorization: Bearer <credential>` from EnvService.OpenAgentRoute"
+                )
+        except OrchardError as error:
+            handler = await continuation(handler_call_details)
+            return None if handler is None else _refusing(handler, error)
+        return await continuation(handler_call_details)
+
+
+def _refusing(handler: grpc.RpcMethodHandler, error: OrchardError) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s kind that fails every call with ``error``."""
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        raise error
+
+    async def streaming(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        raise error
+        yield  # an async generator, as the stream kinds expect
+
+    codec = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(streaming, **codec)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(unary, **codec)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(streaming, **codec)
+    return grpc.unary_unary_rpc_method_handler(unary, **codec)
