@@ -68,6 +68,28 @@ AUTH_TIMEOUT_S = 10.0
 """How long a peer may take to answer the key check (a silent peer holds up the next)."""
 
 
+def start_rank_process(
+    env: dict[str, str] | None = None,
+) -> tuple[subprocess.Popen[bytes], Connection]:
+    """Start one ``python -m orchard.trainer.rank`` in a session of its own (a signal meant for
+    its parent does not reach it), holding one end of a socket pair; returns the process and
+    the other end."""
+    ours, theirs = Pipe(duplex=True)
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "orchard.trainer.rank", "--conn-fd", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            env=env,
+            start_new_session=True,
+        )
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    return process, ours
+
+
 class WorkerKeyError(ValueError):
     """The shared key file is missing, unreadable or too short."""
 
@@ -192,26 +214,12 @@ class RankWorker:
                     )
                 conn.close()
                 return
-            ours, theirs = Pipe(duplex=True)
             try:
-                process = subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "orchard.trainer.rank",
-                        "--conn-fd",
-                        str(theirs.fileno()),
-                    ],
-                    pass_fds=(theirs.fileno(),),
-                    start_new_session=True,
-                )
+                process, ours = start_rank_process()
             except OSError as exc:
                 log.error("could not start a rank process: %s", exc)
-                ours.close()
                 conn.close()
                 return
-            finally:
-                theirs.close()
             thread = threading.Thread(
                 target=self._relay, args=(conn, ours, process, peer), name="rank-relay"
             )

@@ -23,17 +23,17 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from multiprocessing.connection import Connection, Pipe, wait
+from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol
 
 from orchard.trainer.distributed import free_port
 from orchard.trainer.rank import RankFault, RankReady, RankSetup
+from orchard.trainer.rank_worker import start_rank_process
 
 __all__ = [
     "LocalRanks",
@@ -200,25 +200,7 @@ class LocalRanks:
 
     def launch(self, world: int, ranks: list[RankHandle]) -> tuple[str, int]:
         for rank in range(world):
-            ours, theirs = Pipe(duplex=True)
-            try:
-                process = subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "orchard.trainer.rank",
-                        "--conn-fd",
-                        str(theirs.fileno()),
-                    ],
-                    pass_fds=(theirs.fileno(),),
-                    env=self.env,
-                    start_new_session=True,
-                )
-            except BaseException:
-                ours.close()
-                raise
-            finally:
-                theirs.close()
+            process, ours = start_rank_process(self.env)
             ranks.append(_LocalRank(rank, process, ours))
         return "127.0.0.1", free_port()
 
