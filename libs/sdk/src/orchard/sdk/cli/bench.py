@@ -1144,9 +1144,10 @@ def _figure_rows(result: dict[str, Any], goal: Callable[[str], str]) -> list[lis
     if "fork_speedup" in fork:
         rows.append(
             [
-                f"fork {fork['count']} vs fresh+setup (s)",
+                f"fork {fork['count']} vs {fork['count']} x (create+setup) s",
                 f"{fork['fork_seconds']} vs {fork['fresh_seconds']} (x{fork['fork_speedup']})",
-                "",
+                f"all at once {fork['fresh_all_at_once_seconds']} "
+                f"(x{fork['fork_speedup_vs_all_at_once']})",
                 goal("fork_speedup"),
             ]
         )
