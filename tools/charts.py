@@ -425,14 +425,27 @@ def check_env(docs: list[Manifest], report: Report, where: str) -> None:
             f"{where}: the sandbox default policy must deny all egress",
         )
         env_labels = env["spec"]["selector"]["matchLabels"]
-        sources = [peer for rule in spec.get("ingress", []) for peer in rule.get("from", [])]
+        rules = spec.get("ingress", [])
+        sources = rules[0].get("from", []) if rules else []
         report.check(
             len(sources) == 1
             and sources[0].get("podSelector", {}).get("matchLabels") == env_labels
             and sources[0].get("namespaceSelector", {}).get("matchLabels")
             == {"kubernetes.io/metadata.name": env["metadata"]["namespace"]},
-            f"{where}: the sandbox default policy must admit ingress from the env Pods only",
+            f"{where}: the sandbox default policy must admit ingress from the env Pods first",
         )
+        # Any other rule admits agentRoute.clients: the agent port only, from Pods of selected
+        # namespaces (a peer without a namespaceSelector would select other sandboxes).
+        for rule in rules[1:]:
+            report.check(
+                rule.get("ports") == [{"port": "inagent", "protocol": "TCP"}]
+                and bool(rule.get("from"))
+                and all(
+                    peer.get("namespaceSelector", {}).get("matchLabels") for peer in rule["from"]
+                ),
+                f"{where}: a sandbox ingress rule besides the env Pods' must admit only the agent "
+                "port, from Pods of selected namespaces",
+            )
 
 
 CONFIG_MODELS = {
@@ -1113,6 +1126,7 @@ CASES = [
             ),
         )
     ),
+    Case("env", "agent-route", ("ci/agent-route-values.yaml",), (*GENERAL, *ENV)),
     Case(
         "trainer",
         "workers-ray",
@@ -1140,6 +1154,11 @@ BAD_VALUES: list[tuple[str, dict[str, Any], str]] = [
         "env",
         {"sandbox": {"namespace": "Not_A_Name"}, "etcd": {"endpoints": ["http://e:2379"]}},
         "namespace",
+    ),
+    (
+        "env",
+        {**_ETCD, "agentRoute": {"clients": {"podSelector": {"app": "x"}}}},
+        "namespaceSelector",
     ),
     (UMBRELLA, {"etcd": {"enabled": False}}, "global.etcd.endpoints is empty"),
     (UMBRELLA, {"etcd": {"enabled": True, "replicas": 2}}, "replicas"),

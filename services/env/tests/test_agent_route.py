@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import pytest
 
-from orchard.core.errors import error_info
+from orchard.core.errors import OrchardError, error_info
 from orchard.env.agent_routes import issue_credential
 from orchard.env.config import AgentRouteConfig
 from orchard.env.v1 import env_service_pb2 as api
@@ -287,3 +287,25 @@ async def test_sdk_reports_a_deleted_sandbox_as_the_service_does(
             await asyncio.sleep(0.02)
         with pytest.raises(SandboxNotFound):
             await sandbox.exec(["true"])
+
+
+def test_orchard_envs_own_credential_is_minted_once_and_renewed_before_it_expires() -> None:
+    from orchard.env.agents import CREDENTIAL_RENEW_S, CREDENTIAL_TTL_S, ServiceCredential
+    from orchard.inagent.credentials import CredentialCheck
+
+    key, now = os.urandom(32), [1000.0]
+    credential = ServiceCredential(key, "sb-1", clock=lambda: now[0])
+    agent = CredentialCheck(key, "sb-1", clock=lambda: now[0])
+    first = credential.metadata()
+    assert credential.metadata() is first  # no HMAC per call
+    (name, value), *_ = first
+    assert name == "authorization" and agent.check(value.removeprefix("Bearer ")) is True
+    now[0] += CREDENTIAL_TTL_S - CREDENTIAL_RENEW_S - 1
+    assert credential.metadata() is first
+    now[0] += 1
+    renewed = credential.metadata()
+    assert renewed != first and agent.check(renewed[0][1].removeprefix("Bearer ")) is True
+    now[0] = 1000.0 + CREDENTIAL_TTL_S  # the first one has expired; the renewed one has not
+    with pytest.raises(OrchardError, match="expired"):
+        agent.check(first[0][1].removeprefix("Bearer "))
+    assert agent.check(renewed[0][1].removeprefix("Bearer ")) is True

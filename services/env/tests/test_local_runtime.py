@@ -28,6 +28,7 @@ from orchard.env.runtime.base import (
     SandboxStatus,
 )
 from orchard.env.runtime.local import LocalRuntime, LocalRuntimeConfig
+from orchard.env.runtime.local import runtime as runtime_module
 from orchard.env.runtime.local.cgroups import CgroupV1, select_cgroup_driver
 from orchard.env.runtime.local.config import default_agent_bundle
 
@@ -121,6 +122,45 @@ def test_cgroup_driver_matches_the_host(config: LocalRuntimeConfig) -> None:
     if isinstance(driver, CgroupV1):
         assert has_v1_memory
         assert all(p.endswith(f"/{config.cgroup_parent}") for p in driver.parents)
+
+
+@pytest.mark.root
+def test_remove_tree_stays_inside_the_tree_and_spawns_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    outside = tmp_path / "outside"
+    (outside / "kept").mkdir(parents=True)
+    (outside / "kept" / "file").write_text("host data")
+    tree = tmp_path / "tree"
+    (tree / "a" / "b").mkdir(parents=True)
+    (tree / "a" / "b" / "file").write_text("x")
+    os.mkfifo(tree / "a" / "fifo")
+    (tree / "to_dir").symlink_to(outside / "kept")  # a sandbox's symlinks are removed, not followed
+    (tree / "a" / "to_file").symlink_to(outside / "kept" / "file")
+    # Not a stand-in for anything: it fails the test if the common case starts an `rm`.
+    with monkeypatch.context() as patch:
+        patch.setattr(runtime_module.subprocess, "run", _no_process)
+        runtime_module.remove_tree(str(tree))
+    assert not tree.exists()
+    assert (outside / "kept" / "file").read_text() == "host data"
+
+    # Another file system mounted inside is never walked into: the delete fails, it stays whole.
+    mounted = tmp_path / "tree2" / "m"
+    mounted.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(mounted)], check=True)
+    try:
+        (mounted / "file").write_text("other file system")
+        with pytest.raises(RuntimeFailure, match="cannot remove"):
+            runtime_module.remove_tree(str(tmp_path / "tree2"))
+        assert (mounted / "file").read_text() == "other file system"
+    finally:
+        subprocess.run(["umount", str(mounted)], check=True)
+    runtime_module.remove_tree(str(tmp_path / "tree2"))
+    assert not (tmp_path / "tree2").exists()
+
+
+def _no_process(*args: object, **kwargs: object) -> None:
+    raise AssertionError(f"remove_tree started a process: {args}")
 
 
 @pytest.mark.root

@@ -185,3 +185,24 @@ def test_verified_credentials_are_cached_until_they_expire() -> None:
         check.check(credential)
     with pytest.raises(OrchardError, match="expired"):
         check.check(credential)  # gone from the cache: verified again, still expired
+
+
+def test_orchard_env_credentials_are_told_apart_and_cannot_be_forged_from_a_client_one() -> None:
+    """orchard-env's credentials start with ``v1-env``; the MAC covers the scope, so a client's
+    credential relabelled as orchard-env's fails the signature."""
+    from orchard.env.agent_routes import service_credential  # the service's copy of the format
+
+    check = CredentialCheck(KEY.encode(), SANDBOX)
+    expire = int(time.time()) + 60
+    service = service_credential(KEY.encode(), SANDBOX, expire)
+    assert service.startswith("v1-env.")
+    assert check.check(service) is True
+    assert check.check(service) is True  # from the cache
+    assert check.check(
+        issue_credential(KEY.encode(), SANDBOX, "t", expire, b"s" * 16, service=True)
+    )
+    client = _credential()
+    assert check.check(client) is False
+    relabelled = "v1-env." + client.split(".", 1)[1]
+    with pytest.raises(OrchardError, match="signature"):
+        check.check(relabelled)

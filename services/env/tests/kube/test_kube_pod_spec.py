@@ -86,6 +86,8 @@ def test_pod_manifest_snapshot() -> None:
                         "$(ORCHARD_POD_IP):7070",
                         "--working-dir",
                         "/srv",
+                        "--set",
+                        "require_credential=true",
                     ],
                     "env": [
                         {

@@ -11,6 +11,10 @@ own, so each side keeps its copy; the tests run one against the other)::
     mac = HMAC-SHA256(HMAC-SHA256(agent key, "orchard agent route credential" 0xff),
                       everything before the last dot)
 
+orchard-env's own calls to an agent carry a credential too (:func:`service_credential`), whose
+first field is ``v1-env`` instead of ``v1``: the MAC covers it, so a client's credential cannot
+pass for the service's. Agents on Kubernetes refuse calls without a credential.
+
 Tenancy holds on both routes: the service issues a credential only for a READY sandbox of the
 calling tenant (the same lookup as Exec), and a credential opens no other sandbox, since every
 sandbox has its own key.
@@ -25,9 +29,11 @@ import os
 import time
 from dataclasses import dataclass
 
-__all__ = ["AgentRoute", "issue_credential", "route_key"]
+__all__ = ["AgentRoute", "issue_credential", "route_key", "service_credential"]
 
 VERSION = "v1"
+SERVICE_SCOPE = "v1-env"
+SERVICE_TENANT = "orchard-env"
 ROUTE_KEY_LABEL = b"orchard agent route credential\xff"
 NONCE_BYTES = 16
 
@@ -56,11 +62,14 @@ def issue_credential(
     tenant: str,
     expire_unix_s: int,
     nonce: bytes | None = None,
+    *,
+    service: bool = False,
 ) -> str:
-    """A credential for ``sandbox_id`` and ``tenant``, valid until ``expire_unix_s``."""
+    """A credential for ``sandbox_id`` and ``tenant``, valid until ``expire_unix_s`` (with
+    ``service``: orchard-env's own, for its calls to the agent)."""
     signed = ".".join(
         (
-            VERSION,
+            SERVICE_SCOPE if service else VERSION,
             _b64(sandbox_id.encode()),
             _b64(tenant.encode()),
             str(int(expire_unix_s)),
@@ -77,3 +86,8 @@ def open_route(
     """A fresh route to ``address`` for ``tenant``, valid ``ttl_s`` seconds from now."""
     expire = int(time.time()) + ttl_s
     return AgentRoute(address, issue_credential(agent_key, sandbox_id, tenant, expire), expire)
+
+
+def service_credential(agent_key: bytes, sandbox_id: str, expire_unix_s: int) -> str:
+    """orchard-env's own credential for its calls to ``sandbox_id``'s agent."""
+    return issue_credential(agent_key, sandbox_id, SERVICE_TENANT, expire_unix_s, service=True)

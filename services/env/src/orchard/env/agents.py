@@ -3,20 +3,30 @@
 A channel is made only after the runtime confirmed that what serves at the record's address
 is the agent it started (:meth:`Runtime.verify_agent`); this replica checks once per sandbox,
 so a restarted service checks again before its first call.
+
+Every call on a link carries orchard-env's own route credential for the sandbox
+(:func:`orchard.env.agent_routes.service_credential`, signed with the key the runtime gave the
+agent) when the runtime has a key: agents that require a credential (on Kubernetes) serve it.
+The credential is minted when the link is made and again shortly before it expires, so a call
+costs a clock read, not an HMAC.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
 from orchard.core.errors import OrchardError
+from orchard.env.agent_routes import service_credential
 from orchard.env.reasons import EnvReason
 from orchard.env.runtime.base import AgentUnreachable
-from orchard.inagent.v1 import inagent_service_pb2_grpc
+from orchard.inagent.v1 import inagent_service_pb2, inagent_service_pb2_grpc
 
 __all__ = ["AgentLink", "AgentLinks"]
 
@@ -27,6 +37,52 @@ _CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 50),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+CREDENTIAL_TTL_S = 3600
+"""How long orchard-env's own credential for an agent is valid."""
+CREDENTIAL_RENEW_S = 600
+"""Minted again this long before it expires (room for clock skew between nodes)."""
+_AGENT_METHODS = tuple(
+    inagent_service_pb2.DESCRIPTOR.services_by_name["AgentService"].methods_by_name
+)
+
+
+class ServiceCredential:
+    """orchard-env's credential for one sandbox's agent, as call metadata, renewed before it
+    expires."""
+
+    def __init__(
+        self, agent_key: bytes, sandbox_id: str, *, clock: Callable[[], float] = time.time
+    ) -> None:
+        self._key = agent_key
+        self._sandbox_id = sandbox_id
+        self._clock = clock
+        self._renew_at = 0.0
+        self._metadata: tuple[tuple[str, str], ...] = ()
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        now = self._clock()
+        if now >= self._renew_at:
+            expire = int(now) + CREDENTIAL_TTL_S
+            credential = service_credential(self._key, self._sandbox_id, expire)
+            self._metadata = (("authorization", f"Bearer {credential}"),)
+            self._renew_at = expire - CREDENTIAL_RENEW_S
+        return self._metadata
+
+
+def _with_credential(method: Any, credential: ServiceCredential) -> Any:
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return method(*args, metadata=credential.metadata(), **kwargs)
+
+    return call
+
+
+def _credentialed_stub(channel: grpc.aio.Channel, credential: ServiceCredential) -> Any:
+    """An AgentService stub whose every call carries orchard-env's credential."""
+    stub = inagent_service_pb2_grpc.AgentServiceStub(channel)
+    for name in _AGENT_METHODS:
+        setattr(stub, name, _with_credential(getattr(stub, name), credential))
+    return stub
 
 
 @dataclass
@@ -47,10 +103,15 @@ class AgentLink:
 class AgentLinks:
     """Channels and locks by sandbox id, created on first use, closed when the sandbox goes."""
 
-    def __init__(self, verify: Callable[[str, str], Awaitable[bool]] | None = None) -> None:
+    def __init__(
+        self,
+        verify: Callable[[str, str], Awaitable[bool]] | None = None,
+        key: Callable[[str], Awaitable[bytes | None]] | None = None,
+    ) -> None:
         self._links: dict[str, AgentLink] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self._verify = verify
+        self._key = key
 
     async def get(self, sandbox_id: str, address: str) -> AgentLink:
         """The sandbox's link; PERMISSION_DENIED (``AGENT_NOT_VERIFIED``) when what serves at
@@ -68,14 +129,23 @@ class AgentLinks:
         link = self._links.get(sandbox_id)  # another call may have made it meanwhile
         if link is not None and link.address == address:
             return link
+        agent_key = None if self._key is None else await _agent_key(self._key, sandbox_id)
+        link = self._links.get(sandbox_id)
+        if link is not None and link.address == address:
+            return link
         if link is not None:
             self._close_later(link)
         channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        stub = (
+            inagent_service_pb2_grpc.AgentServiceStub(channel)
+            if agent_key is None
+            else _credentialed_stub(channel, ServiceCredential(agent_key, sandbox_id))
+        )
         link = AgentLink(
             sandbox_id,
             address,
             channel,
-            inagent_service_pb2_grpc.AgentServiceStub(channel),
+            stub,
             link.lock if link is not None else asyncio.Lock(),
         )
         self._links[sandbox_id] = link
@@ -112,6 +182,21 @@ async def _verified(
         raise OrchardError(
             EnvReason.AGENT_UNAVAILABLE,
             f"sandbox {sandbox_id!r}: cannot check its agent's identity now ({exc}); "
+            "nothing was sent to it, retry",
+            metadata={"sandbox_id": sandbox_id},
+        ) from None
+
+
+async def _agent_key(
+    key: Callable[[str], Awaitable[bytes | None]], sandbox_id: str
+) -> bytes | None:
+    """The runtime's key for the sandbox's agent; UNAVAILABLE when it cannot be read now."""
+    try:
+        return await key(sandbox_id)
+    except AgentUnreachable as exc:
+        raise OrchardError(
+            EnvReason.AGENT_UNAVAILABLE,
+            f"sandbox {sandbox_id!r}: cannot read its agent's key now ({exc}); "
             "nothing was sent to it, retry",
             metadata={"sandbox_id": sandbox_id},
         ) from None

@@ -36,7 +36,7 @@ class ExecRouter:
     def __init__(self, records: RecordStore, runtime: Runtime) -> None:
         self._records = records
         self._runtime = runtime
-        self.links = AgentLinks(verify=runtime.verify_agent)
+        self.links = AgentLinks(verify=runtime.verify_agent, key=runtime.agent_key)
 
     async def agent(self, tenant: str, sandbox_id: str) -> AgentLink:
         """The link to a READY sandbox's agent; NOT_FOUND or FAILED_PRECONDITION otherwise.

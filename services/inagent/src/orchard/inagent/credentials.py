@@ -7,7 +7,12 @@ agent, and the agent checks it here without calling anyone. The credential is te
     v1.<sandbox id>.<tenant>.<expiry>.<nonce>.<mac>
 
 with the sandbox id, the tenant, the nonce and the MAC in unpadded base64url and the expiry in
-whole Unix seconds. The MAC is HMAC-SHA256 over everything before its own dot, keyed with
+whole Unix seconds. orchard-env's own credentials, which it sends on its calls to the agent,
+start with ``v1-env`` instead of ``v1``: the scope is covered by the MAC, so a client cannot
+turn its credential into orchard-env's. No AgentService call is orchard-env's alone today
+(``ProveIdentity`` is open to any caller and reveals nothing but possession of the key), so
+both scopes open the same calls; :meth:`CredentialCheck.check` tells them apart for a call
+that ever needs to be. The MAC is HMAC-SHA256 over everything before its own dot, keyed with
 :func:`route_key` of the sandbox key (``ORCHARD_AGENT_KEY``, which the runtime hands the agent
 at start). The derived key keeps the two uses of the sandbox key apart: ``ProveIdentity``
 answers HMAC(key, nonce || sandbox id) for any caller's nonce and id, and no such message ends
@@ -44,6 +49,8 @@ __all__ = [
 ]
 
 VERSION = "v1"
+SERVICE_SCOPE = "v1-env"
+"""First field of orchard-env's own credentials (a client's start with :data:`VERSION`)."""
 ROUTE_KEY_LABEL = b"orchard agent route credential\xff"
 """What the sandbox key signs to derive the route key; ends in 0xff (see the module doc)."""
 MAX_CREDENTIAL_CHARS = 2048
@@ -76,13 +83,20 @@ def _unb64(text: str) -> bytes:
 
 
 def issue_credential(
-    sandbox_key: bytes, sandbox_id: str, tenant: str, expire_unix_s: int, nonce: bytes
+    sandbox_key: bytes,
+    sandbox_id: str,
+    tenant: str,
+    expire_unix_s: int,
+    nonce: bytes,
+    *,
+    service: bool = False,
 ) -> str:
-    """A credential for ``sandbox_id`` and ``tenant`` valid until ``expire_unix_s``; what
-    orchard-env issues (its own copy of this format lives in ``orchard.env.agent_routes``)."""
+    """A credential for ``sandbox_id`` and ``tenant`` valid until ``expire_unix_s`` (with
+    ``service``: orchard-env's own); what orchard-env issues (its own copy of this format
+    lives in ``orchard.env.agent_routes``)."""
     signed = ".".join(
         (
-            VERSION,
+            SERVICE_SCOPE if service else VERSION,
             _b64(sandbox_id.encode()),
             _b64(tenant.encode()),
             str(int(expire_unix_s)),
@@ -110,21 +124,25 @@ class CredentialCheck:
         self._key = route_key(sandbox_key) if sandbox_key else None
         self._sandbox_id = sandbox_id or None
         self._clock = clock
-        self._verified: dict[str, int] = {}  # credential → expiry, Unix seconds
+        # credential → (expiry in Unix seconds, whether it is orchard-env's)
+        self._verified: dict[str, tuple[int, bool]] = {}
 
-    def check(self, credential: str) -> None:
-        """Return when ``credential`` is valid here now; raise an OrchardError otherwise."""
+    def check(self, credential: str) -> bool:
+        """Whether ``credential``, valid here now, is orchard-env's own (False: a client's);
+        raise an OrchardError when it is not valid."""
         now = self._clock()
-        expiry = self._verified.get(credential)
-        if expiry is not None:
-            if now < expiry:
-                return
+        known = self._verified.get(credential)
+        if known is not None:
+            if now < known[0]:
+                return known[1]
             del self._verified[credential]
-            raise _unauthenticated(_expired(expiry, now))
+            raise _unauthenticated(_expired(known[0], now))
         expiry = self._verify(credential, now)
         if len(self._verified) >= CACHE_ENTRIES:
             self._verified.clear()
-        self._verified[credential] = expiry
+        service = credential.startswith(SERVICE_SCOPE + ".")
+        self._verified[credential] = (expiry, service)
+        return service
 
     def _verify(self, credential: str, now: float) -> int:
         if self._key is None:
@@ -134,7 +152,7 @@ class CredentialCheck:
                 "check route credentials; call it through orchard-env",
             )
         parts = credential.split(".") if len(credential) <= MAX_CREDENTIAL_CHARS else []
-        if len(parts) != 6 or parts[0] != VERSION:
+        if len(parts) != 6 or parts[0] not in (VERSION, SERVICE_SCOPE):
             raise _unauthenticated(
                 "the route credential is malformed; open a new route (EnvService.OpenAgentRoute)"
             )

@@ -15,7 +15,8 @@ One Pod per sandbox, named after the sandbox id (also its hostname):
   of its own (``secretKeyRef``): the agent takes it out of its environment at start and makes
   itself non-dumpable, so commands (without ``CAP_SYS_PTRACE``, dropped) cannot read it; with
   it the agent also checks route credentials (``EnvService.OpenAgentRoute``), and
-  ``ORCHARD_AGENT_SANDBOX_ID`` names the sandbox they must be for;
+  ``ORCHARD_AGENT_SANDBOX_ID`` names the sandbox they must be for; the agent runs with
+  ``require_credential`` and serves no call without one (orchard-env sends its own);
 - the spec's ``env`` values in that same Secret, each variable a ``secretKeyRef`` (so no value
   is in the Pod spec, and Kubernetes expands no ``$(VAR)`` inside one); ``ORCHARD_*``
   variables, which the agent takes as its own settings, go to it as one JSON value
@@ -200,7 +201,17 @@ def _quantities(resources: RuntimeResources) -> dict[str, str]:
 
 
 def _agent_args(spec: RuntimeSandboxSpec, config: KubernetesRuntimeConfig) -> list[str]:
-    return ["--listen", f"$({POD_IP_VAR}):{config.agent_port}", "--working-dir", _workdir(spec)]
+    # The agent serves only calls with a route credential (orchard-env's own or a client's from
+    # EnvService.OpenAgentRoute): its port may be open to client Pods (the chart's
+    # agentRoute.clients), and a call without one is refused.
+    return [
+        "--listen",
+        f"$({POD_IP_VAR}):{config.agent_port}",
+        "--working-dir",
+        _workdir(spec),
+        "--set",
+        "require_credential=true",
+    ]
 
 
 def _from_secret(name: str, sandbox_id: str, field: str) -> dict[str, Any]:

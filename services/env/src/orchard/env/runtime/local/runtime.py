@@ -20,9 +20,10 @@ import logging
 import marshal
 import os
 import re
+import stat
 import subprocess
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 
 from orchard.env.images import ImageResolver, ResolvedImage
@@ -69,6 +70,8 @@ CLAIM_FIFO = "claim"  # in a pooled sandbox's run directory, until its claim
 # sandbox_init.CLAIMED (that module is a script, not imported): what a claim sets.
 CLAIMED = ("hostname", "working_dir", "argv", "env", "raw_sockets", "user_namespaces")
 _MAX_CLAIM_BYTES = 60_000  # below a pipe's 64 KiB buffer
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_WALK_MAX_DEPTH = 64  # open directories remove_tree holds at once; deeper trees go to rm
 
 
 def agent_package_version() -> str:
@@ -83,9 +86,15 @@ def agent_package_version() -> str:
 def remove_tree(path: str) -> None:
     """Remove ``path`` and everything under it, however deep a sandbox nested it.
 
-    ``shutil.rmtree`` recurses once per level and fails past about a thousand (a sandbox
-    can ``mkdir -p`` far deeper); ``rm`` walks the tree without recursion, and stays on
-    this file system."""
+    Walked in this process (a delete used to spend two ``rm`` processes on it): without
+    recursion, every step relative to an open directory (a symlink is removed, never
+    followed), and only on ``path``'s file system. What that walk leaves (a tree deeper than
+    it holds directories open for, another file system mounted inside, an entry it cannot
+    remove) goes to ``rm``, which walks any depth and stays on this file system too."""
+    if not os.path.lexists(path):
+        return
+    with contextlib.suppress(OSError):
+        _unlink_tree(path)
     if not os.path.lexists(path):
         return
     done = subprocess.run(
@@ -100,6 +109,49 @@ def remove_tree(path: str) -> None:
             FailureReason.INTERNAL,
             f"cannot remove {path}: {done.stderr.decode(errors='replace').strip()[-500:]}",
         )
+
+
+def _unlink_tree(path: str) -> None:
+    """Remove ``path`` depth first, holding one open directory per level (at most
+    ``_WALK_MAX_DEPTH``); raises OSError where it stops, having removed what it passed."""
+    top = os.lstat(path)
+    if not stat.S_ISDIR(top.st_mode):
+        os.unlink(path)
+        return
+    parent, name = os.path.split(os.path.abspath(path))
+    parent_fd = os.open(parent, _DIR_FLAGS)
+    levels: list[tuple[int, str, Iterator[os.DirEntry[str]]]] = []  # (fd, name, entries)
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+        levels.append((fd, name, _entries(fd)))
+        if os.fstat(fd).st_dev != top.st_dev:
+            raise OSError(f"{path} changed while being removed")
+        while levels:
+            fd, name, entries = levels[-1]
+            entry = next(entries, None)
+            if entry is None:
+                levels.pop()
+                os.close(fd)
+                os.rmdir(name, dir_fd=levels[-1][0] if levels else parent_fd)
+            elif not entry.is_dir(follow_symlinks=False):
+                os.unlink(entry.name, dir_fd=fd)
+            elif len(levels) >= _WALK_MAX_DEPTH:
+                raise OSError(f"{path}: deeper than {_WALK_MAX_DEPTH} levels")
+            else:
+                child = os.open(entry.name, _DIR_FLAGS, dir_fd=fd)
+                levels.append((child, entry.name, _entries(child)))
+                if os.fstat(child).st_dev != top.st_dev:
+                    raise OSError(f"{path}: another file system is mounted inside")
+    finally:
+        for fd, _, _ in levels:
+            os.close(fd)
+        os.close(parent_fd)
+
+
+def _entries(fd: int) -> Iterator[os.DirEntry[str]]:
+    """A directory's entries, read whole before any is removed."""
+    with os.scandir(fd) as entries:
+        return iter(list(entries))
 
 
 def _check_id(sandbox_id: str, *, pooled: bool = False) -> None:
