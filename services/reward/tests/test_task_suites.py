@@ -25,8 +25,8 @@ async def test_list_task_suites_lists_the_builtin_suite_as_its_generator_makes_i
             stub = reward_service_pb2_grpc.RewardServiceStub(channel)
             reply = await stub.ListTaskSuites(api.ListTaskSuitesRequest(), timeout=10)
 
-    assert [s.name for s in reply.suites] == ["builtin:swe"]
-    suite = reply.suites[0]
+    assert [s.name for s in reply.suites] == ["builtin:claw", "builtin:swe"]
+    suite = reply.suites[1]
     assert suite.description and suite.scored_by == "ScoreTests"
     assert (suite.min_tasks, suite.max_tasks) == (1, 10_000)
     families = [f.name for f in suite.families]
@@ -44,3 +44,23 @@ async def test_list_task_suites_lists_the_builtin_suite_as_its_generator_makes_i
     for count in (suite.min_tasks - 1, suite.max_tasks + 1):
         with pytest.raises(ValueError, match="count must lie in"):
             generate_suite(count)
+
+
+async def test_list_task_suites_lists_the_claw_suite_as_its_generator_makes_it() -> None:
+    from orchard.tasks.claw.suite import generate_suite as generate_claw
+
+    config = RewardConfig(server=ServerConfig(listen=["127.0.0.1:0"]))
+    async with RewardApplication(config).server() as server:
+        await server.set_serving()
+        async with grpc.aio.insecure_channel(server.addresses[0]) as channel:
+            stub = reward_service_pb2_grpc.RewardServiceStub(channel)
+            reply = await stub.ListTaskSuites(api.ListTaskSuitesRequest(), timeout=10)
+    suite = next(s for s in reply.suites if s.name == "builtin:claw")
+    assert suite.scored_by == "ScoreTask" and suite.description
+    assert (suite.min_tasks, suite.max_tasks) == (1, 10_000)
+    difficulty = {f.name: f.difficulty for f in suite.families}
+    assert len(difficulty) == 12 and set(difficulty.values()) == {1, 2, 3}
+    assert all(f.description for f in suite.families)
+    tasks = generate_claw(24, seed=1)
+    assert [t.family for t in tasks[:12]] == [f.name for f in suite.families]
+    assert all(t.difficulty == difficulty[t.family] for t in tasks)

@@ -123,7 +123,7 @@ async def test_bad_requests_get_400_with_an_openai_error(
     async with aiohttp.ClientSession() as session:
         async with session.post(f"{server.base_url}/chat/completions", data=b"{not json") as r:
             assert r.status == 400
-            assert "not JSON" in (await r.json())["error"]["message"]
+            assert "not valid JSON" in (await r.json())["error"]["message"]
         async with session.get(f"{server.base_url}/models") as r:
             assert (await r.json())["data"][0]["id"] == "orchard-scripted-policy"
 

@@ -19,6 +19,7 @@ import grpc
 
 from orchard.core.errors import OrchardError, Reason
 from orchard.reward import convert
+from orchard.reward.claw_tasks import builtin_task_checks, is_claw_id
 from orchard.reward.config import RewardConfig
 from orchard.reward.credit import validate_epsilon
 from orchard.reward.judge_client import Judge
@@ -273,9 +274,14 @@ class RewardServicer(reward_service_pb2_grpc.RewardServiceServicer):
         self, request: api.ScoreTaskRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> api.ScoreTaskResponse:
         task = self.config.tasks.get(request.task_id)
+        if task is None and is_claw_id(request.task_id):
+            task = builtin_task_checks(request.task_id)
         if task is None:
             known = ", ".join(sorted(self.config.tasks)) or "none configured"
-            raise _invalid(f"unknown task_id {request.task_id!r}; known tasks: {known}")
+            raise _invalid(
+                f"unknown task_id {request.task_id!r}; known tasks: {known}, and the built-in "
+                "Claw suite's claw/<seed>/<family>/<n>"
+            )
         if not request.sandbox_id:
             raise _invalid("sandbox_id is required: the sandbox holding the task's final state")
         client = self._env()

@@ -18,6 +18,7 @@ from pydantic import Field, field_validator, model_validator
 from orchard.core.artifacts import ArtifactsConfig
 from orchard.core.config import ConfigModel, ServerConfig, ServiceConfig
 from orchard.rollout.engines.config import ENGINE_TYPES, EngineConfig, LocalEngineConfig
+from orchard.rollout.harnesses.builtin_programs import BUILTIN_PROGRAMS
 from orchard.rollout.proxy.server import CaptureProxyConfig
 from orchard.rollout.workers import WorkersConfig
 from orchard.sdk.service_config import EnvClientConfig
@@ -26,9 +27,12 @@ __all__ = [
     "ENV_NAME",
     "EnvServiceConfig",
     "EtcdConfig",
+    "HarnessesConfig",
     "JobPoliciesConfig",
     "JobsConfig",
     "PolicyConfig",
+    "ProgramFileConfig",
+    "ProgramHarnessConfig",
     "RewardServiceConfig",
     "RolloutConfig",
     "RunDefaults",
@@ -238,6 +242,87 @@ class RunDefaults(ConfigModel):
     )
 
 
+class ProgramFileConfig(ConfigModel):
+    """A file written into the sandbox before the program starts."""
+
+    path: str = Field(min_length=1, description="Absolute path in the sandbox; placeholders.")
+    content: str = Field(description="The file's text; placeholders are filled in.")
+    mode: int = Field(default=0o600, ge=0, le=0o777, description="Permission bits.")
+
+
+class ProgramHarnessConfig(ConfigModel):
+    """An unmodified agent program run in the task's sandbox (a harness of kind `program`).
+
+    Placeholders in `command`, `env` values and file contents: {instruction}, {model},
+    {workdir}, {home}, {cache}, {base_url} (ends in /v1), {anthropic_base_url} (without /v1),
+    {api_key}, {max_tokens}; other braces stay as written.
+    """
+
+    program: str = Field(
+        min_length=1, description="Its name in the harness cache's manifest (bin/<program>)."
+    )
+    command: list[str] = Field(min_length=1, description="The argv, found on the cache's bin/.")
+    dialect: Literal["chat_completions", "responses", "anthropic_messages"] = Field(
+        default="chat_completions", description="The model API the program speaks."
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="Its environment variables.")
+    files: list[ProgramFileConfig] = Field(
+        default_factory=list, description="Configuration files written before it starts."
+    )
+    wall_clock_s: float | None = Field(
+        default=None, gt=0, description="Its budget; unset: harnesses.wall_clock_s."
+    )
+    description: str = Field(default="", description="One line for ListHarnesses.")
+
+    @field_validator("env")
+    @classmethod
+    def _check_env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            _env_name(name)
+        return value
+
+
+class HarnessesConfig(ConfigModel):
+    """Third-party agent programs run inside the sandboxes (`program:*` harnesses)."""
+
+    cache_dir: str = Field(
+        default="",
+        description="The harness cache `make harnesses` builds (tools/harnesses.py): its "
+        "manifest.json and bin/. It must be visible at this path inside the sandboxes (the local "
+        "runtime's host image shows the host root read-only). Empty: $ORCHARD_HARNESS_CACHE, "
+        "and without it no program harness is offered.",
+    )
+    builtin: list[str] = Field(
+        default_factory=lambda: list(BUILTIN_PROGRAMS),
+        description="Built-in program harnesses offered (program:openclaw, program:claude-code, "
+        "program:codex, program:hermes).",
+    )
+    programs: dict[str, ProgramHarnessConfig] = Field(
+        default_factory=dict,
+        description="More program harnesses by name (e.g. `program:my-agent`).",
+    )
+    wall_clock_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="A program's wall-clock budget: past it the program is killed and the "
+        "rollout ends truncated (time_limit). The rollout's own budget bounds it too.",
+    )
+
+    @field_validator("builtin")
+    @classmethod
+    def _known_builtin(cls, value: list[str]) -> list[str]:
+        unknown = sorted(set(value) - set(BUILTIN_PROGRAMS))
+        if unknown:
+            raise ValueError(
+                f"unknown built-in program harnesses {unknown}; known: {list(BUILTIN_PROGRAMS)}"
+            )
+        return value
+
+    def resolved_cache_dir(self, environ: Mapping[str, str] | None = None) -> str:
+        environ = os.environ if environ is None else environ
+        return self.cache_dir or environ.get("ORCHARD_HARNESS_CACHE", "")
+
+
 class RolloutConfig(ServiceConfig):
     """Everything ``orchard-rollout`` runs with."""
 
@@ -270,6 +355,10 @@ class RolloutConfig(ServiceConfig):
     defaults: RunDefaults = RunDefaults()
     jobs: JobsConfig = Field(
         default_factory=JobsConfig, description="Retention of ended jobs; the watch's safety net."
+    )
+    harnesses: HarnessesConfig = Field(
+        default_factory=HarnessesConfig,
+        description="Unmodified agent programs run inside the sandboxes, from an offline cache.",
     )
     workers: WorkersConfig = Field(
         default_factory=WorkersConfig,

@@ -32,7 +32,8 @@ import openai
 
 from orchard.rollout.budgets import InfrastructureError, LayeredRetries, RolloutBudget, with_retries
 from orchard.rollout.capture import CallRecord
-from orchard.rollout.harnesses.tool_loop import HarnessContext, ModelEndpoint, ToolCallingHarness
+from orchard.rollout.harnesses.kinds import Harness
+from orchard.rollout.harnesses.tool_loop import HarnessContext, ModelEndpoint
 from orchard.rollout.provenance import FailureLayer, InfraFailure, RolloutRecord
 from orchard.rollout.proxy.sessions import CaptureNotSettled
 from orchard.rollout.results import GroupKey, RolloutResult, RolloutStatus
@@ -147,7 +148,7 @@ def _double(memory: str) -> str:
 class RolloutRunner:
     sandboxes: AsyncSandboxClient
     endpoint: ModelEndpoint
-    harnesses: Mapping[str, ToolCallingHarness]
+    harnesses: Mapping[str, Harness]
     tasks: Mapping[str, TaskSpec]
     budget: RolloutBudget = field(default_factory=RolloutBudget)
     retries: LayeredRetries = field(default_factory=LayeredRetries)
@@ -244,7 +245,7 @@ class RolloutRunner:
         key: GroupKey,
         index: int,
         task: TaskSpec,
-        harness: ToolCallingHarness,
+        harness: Harness,
         record: RolloutRecord,
         memory: str,
         session: RolloutSession | None = None,

@@ -1,4 +1,4 @@
-"""A scripted policy behind an OpenAI-compatible chat-completions endpoint: a network-free teacher.
+"""A scripted policy behind an endpoint of every API dialect harnesses use: a network-free teacher.
 
 It plays a script of task plans. A plan matches a task by a piece of its instruction and holds
 two ways through it: the solution and a plausible failure. On the first step of a conversation
@@ -6,9 +6,12 @@ the policy draws which one it follows (the plan's `solve_rate`), says so in its 
 and reads that thought back on later steps — so it needs no state and many conversations can
 share one server. Each step is one tool call (OpenAI `tool_calls`), or a final answer.
 
-`POST /v1/chat/completions` (streaming or not) and `GET /v1/models`; bad requests get HTTP 400
-with an OpenAI error body. Usage counts are estimates (four characters a token): the policy has
-no tokenizer, and training never uses these numbers — the capture proxy records real tokens.
+The server speaks what the capture proxy speaks, through the same dialect modules
+(`orchard.rollout.proxy`): `POST /v1/chat/completions`, `POST /v1/responses`, `POST /v1/messages`
+(streaming or not; also `/v1/messages/count_tokens`), `GET /v1/models` and the side requests
+harnesses make; bad requests get HTTP 400 in the dialect's error shape. Usage counts are
+estimates (four characters a token): the policy has no tokenizer, and training never uses these
+numbers — the capture proxy records real tokens.
 """
 
 from __future__ import annotations
@@ -17,12 +20,27 @@ import asyncio
 import json
 import random
 import time
-import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+
+from orchard.rollout.proxy.anthropic_api import parse_messages_request
+from orchard.rollout.proxy.http import (
+    GENERATION_ROUTES,
+    MESSAGES,
+    ServedModel,
+    add_side_routes,
+    error_response,
+    json_body,
+    json_not_found,
+    model_body,
+    models_body,
+    open_event_stream,
+)
+from orchard.rollout.proxy.turns import ApiError, Dialect, ModelTurn, TurnRequest
+from orchard.rollout.teacher_tools import NoToolFits, adapt_step
 
 DEFAULT_MODEL = "orchard-scripted-policy"
 
@@ -139,43 +157,78 @@ def _content_text(content: Any) -> str:
     return ""
 
 
+def _assistant_turns(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The text of each assistant turn: consecutive assistant messages are one turn (a
+    Responses API history gives a turn's text and its function calls as separate items)."""
+    turns: list[str] = []
+    previous = ""
+    for message in messages:
+        role = message.get("role")
+        if role == "assistant":
+            text = _content_text(message.get("content"))
+            if previous == "assistant":
+                turns[-1] += text
+            else:
+                turns.append(text)
+        previous = str(role)
+    return turns
+
+
 class ScriptedPolicy:
-    """The decision logic, apart from HTTP."""
+    """The decision logic, apart from HTTP.
+
+    The task is found in any user message (harnesses put context of their own before it: an
+    environment summary, reminders); each step's tool is said in the tools the request offers
+    (`orchard.rollout.teacher_tools`: an abstract `shell` step becomes the harness's own shell
+    tool). A step no offered tool can carry becomes a final answer saying so.
+    """
 
     def __init__(self, script: PolicyScript, seed: int | None = None) -> None:
         self.script = script
         self.rng = random.Random(seed)
 
-    def next_step(self, messages: Sequence[Mapping[str, Any]]) -> ScriptedStep:
-        users = [m for m in messages if m.get("role") == "user"]
-        instruction = _content_text(users[0].get("content")) if users else ""
-        plan = self.script.plan_for(instruction)
+    def plan_for(self, messages: Sequence[Mapping[str, Any]]) -> TaskPlan | None:
+        for message in messages:
+            if message.get("role") == "user":
+                plan = self.script.plan_for(_content_text(message.get("content")))
+                if plan is not None:
+                    return plan
+        return None
+
+    def next_step(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
+    ) -> ScriptedStep:
+        """The reply to a conversation (OpenAI chat messages), given the tools the request
+        offers (OpenAI function tools); its `tool` is an offered tool's name, or empty."""
+        plan = self.plan_for(messages)
         if plan is None:
             return ScriptedStep(self.script.unknown_task_reply)
-        replies = [m for m in messages if m.get("role") == "assistant"]
+        replies = _assistant_turns(messages)
         if not replies:
             path = plan.solution if self.rng.random() < plan.solve_rate else plan.failure
         else:
-            first = _content_text(replies[0].get("content"))
-            path = plan.failure if first.startswith(plan.failure[0].thought) else plan.solution
+            path = plan.failure if replies[0].startswith(plan.failure[0].thought) else plan.solution
         if len(replies) >= len(path):
             return ScriptedStep("I have nothing more to do.")
-        return path[len(replies)]
+        step = path[len(replies)]
+        if not step.tool:
+            return step
+        try:
+            call = adapt_step(step.tool, step.arguments, tools)
+        except NoToolFits as exc:
+            return ScriptedStep(f"{step.thought} I cannot go on: {exc}.")
+        return ScriptedStep(step.thought, call.name, call.arguments)
 
 
 def _estimate_tokens(text: str) -> int:
     return max(1, len(text) // 4)
 
 
-def _error(status: int, message: str) -> web.Response:
-    body = {"error": {"message": message, "type": "invalid_request_error", "code": None}}
-    return web.json_response(body, status=status)
-
-
 class ScriptedPolicyServer:
     """Serves a `ScriptedPolicy` over HTTP; `async with` starts and stops it.
 
-    `base_url` (".../v1") is what an OpenAI client takes once started.
+    `base_url` (".../v1") is what an OpenAI client takes once started; `root_url` (without
+    "/v1") is what an Anthropic client takes.
     """
 
     def __init__(
@@ -190,15 +243,23 @@ class ScriptedPolicyServer:
         self.host = host
         self.port = port
         self.requests = 0
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self._completions)
+        app = web.Application(middlewares=[json_not_found])
+        for path, dialect in GENERATION_ROUTES:
+            app.router.add_post(path, self._handler(dialect))
+        app.router.add_post("/v1/messages/count_tokens", self._count_tokens)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model_id:.+}", self._model)
+        add_side_routes(app.router, "", self._served_model)
         self._runner = web.AppRunner(app, access_log=None)
         self._site: web.TCPSite | None = None
 
     @property
+    def root_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
+        return f"{self.root_url}/v1"
 
     async def start(self) -> str:
         await self._runner.setup()
@@ -218,105 +279,67 @@ class ScriptedPolicyServer:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    async def _models(self, request: web.Request) -> web.Response:
-        model = {"id": self.policy.script.model, "object": "model", "owned_by": "orchard"}
-        return web.json_response({"object": "list", "data": [model]})
+    def _served_model(self) -> ServedModel:
+        return ServedModel(self.policy.script.model)
 
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(models_body(request, self._served_model()))
+
+    async def _model(self, request: web.Request) -> web.Response:
+        return web.json_response(model_body(request, ServedModel(request.match_info["model_id"])))
+
+    async def _count_tokens(self, request: web.Request) -> web.Response:
         try:
-            body = await request.json()
-        except ValueError:
-            return _error(400, "the request body is not JSON")
-        if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object")
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            return _error(400, "`messages` must be a list of message objects")
+            turn = parse_messages_request(await json_body(request), counting=True)
+        except ApiError as e:
+            return error_response(e, MESSAGES, request)
+        return web.json_response({"input_tokens": _prompt_tokens(turn)})
+
+    def _handler(self, dialect: Dialect) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return await self._reply(request, dialect)
+
+        return handle
+
+    async def _reply(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
+        try:
+            turn_request = dialect.parse(await json_body(request))
+        except ApiError as e:
+            return error_response(e, dialect, request)
         self.requests += 1
-        step = self.policy.next_step(messages)
-        offered = {
-            t.get("function", {}).get("name")
-            for t in body.get("tools") or []
-            if isinstance(t, dict)
-        }
-        tool_calls = []
-        if step.tool and step.tool in offered:
-            tool_calls = [
+        step = self.policy.next_step(turn_request.messages, turn_request.tools)
+        tool_calls: tuple[dict[str, Any], ...] = ()
+        if step.tool:
+            tool_calls = (
                 {
-                    "id": f"call_{uuid.uuid4().hex[:12]}",
+                    "id": dialect.new_tool_call_id(),
                     "type": "function",
                     "function": {"name": step.tool, "arguments": json.dumps(step.arguments)},
-                }
-            ]
-        finish = "tool_calls" if tool_calls else "stop"
-        prompt_tokens = sum(_estimate_tokens(_content_text(m.get("content"))) for m in messages)
-        completion_tokens = _estimate_tokens(step.thought + json.dumps(step.arguments))
-        usage = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        }
-        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        model = str(body.get("model") or self.policy.script.model)
-        if body.get("stream"):
-            return await self._stream(
-                request=request,
-                completion_id=completion_id,
-                created=created,
-                model=model,
-                content=step.thought,
-                tool_calls=tool_calls,
-                finish=finish,
-                usage=usage,
+                },
             )
-        message: dict[str, Any] = {"role": "assistant", "content": step.thought}
-        if tool_calls:
-            message["tool_calls"] = tool_calls
-        return web.json_response(
-            {
-                "id": completion_id,
-                "object": "chat.completion",
-                "created": created,
-                "model": model,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-                "usage": usage,
-            }
+        turn = ModelTurn(
+            id=dialect.new_turn_id(),
+            created=int(time.time()),
+            model=turn_request.model or self.policy.script.model,
+            content=step.thought,
+            tool_calls=tool_calls,
+            finish_reason="tool_calls" if tool_calls else "stop",
+            prompt_tokens=_prompt_tokens(turn_request),
+            completion_tokens=_estimate_tokens(step.thought + json.dumps(step.arguments)),
         )
-
-    async def _stream(
-        self,
-        *,
-        request: web.Request,
-        completion_id: str,
-        created: int,
-        model: str,
-        content: str,
-        tool_calls: list[dict[str, Any]],
-        finish: str,
-        usage: dict[str, int],
-    ) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-
-        async def send(delta: dict[str, Any], finish_reason: str | None, **extra: Any) -> None:
-            chunk = {
-                "id": completion_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
-                **extra,
-            }
-            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-
-        await send({"role": "assistant", "content": content}, None)
-        if tool_calls:
-            await send({"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls)]}, None)
-        await send({}, finish, usage=usage)
-        await response.write(b"data: [DONE]\n\n")
+        if not turn_request.stream:
+            return web.json_response(dialect.answer(turn, turn_request))
+        events = dialect.stream(
+            turn_request, turn_id=turn.id, model=turn.model, prompt_tokens=turn.prompt_tokens
+        )
+        response = await open_event_stream(request)
+        await response.write(events.opening() + events.turn(turn))
         await response.write_eof()
         return response
+
+
+def _prompt_tokens(request: TurnRequest) -> int:
+    return sum(_estimate_tokens(_content_text(m.get("content"))) for m in request.messages)
 
 
 async def serve_forever(server: ScriptedPolicyServer) -> None:

@@ -40,6 +40,8 @@ from orchard.rollout.harnesses.bash_react import (
     generic_tool_harness,
     shell_harness,
 )
+from orchard.rollout.harnesses.kinds import Harness
+from orchard.rollout.harnesses.program_registry import program_harnesses
 from orchard.rollout.harnesses.tool_loop import ToolCallingHarness
 from orchard.rollout.job_events import JobEvents
 from orchard.rollout.job_store import BadPageToken, decode_page_token, encode_page_token
@@ -263,7 +265,7 @@ def _sampler(config: api.SamplerConfig) -> Sampler:
 def validate_spec(
     spec: api.RolloutJobSpec,
     config: RolloutConfig,
-    harnesses: Mapping[str, ToolCallingHarness],
+    harnesses: Mapping[str, Harness],
 ) -> ValidSpec:
     """Raises OrchardError (INVALID_ARGUMENT, FAILED_PRECONDITION) saying what to fix."""
     if not spec.tasks:
@@ -350,7 +352,7 @@ class RolloutManager:
     scorer: TaskScorer = field(default_factory=LocalScorer)
     metrics: RolloutMetrics = field(default_factory=lambda: RolloutMetrics(None))
     registry: WeightRegistry | None = None
-    harnesses: dict[str, ToolCallingHarness] = field(default_factory=dict)
+    harnesses: dict[str, Harness] = field(default_factory=dict)
     files: FileSource | None = None
     """Where task archives are read from (the artifact store)."""
     workers: RolloutWorkers | None = None
@@ -364,7 +366,10 @@ class RolloutManager:
 
     def __post_init__(self) -> None:
         if not self.harnesses:
-            self.harnesses = builtin_harnesses(self.config.defaults.command_timeout_s)
+            self.harnesses = {
+                **builtin_harnesses(self.config.defaults.command_timeout_s),
+                **program_harnesses(self.config.harnesses),
+            }
         self.engines = EnginePool(self.config, self.metrics, self.registry)
 
     async def open(self) -> None:
@@ -617,7 +622,7 @@ class RolloutManager:
         await self.engines.close()
 
 
-def harness_proto(harness: ToolCallingHarness) -> api.Harness:
+def harness_proto(harness: Harness) -> api.Harness:
     """A harness as ListHarnesses describes it: what its model sees, in OpenAI tool JSON."""
     return api.Harness(
         name=harness.name,

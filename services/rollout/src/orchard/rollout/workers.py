@@ -39,7 +39,8 @@ from orchard.core.artifacts import ArtifactsConfig
 from orchard.core.config import ConfigModel
 from orchard.core.local_ray import RAY_LOCAL_ENV, children, descendants, end_processes, import_ray
 from orchard.rollout.budgets import LayeredRetries, RolloutBudget
-from orchard.rollout.harnesses.tool_loop import ModelEndpoint, ToolCallingHarness
+from orchard.rollout.harnesses.kinds import Harness
+from orchard.rollout.harnesses.tool_loop import ModelEndpoint
 from orchard.rollout.results import GroupKey, RolloutResult, RunRollout
 from orchard.rollout.runner import (
     ROLLOUT_LABEL,
@@ -173,7 +174,7 @@ class RunnerSpec:
     harnesses, the tasks and the budgets."""
 
     endpoint: ModelEndpoint
-    harnesses: Mapping[str, ToolCallingHarness]
+    harnesses: Mapping[str, Harness]
     tasks: Mapping[str, TaskSpec]
     budget: RolloutBudget = field(default_factory=RolloutBudget)
     retries: LayeredRetries = field(default_factory=LayeredRetries)

@@ -9,11 +9,13 @@ was given and produced.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from transformers import PreTrainedTokenizerBase
+
+from orchard.lm.chat import ToolCall
 
 FinishReason = Literal["stop", "length"]
 """"stop": a stop token or stop string ended the turn; "length": `max_tokens` or the context."""
@@ -135,4 +137,17 @@ class InferenceEngine(Protocol):
         Raises `InvalidRequest` (e.g. the prompt fills the context), `EngineClosed`,
         `NoWeightsLoaded`.
         """
+        ...
+
+
+@runtime_checkable
+class TurnEngine(Protocol):
+    """An engine that decides whole turns from the conversation instead of sampling tokens (a
+    scripted teacher: `orchard.rollout.engines.scripted.ScriptedEngine`); the capture proxy
+    writes its turns in the engine's tokenizer's chat template."""
+
+    def decide(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
+    ) -> tuple[str, tuple[ToolCall, ...]]:
+        """The next turn's text and tool calls."""
         ...

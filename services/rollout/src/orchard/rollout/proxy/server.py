@@ -1,36 +1,43 @@
-"""The capture proxy: an OpenAI-compatible chat-completions server in front of an inference
-engine, recording every call of every rollout with its exact tokens.
+"""The capture proxy: an HTTP server in front of an inference engine that speaks the three APIs
+harnesses use (OpenAI chat completions, the OpenAI Responses API, Anthropic Messages) and records
+every call of every rollout with its exact tokens.
 
-Routes (the rollout is named in the path, or by the API key on the plain path):
+Routes (the rollout is named in the path, or by the API key on the plain path: OpenAI's
+``Authorization: Bearer {rollout_id}`` or Anthropic's ``x-api-key: {rollout_id}``):
 
-- ``POST /rollouts/{rollout_id}/v1/chat/completions``
-- ``POST /v1/chat/completions`` with ``Authorization: Bearer {rollout_id}``
-- ``GET  /rollouts/{rollout_id}/v1/models`` and ``GET /v1/models``
-- ``GET  /healthz``
+- ``POST [/rollouts/{rollout_id}]/v1/chat/completions`` (`openai_api`)
+- ``POST [/rollouts/{rollout_id}]/v1/responses`` (`responses_api`)
+- ``POST [/rollouts/{rollout_id}]/v1/messages`` (`anthropic_api`; ``?beta=true`` too)
+- ``POST [/rollouts/{rollout_id}]/v1/messages/count_tokens``: the prompt's length in tokens
+- ``GET  [/rollouts/{rollout_id}]/v1/models`` and ``/v1/models/{model_id}``, in Anthropic's shape
+  for Anthropic's clients
+- the side requests harnesses make before their first call (`http`), ``GET /healthz``; other
+  paths get a JSON 404.
 
 A harness may name an auxiliary branch of its rollout (a compaction, a sub-agent) with the
-``X-Orchard-Branch`` header. Messages are rendered with the engine's tokenizer and the chat
-template into prompt token ids; the engine samples; the sampled ids are parsed once into content
-and tool calls. Streaming requests get the same single parse: the proxy buffers the whole turn,
-sending SSE comments as keep-alives while the engine samples, then sends the turn as chunks.
+``X-Orchard-Branch`` header. Every generation route runs the same path: find the session, parse
+the body into the one internal form (`turns.TurnRequest`: OpenAI chat messages and tools),
+render it with the engine's tokenizer and chat template into prompt token ids, sample, parse the
+sampled ids once into content and tool calls, record, and encode the answer in the request's
+dialect. Streaming requests get the same single parse: the proxy buffers the whole turn, sending
+keep-alives (SSE comments; Anthropic's ``ping`` events) while the engine samples, then sends the
+turn as events.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
-import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchard.lm.chat import ChatFormatError, ChatRenderer
+from orchard.lm.chat import ChatFormatError, ChatRenderer, RenderedPrompt, format_assistant_text
 from orchard.rollout.capture import CallRecord
 from orchard.rollout.engines.base import (
     EngineClosed,
@@ -39,20 +46,36 @@ from orchard.rollout.engines.base import (
     InferenceEngine,
     InvalidRequest,
     NoWeightsLoaded,
+    SamplingParams,
+    TurnEngine,
 )
-from orchard.rollout.proxy.openai_api import (
-    Answer,
-    ApiError,
-    ChatCompletionRequest,
-    answer_for,
-    bad_request,
-    parse_chat_request,
-    sampling_params,
+from orchard.rollout.proxy.anthropic_api import parse_messages_request
+from orchard.rollout.proxy.http import (
+    GENERATION_ROUTES,
+    MESSAGES,
+    ServedModel,
+    add_side_routes,
+    error_response,
+    json_body,
+    json_not_found,
+    model_body,
+    models_body,
+    open_event_stream,
 )
 from orchard.rollout.proxy.sessions import (
     ROLLOUT_ID,
     CaptureSession,
     UnknownRollout,
+)
+from orchard.rollout.proxy.turns import (
+    ApiError,
+    Dialect,
+    ModelTurn,
+    TurnRequest,
+    TurnStream,
+    bad_request,
+    model_turn,
+    sampling_params,
 )
 
 log = logging.getLogger(__name__)
@@ -90,11 +113,16 @@ class CaptureProxyConfig(BaseModel):
 
 @dataclass(frozen=True, slots=True)
 class SessionEndpoint:
-    """How a harness reaches the proxy for one rollout: point an OpenAI client at these."""
+    """How a harness reaches the proxy for one rollout, in each dialect's terms."""
 
     rollout_id: str
     base_url: str
+    """For OpenAI clients (chat completions and the Responses API): ``.../rollouts/{id}/v1``."""
     api_key: str
+    """The key that names the rollout on the plain paths (any client)."""
+    anthropic_base_url: str
+    """For Anthropic clients, which append ``/v1/messages`` themselves (Claude Code's
+    ``ANTHROPIC_BASE_URL``): ``.../rollouts/{id}``."""
 
 
 class CaptureProxy:
@@ -115,12 +143,18 @@ class CaptureProxy:
     # -- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        app = web.Application(client_max_size=self.config.max_body_bytes)
-        app.router.add_post("/rollouts/{rollout_id}/v1/chat/completions", self._chat)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_get("/rollouts/{rollout_id}/v1/models", self._models)
-        app.router.add_get("/v1/models", self._models)
+        app = web.Application(
+            client_max_size=self.config.max_body_bytes, middlewares=[json_not_found]
+        )
         app.router.add_get("/healthz", self._health)
+        for prefix in ("/rollouts/{rollout_id}", ""):
+            for path, dialect in GENERATION_ROUTES:
+                app.router.add_post(prefix + path, self._generation_handler(dialect))
+            app.router.add_post(f"{prefix}/v1/messages/count_tokens", self._count_tokens)
+            app.router.add_get(f"{prefix}/v1/models", self._models)
+            # Model ids may hold slashes ("org/name").
+            app.router.add_get(f"{prefix}/v1/models/{{model_id:.+}}", self._model)
+            add_side_routes(app.router, prefix, self._served_model)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         site = web.TCPSite(runner, self.config.host, self.config.port)
@@ -172,6 +206,7 @@ class CaptureProxy:
             rollout_id=rollout_id,
             base_url=f"{self.url}/rollouts/{rollout_id}/v1",
             api_key=rollout_id,
+            anthropic_base_url=f"{self.url}/rollouts/{rollout_id}",
         )
 
     def session(self, rollout_id: str) -> CaptureSession:
@@ -205,32 +240,48 @@ class CaptureProxy:
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "weight_version": self.engine.weight_version})
 
+    def _served_model(self) -> ServedModel:
+        context: int | None
+        try:
+            context = self.engine.context_length
+        except EngineError:
+            context = None
+        return ServedModel(self.engine.weight_version or "orchard", context)
+
     async def _models(self, request: web.Request) -> web.Response:
         try:
             self._session_of(request)
         except ApiError as e:
-            return web.json_response(e.body(), status=e.status)
-        model = {
-            "id": self.engine.weight_version or "orchard",
-            "object": "model",
-            "created": 0,
-            "owned_by": "orchard",
-        }
-        return web.json_response({"object": "list", "data": [model]})
+            return error_response(e, None, request)
+        return web.json_response(models_body(request, self._served_model()))
+
+    async def _model(self, request: web.Request) -> web.Response:
+        """Any model id names the one policy: harnesses ask about the name they were given."""
+        try:
+            self._session_of(request)
+        except ApiError as e:
+            return error_response(e, None, request)
+        served = self._served_model()
+        requested = ServedModel(request.match_info["model_id"], served.context_length)
+        return web.json_response(model_body(request, requested))
 
     def _session_of(self, request: web.Request) -> CaptureSession:
+        """The session the path names, else the one the API key names (``x-api-key``, then
+        ``Authorization: Bearer``)."""
         rollout_id = request.match_info.get("rollout_id")
         if rollout_id is None:
-            auth = request.headers.get("Authorization", "")
-            scheme, _, key = auth.partition(" ")
-            if scheme.lower() != "bearer" or not key.strip():
+            key = request.headers.get("x-api-key", "").strip()
+            if not key:
+                scheme, _, bearer = request.headers.get("Authorization", "").partition(" ")
+                key = bearer.strip() if scheme.lower() == "bearer" else ""
+            if not key:
                 raise ApiError(
                     401,
                     "name the rollout in the path (/rollouts/{id}/v1) or as the API key",
                     type="invalid_request_error",
                     code="invalid_api_key",
                 )
-            rollout_id = key.strip()
+            rollout_id = key
         session = self._sessions.get(rollout_id)
         if session is None:
             raise ApiError(
@@ -248,71 +299,132 @@ class CaptureProxy:
             self._renderers = {id(tokenizer): renderer}
         return renderer
 
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
+    @staticmethod
+    def _render(renderer: ChatRenderer, turn: TurnRequest) -> RenderedPrompt:
+        try:
+            return renderer.render(turn.messages, turn.tools)
+        except ChatFormatError as e:
+            raise bad_request(str(e), "messages" if "messages" in str(e) else "tools") from None
+
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        """Anthropic's ``count_tokens``: the rendered prompt's length with the real tokenizer."""
+        try:
+            self._session_of(request)
+            turn = parse_messages_request(await json_body(request), counting=True)
+            prompt = self._render(self._renderer(), turn)
+        except ApiError as e:
+            return error_response(e, MESSAGES, request)
+        return web.json_response({"input_tokens": len(prompt.token_ids)})
+
+    def _generation_handler(
+        self, dialect: Dialect
+    ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return await self._generate(request, dialect)
+
+        return handle
+
+    async def _generate(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
+        """One model call in any dialect: session, parse, render, sample, parse, record,
+        answer."""
         started_at, started = time.time(), time.monotonic()
         try:
             session = self._session_of(request)
-            try:
-                body = await request.json(loads=json.loads)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise bad_request(f"the request body is not valid JSON: {e}") from None
-            chat = parse_chat_request(body)
+            turn_request = dialect.parse(await json_body(request))
             renderer = self._renderer()
-            try:
-                prompt = renderer.render(chat.messages, chat.tools)
-            except ChatFormatError as e:
-                raise bad_request(str(e), "messages" if "messages" in str(e) else "tools") from None
+            prompt = self._render(renderer, turn_request)
             params = sampling_params(
-                chat,
+                turn_request,
                 default_max_tokens=self.config.default_max_tokens,
                 stop_token_ids=renderer.stop_token_ids,
             )
         except ApiError as e:
-            return web.json_response(e.body(), status=e.status)
-        except web.HTTPRequestEntityTooLarge:
-            error = bad_request("the request body is too large", code="request_too_large")
-            return web.json_response(error.body(), status=413)
+            return error_response(e, dialect, request)
 
+        turn_id = dialect.new_turn_id()
+        model = turn_request.model or self.engine.weight_version
+        events = dialect.stream(
+            turn_request, turn_id=turn_id, model=model, prompt_tokens=len(prompt.token_ids)
+        )
         seq = await session.begin_call()
         record: CallRecord | None = None
         response: web.StreamResponse | None = None
-        generation = asyncio.ensure_future(self.engine.generate(prompt.token_ids, params))
+        generation = asyncio.ensure_future(
+            self._sample(turn_request, prompt.token_ids, params, renderer)
+        )
         try:
-            if chat.stream:
-                response = await self._keep_alive_until(request, generation)
+            if turn_request.stream:
+                response = await self._keep_alive_until(request, generation, events)
             result = await self._result(generation)
-            record, answer = self._record(
+            text, parsed = renderer.parse(result.token_ids)
+            turn = model_turn(
+                turn_id=turn_id,
+                model=model,
+                parsed=parsed,
+                text=text,
+                parse_tool_calls=turn_request.parse_tool_calls,
+                engine_finish=result.finish_reason,
+                stop=turn_request.stop,
+                prompt_tokens=len(prompt.token_ids),
+                completion_tokens=len(result.token_ids),
+                tool_call_id=dialect.new_tool_call_id,
+            )
+            record = self._record(
                 session=session,
                 seq=seq,
-                chat=chat,
+                request=turn_request,
                 prompt_ids=prompt.token_ids,
                 result=result,
-                renderer=renderer,
+                text=text,
+                unparsed_tool_calls=parsed.unparsed_tool_calls,
+                turn=turn,
                 started_at=started_at,
                 started=started,
-                request=request,
+                branch=request.headers.get(BRANCH_HEADER, ""),
             )
-            if not chat.stream:
-                return web.json_response(answer.completion())
+            if not turn_request.stream:
+                return web.json_response(dialect.answer(turn, turn_request))
             if response is None:
-                response = await self._open_stream(request)
-            for chunk in answer.chunks(include_usage=chat.include_usage):
-                await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            await response.write(b"data: [DONE]\n\n")
+                response = await open_event_stream(request)
+                await response.write(events.opening())
+            await response.write(events.turn(turn))
             await response.write_eof()
             return response
         except ApiError as e:
             if response is None:
-                return web.json_response(e.body(), status=e.status)
-            # The stream is open (status 200 sent): the error goes in the stream, as OpenAI does.
+                return error_response(e, dialect, request)
+            # The stream is open (status 200 sent): the error goes in the stream.
             with contextlib.suppress(ConnectionError):
-                await response.write(f"data: {json.dumps(e.body())}\n\n".encode())
+                await response.write(events.error(e))
                 await response.write_eof()
             return response
         finally:
             if not generation.done():
                 generation.cancel()
             await session.end_call(record)
+
+    async def _sample(
+        self,
+        request: TurnRequest,
+        prompt_ids: tuple[int, ...],
+        params: SamplingParams,
+        renderer: ChatRenderer,
+    ) -> Generation:
+        """The engine's sample; a turn engine's decided turn written in the chat template's
+        tokens, as a model of its tokenizer would have sampled it (logprobs 0.0)."""
+        if not isinstance(self.engine, TurnEngine):
+            return await self.engine.generate(prompt_ids, params)
+        content, calls = self.engine.decide(request.messages, request.tools)
+        text = format_assistant_text(content, calls)
+        ids = [int(i) for i in self.engine.tokenizer.encode(text, add_special_tokens=False)]
+        ids += renderer.stop_token_ids[:1]
+        return Generation(
+            token_ids=tuple(ids),
+            logprobs=(0.0,) * len(ids),
+            finish_reason="stop",
+            weight_version=self.engine.weight_version,
+            prompt_tokens=len(prompt_ids),
+        )
 
     @staticmethod
     async def _result(generation: asyncio.Future[Generation]) -> Generation:
@@ -326,21 +438,10 @@ class CaptureProxy:
         except EngineError as e:
             raise ApiError(500, str(e), type="server_error") from None
 
-    async def _open_stream(self, request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no",
-            }
-        )
-        await response.prepare(request)
-        return response
-
     async def _keep_alive_until(
-        self, request: web.Request, generation: asyncio.Future[Generation]
+        self, request: web.Request, generation: asyncio.Future[Generation], events: TurnStream
     ) -> web.StreamResponse | None:
-        """Wait for the engine, opening the stream and sending an SSE comment each interval.
+        """Wait for the engine, opening the stream and sending a keep-alive each interval.
 
         Returns None when the engine answered (or failed) within the first interval, so an
         error the engine raises at once (a prompt too long) still gets its HTTP status.
@@ -351,55 +452,48 @@ class CaptureProxy:
             if done:
                 return response
             if response is None:
-                response = await self._open_stream(request)
-            await response.write(b": keep-alive\n\n")
+                response = await open_event_stream(request)
+                await response.write(events.opening())
+            await response.write(events.keepalive())
 
     def _record(
         self,
         *,
         session: CaptureSession,
         seq: int,
-        chat: ChatCompletionRequest,
+        request: TurnRequest,
         prompt_ids: tuple[int, ...],
         result: Generation,
-        renderer: ChatRenderer,
+        text: str,
+        unparsed_tool_calls: int,
+        turn: ModelTurn,
         started_at: float,
         started: float,
-        request: web.Request,
-    ) -> tuple[CallRecord, Answer]:
-        call_id = f"chatcmpl-{uuid.uuid4().hex}"
-        text, turn = renderer.parse(result.token_ids)
-        tool_call_count = len(turn.tool_calls) if chat.parse_tool_calls else 0
-        answer = answer_for(
-            completion_id=call_id,
-            model=chat.model or result.weight_version,
-            turn=turn,
-            text=text,
-            parse_tool_calls=chat.parse_tool_calls,
-            engine_finish=result.finish_reason,
-            stop=chat.stop,
-            prompt_tokens=len(prompt_ids),
-            completion_tokens=len(result.token_ids),
-            call_ids=[f"call_{uuid.uuid4().hex[:24]}" for _ in range(tool_call_count)],
-        )
-        metadata = {"model": chat.model, "stream": str(chat.stream).lower()}
-        if turn.unparsed_tool_calls:
-            metadata["unparsed_tool_calls"] = str(turn.unparsed_tool_calls)
-        record = CallRecord(
+        branch: str,
+    ) -> CallRecord:
+        metadata = {
+            "api": request.api,
+            "model": request.model,
+            "stream": str(request.stream).lower(),
+        }
+        if request.ignored_tools:
+            metadata["ignored_tools"] = ",".join(request.ignored_tools)
+        if unparsed_tool_calls and request.parse_tool_calls:
+            metadata["unparsed_tool_calls"] = str(unparsed_tool_calls)
+        return CallRecord(
             rollout_id=session.rollout_id,
-            call_id=call_id,
+            call_id=turn.id,
             seq=seq,
             prompt_token_ids=prompt_ids,
             output_token_ids=result.token_ids,
             output_logprobs=result.logprobs,
             weight_version=result.weight_version,
-            finish_reason=answer.finish_reason,
+            finish_reason=turn.finish_reason,
             started_at=started_at,
             latency_s=time.monotonic() - started,
-            request_messages=tuple(dict(m) for m in chat.messages),
+            request_messages=tuple(dict(m) for m in request.messages),
             output_text=text,
-            tool_calls=answer.tool_calls,
-            branch=request.headers.get(BRANCH_HEADER, ""),
+            tool_calls=turn.tool_calls,
+            branch=branch,
             metadata=metadata,
         )
-        return record, answer

@@ -1,0 +1,89 @@
+"""A scripted teacher as an engine behind the capture proxy: its turns, captured in tokens.
+
+The scripted policy decides whole turns from the conversation and the tools offered, which a
+token engine cannot see; so this engine answers `decide` (the proxy's parsed request in, a
+turn's text and tool calls out) and the proxy writes the turn in the tokenizer's chat template,
+exactly as a model of that tokenizer would have sampled it (the tool-call markup and the stop
+token included). A harness of any dialect driven by the teacher is then captured like one
+driven by a model: prompt and output token ids per call, prefix trees, trajectories in the
+student's tokens. The logprobs are 0.0 (the teacher chose each token with certainty); they are
+never used: teacher trajectories train by SFT.
+
+`generate` (prompt ids alone) is refused: the script needs the messages.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from orchard.lm.chat import ToolCall
+from orchard.rollout.engines.base import Generation, InvalidRequest, SamplingParams
+from orchard.rollout.scripted_policy import PolicyScript, ScriptedPolicy
+
+__all__ = ["ScriptedEngine"]
+
+
+class ScriptedEngine:
+    """`ScriptedPolicy` turns in `tokenizer`'s tokens; see the module docstring."""
+
+    def __init__(
+        self,
+        script: PolicyScript,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        seed: int | None = None,
+        context_length: int = 1 << 20,
+    ) -> None:
+        self.policy = ScriptedPolicy(script, seed)
+        self._tokenizer = tokenizer
+        self._context_length = context_length
+        self.turns = 0
+        """Turns decided so far (a test's count of the calls that reached the teacher)."""
+
+    @property
+    def weight_version(self) -> str:
+        return f"scripted:{self.policy.script.model}"
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self._tokenizer
+
+    @property
+    def context_length(self) -> int:
+        return self._context_length
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def __aenter__(self) -> ScriptedEngine:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        return None
+
+    async def load_version(self, version: str, folder: str) -> None:
+        raise InvalidRequest("a scripted engine has no weights to load")
+
+    async def wait_for_weights(self, version: str | None = None) -> None:
+        return None
+
+    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Generation:
+        raise InvalidRequest(
+            "a scripted engine decides turns from messages: serve it behind the capture proxy"
+        )
+
+    def decide(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
+    ) -> tuple[str, tuple[ToolCall, ...]]:
+        """The next turn's text and tool calls for a conversation and the tools offered."""
+        self.turns += 1
+        step = self.policy.next_step(messages, tools)
+        calls = (ToolCall(step.tool, json.dumps(step.arguments)),) if step.tool else ()
+        return step.thought, calls
