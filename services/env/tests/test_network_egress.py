@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 import pytest
 
-from orchard.env.runtime.base import RuntimeUnavailable
+from orchard.env.runtime.base import RuntimeFailure, RuntimeUnavailable
 from orchard.env.v1 import env_pb2
 from orchard.env.v1 import env_service_pb2 as api
 
@@ -112,7 +112,12 @@ async def network(tmp_path: Path) -> AsyncIterator[Network]:
         workspace_dir=str(tmp_path / "sandboxes"),
         run_dir=run_dir,
         cgroup_parent=f"orchard-test-{uuid.uuid4().hex[:8]}",
-        network=LocalNetwork(pool=POOL, nft_table=table, host_forwarding=False),
+        network=LocalNetwork(
+            pool=POOL,
+            nft_table=table,
+            host_forwarding=False,
+            claims_dir=str(tmp_path / "claims"),
+        ),
     )
     runtime = LocalRuntime(config)
     try:
@@ -297,3 +302,34 @@ async def test_network_cleanup_and_leftovers(
     assert "sandbox-" not in _chains(network.table)
     assert "allow-" not in _chains(network.table)
     assert not any((Path(runtime.config.state_dir) / "network").iterdir())
+
+
+async def test_two_runtimes_on_one_table_share_the_pool_and_never_take_each_others_sandboxes(
+    tmp_path: Path,
+) -> None:
+    # Two orchard-env processes on one host with the default table: before, each claimed
+    # addresses in its own state folder (both could hand out the same link) and listed the
+    # other's chains and links as its own leftovers, which its reconcile then removed.
+    from orchard.env.runtime.local.config import LocalNetwork
+    from orchard.env.runtime.local.network import SandboxNetworks
+
+    table = f"orchtest{secrets.token_hex(4)}"
+    config = LocalNetwork(
+        pool="10.215.0.0/30", nft_table=table, claims_dir=str(tmp_path / "claims")
+    )  # two links in all
+    first = SandboxNetworks(config, str(tmp_path / "one"))
+    second = SandboxNetworks(config, str(tmp_path / "two"))
+    a = first._allocate("sbx-a")
+    b = second._allocate("sbx-b")
+    assert {a.slot, b.slot} == {0, 1}
+    assert a.sandbox_address != b.sandbox_address
+    with pytest.raises(RuntimeFailure, match="no free address"):
+        first._allocate("sbx-c")
+    assert await first.ids() == {"sbx-a"}
+    assert await second.ids() == {"sbx-b"}
+    # A runtime removed with its state leaves stale claims: they are taken over.
+    shutil.rmtree(tmp_path / "two")
+    assert first._allocate("sbx-c").slot == b.slot
+    await first.remove("sbx-a")
+    await first.remove("sbx-c")
+    assert not any((tmp_path / "claims" / table).iterdir())

@@ -80,6 +80,14 @@ class LocalNetwork(BaseModel):
         description="The nftables table (family inet) this runtime owns: one chain and one set "
         "per sandbox with egress. Nothing else on the host is touched.",
     )
+    claims_dir: str = Field(
+        default="/run/orchard/network",
+        description="Host-wide folder where every runtime of this host using the same table "
+        "claims its sandboxes' addresses (``<claims_dir>/<table>/slot-<n>`` -> the claiming "
+        "runtime's record), so two orchard-env processes on one host never hand out the same "
+        "link, nor take the other's sandboxes for leftovers. Under /run: claims end with the "
+        "links, at reboot.",
+    )
     host_forwarding: bool = Field(
         default=True,
         description="Turn on IPv4 forwarding for the whole host (net.ipv4.ip_forward) when the "

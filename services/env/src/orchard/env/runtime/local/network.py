@@ -8,9 +8,12 @@ link:
 - a veth pair: the host end in the service's namespace, named ``orc`` + 12 hex digits of a hash of
   the table and the sandbox id (interface names hold 15 characters; its alias carries
   ``<table>/<sandbox id>`` in full), the other end ``eth0`` in the sandbox;
-- a /31 from the configured pool (host end even, sandbox end odd), claimed without collisions
-  across processes and restarts by a symlink ``<state_dir>/network/slot-<n>`` -> sandbox id,
-  recorded in ``<state_dir>/network/<id>.json`` before anything else exists;
+- a /31 from the configured pool (host end even, sandbox end odd), recorded in
+  ``<state_dir>/network/<id>.json`` before anything else exists and claimed without collisions
+  across processes, restarts and other runtimes of the host sharing the table by a symlink
+  ``<claims_dir>/<table>/slot-<n>`` -> that record (a claim whose record is gone is stale and
+  taken over); a runtime counts as its own only the chains and links no other runtime's live
+  claim names;
 - a default route in the sandbox via the host end; forwarding on the host end (and, if
   ``host_forwarding``, for the host);
 - its nftables chain and sets (see :mod:`~orchard.env.runtime.local.nft`), written before the
@@ -123,7 +126,8 @@ class SandboxNetworks:
         self.config = config
         self.table = config.nft_table
         self.pool = ipaddress.IPv4Network(config.pool)
-        self.directory = Path(state_dir) / "network"
+        self.directory = Path(state_dir).absolute() / "network"
+        self.claims = Path(config.claims_dir) / self.table
         self._table_ready = False
         self._forwarding_checked = False
         self._listed_chains: set[str] = set()  # chains the last ids() saw
@@ -181,10 +185,11 @@ class SandboxNetworks:
             if await nft.table_exists(self.table):
                 raise
         self._listed_chains.discard(sandbox_id)
-        slots = [self.directory / f"slot-{record.slot}"] if record else self._slots()
+        claim = str(self._record_path(sandbox_id))
+        slots = [self.claims / f"slot-{record.slot}"] if record else self._slots()
         for slot in slots:
             with contextlib.suppress(OSError):
-                if os.readlink(slot) == sandbox_id:
+                if os.readlink(slot) == claim:
                     slot.unlink()
         with contextlib.suppress(FileNotFoundError):
             self._record_path(sandbox_id).unlink()
@@ -196,7 +201,8 @@ class SandboxNetworks:
             for entry in os.scandir(self.directory):
                 if entry.name.endswith(".json") and not entry.name.startswith("."):
                     found.add(entry.name[: -len(".json")])
-        self._listed_chains = set(await self._chains())
+        others = self._claimed_by_others()
+        self._listed_chains = set(await self._chains()) - others
         found.update(self._listed_chains)
         marker = f"{self.table}/"
         with contextlib.suppress(FileNotFoundError):
@@ -204,15 +210,28 @@ class SandboxNetworks:
                 if entry.name.startswith(LINK_PREFIX):
                     with contextlib.suppress(OSError):
                         alias = (_SYS_NET / entry.name / "ifalias").read_text().strip()
-                        if alias.startswith(marker):
+                        if alias.startswith(marker) and alias[len(marker) :] not in others:
                             found.add(alias[len(marker) :])
         return found
+
+    def _claimed_by_others(self) -> set[str]:
+        """Sandboxes whose address another runtime of this host claims (its record exists)."""
+        others = set()
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.claims):
+                with contextlib.suppress(OSError):
+                    target = Path(os.readlink(entry.path))
+                    if target.parent != self.directory and target.exists():
+                        others.add(target.name.removesuffix(".json"))
+        return others
 
     async def close_table(self) -> None:
         """Delete the whole table (tests; a host that no longer runs this runtime)."""
         if await nft.table_exists(self.table):
             await self._nft(f"delete table inet {self.table}")
         self._table_ready = False
+        with contextlib.suppress(OSError):
+            self.claims.rmdir()  # only when no runtime claims anything in it
 
     # -- addresses ---------------------------------------------------------------------------
 
@@ -235,16 +254,45 @@ class SandboxNetworks:
         os.replace(temp, target)
 
     def _slots(self) -> list[Path]:
-        try:
-            return [self.directory / n for n in os.listdir(self.directory) if n.startswith("slot-")]
-        except FileNotFoundError:
-            return []
+        """This runtime's claims."""
+        own = []
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.claims):
+                with contextlib.suppress(OSError):
+                    if Path(os.readlink(entry.path)).parent == self.directory:
+                        own.append(Path(entry.path))
+        return own
+
+    def _claim(self, slot: int, record_path: Path) -> bool:
+        """Claim `slot` for the record at `record_path`; False when a live claim holds it."""
+        if os.path.lexists(self.directory / f"slot-{slot}"):
+            return False  # an older claim in the state dir: its sandbox keeps the address
+        path = self.claims / f"slot-{slot}"
+        for _ in range(2):
+            try:
+                os.symlink(record_path, path)
+                return True
+            except FileExistsError:
+                try:
+                    target = os.readlink(path)
+                except OSError:
+                    continue  # released meanwhile: try again
+                if target == str(record_path):
+                    return True
+                if Path(target).exists():
+                    return False
+                # Stale: its record is gone (a runtime removed with its state). Take it over.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        return False
 
     def _allocate(self, sandbox_id: str) -> SandboxLink:
         """Claim a free /31: start where the id hashes to, take the first free slot."""
         slots = self.pool.num_addresses // 2
         start = int(hashlib.sha256(sandbox_id.encode()).hexdigest(), 16) % slots
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.claims.mkdir(mode=0o700, parents=True, exist_ok=True)
+        record_path = self._record_path(sandbox_id)
         for step in range(slots):
             slot = (start + step) % slots
             host = self.pool.network_address + 2 * slot
@@ -256,14 +304,8 @@ class SandboxNetworks:
                 sandbox_address=str(host + 1),
             )
             self._write(record)  # before the claim: a crash leaves a findable record
-            path = self.directory / f"slot-{slot}"
-            try:
-                os.symlink(sandbox_id, path)
+            if self._claim(slot, record_path):
                 return record
-            except FileExistsError:
-                with contextlib.suppress(OSError):
-                    if os.readlink(path) == sandbox_id:
-                        return record
         self._record_path(sandbox_id).unlink()
         raise RuntimeFailure(
             FailureReason.RESOURCES_UNAVAILABLE,
