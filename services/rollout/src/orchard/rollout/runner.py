@@ -33,6 +33,7 @@ import openai
 from orchard.rollout.budgets import InfrastructureError, LayeredRetries, RolloutBudget, with_retries
 from orchard.rollout.capture import CallRecord
 from orchard.rollout.harnesses.kinds import Harness
+from orchard.rollout.harnesses.sandboxed import SandboxedProgramHarness
 from orchard.rollout.harnesses.tool_loop import HarnessContext, ModelEndpoint
 from orchard.rollout.provenance import FailureLayer, InfraFailure, RolloutRecord
 from orchard.rollout.proxy.sessions import CaptureNotSettled
@@ -312,6 +313,16 @@ class RolloutRunner:
                     record.calls = await capture.settle(record.rollout_id)
                 except CaptureNotSettled as exc:
                     raise InfrastructureError(FailureLayer.INFERENCE, str(exc), 1) from None
+                if not record.calls and isinstance(harness, SandboxedProgramHarness):
+                    # The program ran but its model was never asked (it could not reach the
+                    # proxy, or failed before its first call): nothing the policy did to score.
+                    output = record.tool_events[-1].output[-500:] if record.tool_events else ""
+                    raise InfrastructureError(
+                        FailureLayer.INFERENCE,
+                        f"{harness.name} ended without one model call reaching the capture "
+                        f"proxy: {output.strip() or 'it printed nothing'}",
+                        1,
+                    )
             scored_in = sandbox
             record.reward = await with_retries(
                 FailureLayer.REWARD,
