@@ -96,6 +96,7 @@ bench: setup inagent-binary ## run the benchmarks; results in bench/results/*.js
 	$(BIN)/python bench/inagent_bench.py
 	$(BIN)/python bench/env_bench.py
 	$(BIN)/python bench/rollout_bench.py
+	$(BIN)/python bench/harness_bench.py
 	$(BIN)/python bench/reward_bench.py
 	$(BIN)/python bench/trainer_bench.py
 

@@ -386,3 +386,14 @@ async def test_job_policies_share_an_engine_and_wait_for_a_free_one() -> None:
     assert mine is not yours and started[-2:] == ["", ""]
     await pool.release(endpoint, mine)
     assert closed[-1] == "" and len(closed) == 3
+
+
+def test_rollout_ids_of_any_task_id_open_a_capture_session() -> None:
+    from orchard.rollout.proxy.sessions import ROLLOUT_ID
+    from orchard.rollout.results import GroupKey
+    from orchard.rollout.runner import new_rollout_id
+
+    for task_id in ("claw/0/reply_mail/3", "-x y", "swe.1", "ü" * 300):
+        rollout_id = new_rollout_id(GroupKey(task_id, "bash"), 2)
+        assert ROLLOUT_ID.match(rollout_id), rollout_id
+    assert new_rollout_id(GroupKey("claw/0/a/3", "h"), 2).startswith("claw-0-a-3.2.")

@@ -106,9 +106,16 @@ class RolloutSession:
     base_url: str
 
 
+_UNSAFE_IN_ID = re.compile(r"[^A-Za-z0-9._:-]")
+
+
 def new_rollout_id(key: GroupKey, index: int) -> str:
-    """A fresh id for rollout `index` of a pair (a retry gets a new one)."""
-    return f"{key.task_id}.{index}.{uuid.uuid4().hex[:10]}"
+    """A fresh id for rollout `index` of a pair (a retry gets a new one). Characters a capture
+    session's id (a URL path segment) cannot hold become '-' (claw ids hold '/')."""
+    task = _UNSAFE_IN_ID.sub("-", key.task_id)[:160]
+    if not task[:1].isalnum():
+        task = f"t{task}"
+    return f"{task}.{index}.{uuid.uuid4().hex[:10]}"
 
 
 def rollout_label(rollout_id: str) -> str:
