@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 import pytest
 
+from orchard.env.agents import ServiceCredential
 from orchard.env.runtime.base import (
     Runtime,
     RuntimeSandbox,
@@ -270,13 +271,26 @@ async def sandboxes(harness: RuntimeHarness) -> AsyncIterator[Sandboxes]:
 
 
 class Agent:
-    """A channel to one sandbox's agent."""
+    """A channel to one sandbox's agent. Calls carry `await metadata()`: orchard-env's route
+    credential when the runtime gave the agent a key (on Kubernetes, agents serve only calls
+    that carry one), nothing otherwise."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, runtime: Runtime, sandbox_id: str) -> None:
         self.channel = grpc.aio.insecure_channel(
             address, options=[("grpc.max_receive_message_length", 64 << 20)]
         )
         self.stub = agent_grpc.AgentServiceStub(self.channel)
+        self.runtime = runtime
+        self.sandbox_id = sandbox_id
+        self._credential: ServiceCredential | None = None
+        self._looked_up = False
+
+    async def metadata(self) -> tuple[tuple[str, str], ...]:
+        if not self._looked_up:
+            key = await self.runtime.agent_key(self.sandbox_id)
+            self._credential = None if key is None else ServiceCredential(key, self.sandbox_id)
+            self._looked_up = True
+        return () if self._credential is None else self._credential.metadata()
 
     async def sh(
         self, script: str, *, stdin: bytes = b"", timeout_s: float = 0, limit: int = 0
@@ -284,7 +298,8 @@ class Agent:
         command = exec_pb2.Command(shell=script, stdin=stdin, output_limit_bytes=limit)
         if timeout_s:
             command.timeout.FromNanoseconds(int(timeout_s * 1e9))
-        reply = await self.stub.Exec(agent_pb.ExecRequest(command=command), timeout=60)
+        request = agent_pb.ExecRequest(command=command)
+        reply = await self.stub.Exec(request, timeout=60, metadata=await self.metadata())
         return reply.result
 
     async def close(self) -> None:
@@ -292,11 +307,11 @@ class Agent:
 
 
 @pytest.fixture
-async def agent_for() -> AsyncIterator[Any]:
+async def agent_for(sandboxes: Sandboxes) -> AsyncIterator[Any]:
     opened: list[Agent] = []
 
     def open_agent(sandbox: RuntimeSandbox) -> Agent:
-        agent = Agent(sandbox.agent_address)
+        agent = Agent(sandbox.agent_address, sandboxes.runtime, sandbox.sandbox_id)
         opened.append(agent)
         return agent
 

@@ -54,11 +54,14 @@ async def test_files_round_trip(agent: Any) -> None:
         for offset in range(0, len(data), 65536):
             yield agent_pb.WriteFileRequest(data=data[offset : offset + 65536])
 
-    written = await agent.stub.WriteFile(requests(), timeout=30)
+    metadata = await agent.metadata()
+    written = await agent.stub.WriteFile(requests(), timeout=30, metadata=metadata)
     assert written.sha256 == hashlib.sha256(data).hexdigest()
     chunks = [
         reply.data
-        async for reply in agent.stub.ReadFile(agent_pb.ReadFileRequest(path="/data/in.bin"))
+        async for reply in agent.stub.ReadFile(
+            agent_pb.ReadFileRequest(path="/data/in.bin"), metadata=metadata
+        )
     ]
     assert b"".join(chunks) == data
     assert (await agent.sh("stat -c %a /data/in.bin")).stdout == b"600\n"
