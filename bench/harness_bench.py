@@ -75,7 +75,7 @@ SANDBOX_ID = re.compile(r"sbx-[0-9a-f]{12}")
 
 
 def harness_cache_path() -> Path:
-    return Path(os.environ.get("ORCHARD_HARNESS_CACHE", ROOT / ".cache" / "harnesses"))
+    return Path(os.environ.get("ORCHARD_HARNESS_CACHE") or ROOT / ".cache" / "harnesses")
 
 
 class PssSampler:

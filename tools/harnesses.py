@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--prefix",
         type=Path,
-        default=Path(os.environ.get("ORCHARD_HARNESS_CACHE", DEFAULT_PREFIX)),
+        default=Path(os.environ.get("ORCHARD_HARNESS_CACHE") or DEFAULT_PREFIX),
         help="the cache folder (default: $ORCHARD_HARNESS_CACHE or .cache/harnesses)",
     )
     parser.add_argument(

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[4]
 @pytest.fixture(scope="session")
 def harness_cache() -> HarnessCache:
     """The cache `tools/harnesses.py` builds; its absence fails the tests (never skips)."""
-    path = Path(os.environ.get("ORCHARD_HARNESS_CACHE", ROOT / ".cache" / "harnesses"))
+    path = Path(os.environ.get("ORCHARD_HARNESS_CACHE") or ROOT / ".cache" / "harnesses")
     if not (path / MANIFEST).is_file():
         pytest.fail(f"no harness cache at {path}: run `make harnesses`")
     return HarnessCache(str(path))
