@@ -46,7 +46,7 @@ ENV_PREFIX = "ORCHARD_"
 CONFIG_FILE_ENV = "ORCHARD_CONFIG"
 """Names the YAML file when ``--config`` is not given (``<prefix>CONFIG`` for another prefix);
 not itself a configuration key."""
-NON_CONFIG_ENV = frozenset({CONFIG_FILE_ENV, "ORCHARD_ETCD_BINARY"})
+NON_CONFIG_ENV = frozenset({CONFIG_FILE_ENV, "ORCHARD_ETCD_BINARY", "ORCHARD_HARNESS_CACHE"})
 """``ORCHARD_*`` variables that are not configuration keys (read elsewhere); never an error.
 Keep this list short: each name here is one a typo check cannot catch."""
 
