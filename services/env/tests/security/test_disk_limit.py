@@ -41,6 +41,18 @@ def loop_devices_of(directory: Path) -> list[str]:
     return [line for line in listing.stdout.splitlines() if str(directory) in line]
 
 
+async def loop_devices_left(directory: Path, settle_s: float = 10.0) -> list[str]:
+    """Loop devices still backed by files under ``directory`` once they had ``settle_s`` to go.
+
+    A lazy unmount hands the file system's last release to the kernel's deferred work, and an
+    autoclear loop device detaches only then: a few milliseconds after delete returns, not
+    before. A leak is a device that stays."""
+    deadline = time.monotonic() + settle_s
+    while (left := loop_devices_of(directory)) and time.monotonic() < deadline:
+        await _sleep()
+    return left
+
+
 def mounts_under(directory: Path) -> list[str]:
     with open("/proc/self/mountinfo", encoding="utf-8") as file:
         return [line for line in file if f" {directory}/" in line]
@@ -83,7 +95,7 @@ async def test_writing_past_disk_bytes_fails_with_enospc_and_takes_no_more_host_
         await _sleep()
     assert not workspace.exists()
     assert not mounts_under(workspace.parent)
-    assert not loop_devices_of(workspace.parent)
+    assert not await loop_devices_left(workspace.parent)
 
 
 async def test_the_operators_default_disk_applies_to_specs_without_one(
@@ -138,7 +150,7 @@ async def test_a_crash_after_the_mount_leaks_nothing(local_runtime: Any) -> None
     await local_runtime.delete(sandbox_id)
     assert not os.path.exists(workspace)
     assert not mounts_under(Path(local_runtime.config.workspace_dir))
-    assert not loop_devices_of(Path(workspace))
+    assert not await loop_devices_left(Path(workspace))
 
 
 async def test_create_cost_with_and_without_a_disk_limit(local_runtime: Any) -> None:
