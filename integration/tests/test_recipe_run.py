@@ -111,18 +111,21 @@ def test_collect_scores_the_teacher_and_tokenizes_its_conversations(
     assert collect["rollouts"] == 10  # 5 SFT tasks x 2 attempts
     assert collect["resolved"] + collect["unresolved"] == 10
     assert collect["rollout_job"]
-    # The teacher ran as an orchard-rollout job of a scripted policy the service played: groups
-    # of two per task, each rollout with its reward and its conversation (calls not captured).
+    # The teacher ran as an orchard-rollout job of a scripted policy the service played behind
+    # a capture proxy: groups of two per task, each rollout with its reward, its captured turns
+    # (the built-in tokenizer) and the tool loop's conversation.
     groups = read_groups(recipe.output_dir / "collect" / "groups.jsonl")
     assert len(groups) == 5 and all(len(g.trajectories) == 2 for g in groups)
     rewards = {t.reward.value for g in groups for t in g.trajectories}
     assert rewards <= {1.0, -1.0} and 1.0 in rewards  # ScoreTests: resolved or not
     for trajectory in (t for g in groups for t in g.trajectories):
-        assert not trajectory.turns
+        assert trajectory.turns
+        assert {t.weight_version for t in trajectory.turns} == {"scripted:scripted-teacher"}
         conversation = json.loads(trajectory.conversation_json)
         assert [m["role"] for m in conversation[:2]] == ["system", "user"]
         assert any(m["role"] == "assistant" for m in conversation)
-    # The scored conversations went to orchard-trainer as they were; it rendered them.
+    # The scored conversations went to orchard-trainer without the captured turns; it rendered
+    # them in the student's tokenizer.
     sent = list(read_trajectories(recipe.output_dir / "collect" / "conversations.jsonl"))
     assert len(sent) == 10 and all(t.conversation_json and not t.turns for t in sent)
     rows = list(read_trajectories(recipe.output_dir / "collect" / "trajectories.jsonl"))

@@ -148,3 +148,69 @@ def test_groups_count_rollouts_once_and_excluded_ones_by_layer() -> None:
         "unresolved": 3,
         "excluded": {"sandbox_create": 1},
     }
+
+
+def test_a_claw_recipe_s_tasks_are_ids_and_tool_archives_and_read_back_the_same(
+    tmp_path: Path,
+) -> None:
+    """The Claw suite as a recipe prepares it: each task its id, split, family and the URLs of
+    the tools' archive in the store; a resumed run reads the same tasks back, and each becomes
+    the spec orchard-rollout drives (seeded apps, scored by ScoreTask)."""
+    from orchard.core.artifacts import ArtifactStore
+    from orchard.recipes.recipe_tasks import prepare_tasks, task_spec
+    from orchard.tasks.spec import ServiceTaskCheck
+
+    recipe = Recipe.model_validate(
+        {"name": "claw", "tasks": {"claw": {"count": 24, "seed": 3}},
+         "harnesses": ["program:codex"], "stages": {"credit": {"enabled": False}},
+         "output_dir": tmp_path / "run"}
+    )  # fmt: skip
+    store = ArtifactStore((tmp_path / "store").as_uri())
+    run = RunDir.open(recipe)
+    first = prepare_tasks(recipe, run, store)
+    assert {k: len(v) for k, v in first.items()} == {"sft": 12, "rl": 6, "evaluate": 6}
+    again = prepare_tasks(recipe, RunDir.open(recipe), None)  # from the manifest: no store
+    assert again == first
+    task = first["evaluate"][0]
+    assert task.id.startswith("claw/3/") and task.instance is None and task.files
+    assert all(store.exists(f.url) for f in task.files)
+    assert task.source == task.family and task.instruction
+    spec = task_spec(task)
+    assert spec.check == ServiceTaskCheck(task.id) and spec.files == task.files
+    assert spec.instruction == task.instruction and spec.image == "host"
+    # Two tasks per family: every family trains, the held-out ones come from six families.
+    assert len({t.family for t in first["sft"]}) == 12
+    assert len({t.family for t in first["evaluate"]}) == 6
+
+
+def test_evaluation_counts_per_harness_give_each_task_its_attempts_and_successes() -> None:
+    from orchard.recipes.stages import by_harness
+
+    def group(
+        task: str, harness: str, values: list[float | None]
+    ) -> trajectory_pb2.TrajectoryGroup:
+        out = trajectory_pb2.TrajectoryGroup(task_id=task, harness=harness)
+        for i, value in enumerate(values):
+            trajectory = out.trajectories.add(rollout_id=f"{task}-{harness}-{i}")
+            if value is None:
+                trajectory.reward.status = reward_pb2.REWARD_STATUS_EXCLUDED
+            else:
+                trajectory.reward.status = reward_pb2.REWARD_STATUS_SCORED
+                trajectory.reward.value = value
+        return out
+
+    groups = [
+        group("a", "program:codex", [0.8, 0.5, 1.0]),
+        group("b", "program:codex", [0.74, None, 0.75]),
+        group("a", "program:openclaw", [0.0, 0.0, 0.9]),
+    ]
+    counts = by_harness(
+        groups, ["program:codex", "program:openclaw", "program:hermes"], {"program:codex"}, 0.75
+    )
+    assert counts["program:codex"] == {
+        "held_out": False, "resolved": 3, "attempts": 5, "excluded": 1,
+        "tasks": {"a": [3, 2], "b": [2, 1]},
+    }  # fmt: skip
+    assert counts["program:openclaw"]["held_out"] is True
+    assert counts["program:openclaw"]["tasks"] == {"a": [3, 1]}
+    assert counts["program:hermes"]["attempts"] == 0  # named, never run: a row of nothing

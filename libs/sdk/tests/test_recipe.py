@@ -31,6 +31,24 @@ def test_the_builtin_recipe_is_valid_and_runs_every_stage(tmp_path: Path) -> Non
     assert recipe.output_dir == tmp_path.resolve() / "runs" / "builtin-swe"
 
 
+def test_the_builtin_claw_recipe_trains_in_two_programs_and_holds_a_third_out(
+    tmp_path: Path,
+) -> None:
+    recipe = load_recipe(builtin_recipe("claw"), workdir=tmp_path)
+    assert recipe.name == "builtin-claw"
+    assert recipe.tasks.claw is not None and recipe.tasks.builtin is None
+    assert len(recipe.harnesses) == 2
+    assert all(h.startswith("program:") for h in recipe.harnesses)
+    held_out = recipe.stages.evaluate.harnesses
+    assert held_out and not set(held_out) & set(recipe.harnesses)
+    assert recipe.evaluated_harnesses == [*recipe.harnesses, *held_out]
+    assert recipe.stages.evaluate.attempts_per_task == 3  # pass@3 and pass^3
+    assert recipe.stages.evaluate.temperature > 0  # three greedy attempts would be one
+    assert "credit" not in recipe.stages.enabled()
+    with pytest.raises(ValueError, match="no built-in recipe 'nope'"):
+        builtin_recipe("nope")
+
+
 def test_minimal_recipe_takes_defaults_and_writes_under_the_working_folder(tmp_path: Path) -> None:
     recipe = load_recipe(
         write(
@@ -95,11 +113,22 @@ def test_every_problem_is_reported_with_its_key_and_line(tmp_path: Path) -> None
     ("text", "expected"),
     [
         ("tasks: {builtin: {}, split: {sft: 0.5, rl: 0.5, evaluate: 0.5}}", "sum to 1.5"),
-        ("tasks: {}", "exactly one of tasks.builtin and tasks.jsonl"),
+        ("tasks: {}", "exactly one of tasks.builtin, tasks.claw and tasks.jsonl"),
+        ("tasks: {builtin: {}, claw: {}}", "(this gives builtin and claw)"),
+        ("tasks: {claw: {count: 5}}", "greater than or equal to 12"),
+        (
+            "tasks: {claw: {}}\nharnesses: [program:codex]\n"
+            "stages: {evaluate: {harnesses: [program:codex]}}",
+            "which the recipe trains with",
+        ),
+        (
+            "tasks: {claw: {}}\nharnesses: [program:codex]",
+            "set stages.credit.enabled: false",
+        ),
         ("tasks: {builtin: {}}\nteacher: {endpoint: ftp://x}", "nor an http(s) URL"),
         ("tasks: {builtin: {}}\nteacher: {api_key_env: 'sk-123 abc'}", "not an environment"),
         ("tasks: {builtin: {}}\nstudent: {engine: vllm}", "Hugging Face model path"),
-        ("tasks: {builtin: {}}\nharnesses: [swe]", "builtin:<name> or external:<name>"),
+        ("tasks: {builtin: {}}\nharnesses: [swe]", "program:<name> or external"),
         ("tasks: {builtin: {}}\nstages: {rl: {sampler: {n: 8, n_max: 4}}}", "n_max (4)"),
         (
             "tasks: {builtin: {}}\nstages: {rl: {sampler: {rho_min: 0.7, rho_max: 0.6}}}",

@@ -81,7 +81,7 @@ def test_the_suite_is_deterministic_graded_and_split() -> None:
     assert len({t.id for t in tasks}) == 96
     assert 30 <= sum(t.fault is not None for t in tasks) <= 66
     splits = split_suite(tasks)
-    assert {k: len(v) for k, v in splits.items()} == {"sft": 48, "rl": 24, "evaluate": 24}
+    assert {k: len(v) for k, v in splits.items()} == {"sft": 58, "rl": 19, "evaluate": 19}
     assert {t.family for t in splits["evaluate"]} == set(FAMILIES)
     ids = [t.id for s in splits.values() for t in s]
     assert sorted(ids) == sorted(t.id for t in tasks)

@@ -1,7 +1,8 @@
 """A job that brings a scripted policy (`PolicySpec.scripted`): the REAL rollout gRPC server plays
-it itself, in sandboxes of the REAL environment service (``orchard up``; root), with its job
-store in a real etcd. Nothing outside the service serves the policy; bad scripts and services
-that take no job policies are refused at CreateRolloutJob."""
+it itself, as an engine behind a capture proxy of the job's own, in sandboxes of the REAL
+environment service (``orchard up``; root), with its job store in a real etcd. Nothing outside
+the service serves the policy; bad scripts and services that take no job policies are refused
+at CreateRolloutJob."""
 
 from __future__ import annotations
 
@@ -163,7 +164,11 @@ async def test_the_service_plays_a_job_s_script_and_its_trajectories_carry_the_r
     assert sorted(t.reward.value for t in group.trajectories) == expected  # the seed decides
     for trajectory in group.trajectories:
         assert trajectory.reward.status == reward_pb2.REWARD_STATUS_SCORED
-        assert not trajectory.turns  # not captured, like an endpoint policy
+        # Captured like a model's rollout: turns in the built-in tokenizer, every call answered
+        # by the script; the tool loop's conversation rides along for other tokenizers.
+        assert trajectory.turns
+        assert {t.weight_version for t in trajectory.turns} == {"scripted:teacher-7"}
+        assert all(t.output_token_ids for t in trajectory.turns)
         conversation = json.loads(trajectory.conversation_json)
         replies = [m for m in conversation if m["role"] == "assistant"]
         solved = trajectory.reward.value == 1.0

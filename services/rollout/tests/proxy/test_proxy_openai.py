@@ -85,6 +85,23 @@ async def test_max_tokens_cuts_the_turn(proxy):
     assert completion.usage.completion_tokens == 2
 
 
+async def test_the_cap_bounds_a_call_that_asks_for_more(engine):
+    """An agent program asks for tens of thousands of tokens; the policy's budget per call
+    (`max_tokens_cap`) still binds, and a call asking less keeps its own bound."""
+    async with CaptureProxy(engine, CaptureProxyConfig(max_tokens_cap=3)) as proxy:
+        endpoint = proxy.open_session("r-cap")
+        async with client_for(endpoint) as client:
+            greedy = await client.chat.completions.create(
+                model="policy", messages=USER, max_tokens=32000, temperature=0
+            )
+            modest = await client.chat.completions.create(
+                model="policy", messages=USER, max_tokens=2, temperature=0
+            )
+    assert greedy.choices[0].finish_reason == "length"
+    assert greedy.usage.completion_tokens == 3
+    assert modest.usage.completion_tokens == 2
+
+
 async def test_streaming_sends_the_whole_turn_parsed_once(proxy):
     endpoint = proxy.open_session("r-stream")
     async with client_for(endpoint) as client:

@@ -97,7 +97,9 @@ def run_recipe(
         recipe=recipe,
         run=run,
         stack=stack,
-        tasks=prepare_tasks(recipe, run, stack.artifact_store() if recipe.tasks.builtin else None),
+        tasks=prepare_tasks(
+            recipe, run, stack.artifact_store() if recipe.tasks.generated else None
+        ),
         progress=progress,
         workers=workers,
         seed=seed,

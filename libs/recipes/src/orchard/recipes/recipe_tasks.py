@@ -1,4 +1,5 @@
-"""A recipe's tasks: the built-in suite materialized as git repositories, or SWE-bench JSONL.
+"""A recipe's tasks: the built-in suite materialized as git repositories, the Claw suite, or
+SWE-bench JSONL.
 
 `prepare_tasks` writes ``tasks/tasks.jsonl`` (one SWE-bench line per task with its split, and
 its family and difficulty for the built-in suite) and, for the built-in suite, the repositories
@@ -7,7 +8,9 @@ content, so a second run reuses it); a second call reads the manifest back, so a
 works on the same tasks. `task_spec` turns a task into what the rollout runner drives: the
 problem statement as the instruction, the repository at ``/testbed`` in the sandbox (the
 archive's URL, which orchard-rollout unpacks there: no path of this machine reaches a service),
-and ScoreTests through the reward service as the check.
+and ScoreTests through the reward service as the check. A Claw task is its id (the suite
+regenerates it from the id, as orchard-reward does to score it) and the URLs of its tools'
+archive in the store; its spec seeds the apps' state in the sandbox and is scored by ScoreTask.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from typing import TYPE_CHECKING
 from orchard.recipes.swe_suite import Split, SuiteTask, generate_suite, split_suite
 from orchard.recipes.workspace import RunDir
 from orchard.sdk.recipe import Recipe
+from orchard.tasks.claw import specs as claw_specs
+from orchard.tasks.claw import suite as claw_suite
 from orchard.tasks.spec import TaskFile, TaskSpec, TestsCheck
 from orchard.tasks.swe_instances import (
     DEFAULT_REPO_PATH,
@@ -47,27 +52,46 @@ WORKDIR = DEFAULT_REPO_PATH
 @dataclass(frozen=True)
 class RecipeTask:
     split: str
-    instance: SweInstance
+    instance: SweInstance | None
+    """The SWE-bench instance; None for a Claw task."""
     family: str = ""
-    """The built-in suite's bug family; empty for JSONL tasks."""
+    """The built-in suites' family; empty for JSONL tasks."""
     difficulty: int = 0
-    """1-3 for the built-in suite; 0 unknown."""
+    """1-3 for the built-in suites; 0 unknown."""
     archive_url: str = ""
     """The repository as a tar archive in the artifact store (built-in suite), unpacked at
     ``/testbed`` in each sandbox; empty: the image holds the repository."""
+    claw_id: str = ""
+    """A Claw task's id (``claw/<seed>/<family>/<n>``); empty for software tasks."""
+    files: tuple[TaskFile, ...] = ()
+    """A Claw task's tools, as archives in the artifact store."""
 
     @property
     def id(self) -> str:
-        return self.instance.instance_id
+        return self.claw_id if self.instance is None else self.instance.instance_id
+
+    @property
+    def instruction(self) -> str:
+        if self.instance is None:
+            return claw_suite.task_by_id(self.claw_id).instruction
+        return self.instance.problem_statement or f"Resolve {self.id}."
+
+    @property
+    def source(self) -> str:
+        """What trajectories are capped per (curation's ``cap_per_source``): a software task's
+        repository, a Claw task's family."""
+        return self.family if self.instance is None else self.instance.repo
 
     def to_json(self) -> dict[str, object]:
-        return {
-            **self.instance.to_json(),
+        common: dict[str, object] = {
             "orchard_split": self.split,
             "orchard_family": self.family,
             "orchard_difficulty": self.difficulty,
-            "orchard_archive_url": self.archive_url,
         }
+        if self.instance is None:
+            files = [{"url": f.url, "path": f.path} for f in self.files]
+            return {"orchard_claw_id": self.claw_id, "orchard_files": files, **common}
+        return {**self.instance.to_json(), **common, "orchard_archive_url": self.archive_url}
 
 
 def _builtin(recipe: Recipe, repos: Path) -> list[RecipeTask]:
@@ -112,12 +136,51 @@ def pack_repository(folder: Path) -> bytes:
 
 def _published(task: RecipeTask, store: ArtifactStore) -> RecipeTask:
     """``task`` with its repository packed into ``store`` (once per content)."""
+    assert task.instance is not None  # a software task of the built-in suite
     data = pack_repository(Path(task.instance.repo_path))
     digest = hashlib.sha256(data).hexdigest()[:24]
     url = store.url("tasks", f"{task.id}-{digest}.tar")
     if not store.exists(url):
         store.write_bytes(url, data)
     return replace(task, archive_url=url)
+
+
+def _claw(recipe: Recipe, store: ArtifactStore) -> list[RecipeTask]:
+    assert recipe.tasks.claw is not None
+    spec = recipe.tasks.claw
+    split = recipe.tasks.split
+    suite = claw_suite.generate_suite(spec.count, seed=spec.seed)
+    fractions: dict[claw_suite.Split, float] = {
+        "sft": split.sft,
+        "rl": split.rl,
+        "evaluate": split.evaluate,
+    }
+    splits = claw_suite.split_suite(suite, fractions, seed=spec.seed)
+    files = claw_specs.publish_archives(store)
+    return [
+        RecipeTask(name, None, t.family, t.difficulty, claw_id=t.id, files=files)
+        for name in SPLITS
+        for t in splits[name]
+    ]
+
+
+def _from_manifest(data: dict[str, object], source: str, line: int) -> RecipeTask:
+    split = str(data.pop("orchard_split"))
+    family = str(data.pop("orchard_family", ""))
+    difficulty = int(str(data.pop("orchard_difficulty", 0)))
+    claw_id = data.pop("orchard_claw_id", None)
+    if claw_id is not None:
+        entries = data.pop("orchard_files", [])
+        assert isinstance(entries, list)
+        files = tuple(TaskFile(str(f["url"]), str(f["path"])) for f in entries)
+        return RecipeTask(split, None, family, difficulty, claw_id=str(claw_id), files=files)
+    return RecipeTask(
+        split=split,
+        family=family,
+        difficulty=difficulty,
+        archive_url=str(data.pop("orchard_archive_url", "")),
+        instance=parse_instance(data, source=source, line=line),
+    )
 
 
 def _jsonl(recipe: Recipe) -> list[RecipeTask]:
@@ -142,16 +205,7 @@ def prepare_tasks(
         tasks = []
         with manifest.open(encoding="utf-8") as handle:
             for number, line in enumerate(handle, start=1):
-                data = json.loads(line)
-                tasks.append(
-                    RecipeTask(
-                        split=data.pop("orchard_split"),
-                        family=data.pop("orchard_family", ""),
-                        difficulty=int(data.pop("orchard_difficulty", 0)),
-                        archive_url=str(data.pop("orchard_archive_url", "")),
-                        instance=parse_instance(data, source=str(manifest), line=number),
-                    )
-                )
+                tasks.append(_from_manifest(json.loads(line), str(manifest), number))
     else:
         folder.mkdir(parents=True, exist_ok=True)
         if recipe.tasks.builtin:
@@ -161,6 +215,13 @@ def prepare_tasks(
                     "prepare_tasks the stack's store"
                 )
             tasks = [_published(t, store) for t in _builtin(recipe, folder / "repos")]
+        elif recipe.tasks.claw:
+            if store is None:
+                raise ValueError(
+                    "the Claw suite's tools travel through the artifact store: give "
+                    "prepare_tasks the stack's store"
+                )
+            tasks = _claw(recipe, store)
         else:
             tasks = _jsonl(recipe)
         staging = manifest.with_suffix(".partial")
@@ -176,8 +237,11 @@ def prepare_tasks(
 
 def task_spec(task: RecipeTask, *, memory: str = "") -> TaskSpec:
     """What the rollout runner drives for ``task``: its repository at ``/testbed`` (unpacked
-    there from the artifact store for the built-in suite), scored by ScoreTests."""
+    there from the artifact store for the built-in suite), scored by ScoreTests, with the
+    harness's shell in the repository; or a Claw task's apps, seeded, scored by ScoreTask."""
     instance = task.instance
+    if instance is None:
+        return claw_specs.task_spec(claw_suite.task_by_id(task.claw_id), task.files, memory=memory)
     setup: list[str] = []
     files: tuple[TaskFile, ...] = ()
     if task.archive_url:
@@ -199,4 +263,5 @@ def task_spec(task: RecipeTask, *, memory: str = "") -> TaskSpec:
         setup=tuple(setup),
         files=files,
         memory=memory,
+        workdir=WORKDIR,
     )

@@ -26,7 +26,6 @@ Each stage function takes a `StageContext` and returns the summary `done.json` k
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import json
 import logging
@@ -43,7 +42,7 @@ from typing import Any
 from google.protobuf import json_format
 from tqdm import tqdm
 
-from orchard.recipes.recipe_tasks import WORKDIR, RecipeTask, task_spec
+from orchard.recipes.recipe_tasks import RecipeTask, task_spec
 from orchard.recipes.rollout_client import RolloutJobs
 from orchard.recipes.swe_suite import teacher_script
 from orchard.recipes.trainer_client import TrainerJobs, step_entry
@@ -67,8 +66,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-MAX_TOKENS_PER_CALL = 192
-"""Output budget of one student call: the built-in tasks' longest turn is about 120 tokens."""
+CLAW_PASS_MARK = 0.75
+"""The task score at which a Claw task passes."""
 
 
 @dataclass
@@ -84,6 +83,12 @@ class StageContext:
     notes: list[str] = field(default_factory=list)
 
     @property
+    def pass_mark(self) -> float:
+        """The reward at which a rollout counts as resolved: a Claw task passes at a task score
+        of 0.75 (orchard-reward's ScoreTask), a software task when its tests pass (1.0)."""
+        return CLAW_PASS_MARK if self.recipe.tasks.claw is not None else 0.5
+
+    @property
     def registry_model(self) -> str:
         """The student's name in the weight registry: one per run."""
         return f"{self.recipe.name}-student"
@@ -94,7 +99,7 @@ async def harnesses_for(ctx: StageContext) -> dict[str, rollout_api.Harness]:
     prompt, tools); raises ValueError for one the service does not drive."""
     async with RolloutJobs(ctx.stack.rollout) as rollouts:
         known = await rollouts.harnesses()
-    for name in ctx.recipe.harnesses:
+    for name in ctx.recipe.evaluated_harnesses:
         if name not in known:
             raise ValueError(
                 f"harness {name!r} is not one orchard-rollout at {ctx.stack.rollout} drives; "
@@ -122,12 +127,14 @@ def _job_spec(
     policy: rollout_api.PolicySpec,
     sampler: rollout_api.SamplerConfig,
     budget: Budget,
+    *,
+    harnesses: Sequence[str] = (),
 ) -> rollout_api.RolloutJobSpec:
-    """A rollout job of the recipe's harnesses on ``tasks`` (the harness's shell runs in the
-    repository), ``ctx.workers`` rollouts at once."""
+    """A rollout job of ``harnesses`` (default: the recipe's) on ``tasks``, ``ctx.workers``
+    rollouts at once."""
     return rollout_api.RolloutJobSpec(
-        tasks=[dataclasses.replace(task_spec(t), workdir=WORKDIR).to_proto() for t in tasks],
-        harnesses=list(ctx.recipe.harnesses),
+        tasks=[task_spec(t).to_proto() for t in tasks],
+        harnesses=list(harnesses or ctx.recipe.harnesses),
         policy_spec=policy,
         sampler=sampler,
         budget=_budget_proto(budget),
@@ -148,12 +155,14 @@ def _budget_proto(budget: Budget) -> rollout_api.RolloutBudget:
     return proto
 
 
-def _student_policy(ctx: StageContext, version: str, temperature: float) -> rollout_api.PolicySpec:
+def _student_policy(
+    ctx: StageContext, version: str, temperature: float, max_tokens_per_call: int
+) -> rollout_api.PolicySpec:
     """The run's student at ``version`` of its registry model, on orchard-rollout's engine."""
     return rollout_api.PolicySpec(
         weights=rollout_api.RegistryWeights(model=ctx.registry_model, version=version),
         temperature=temperature,
-        max_tokens_per_call=MAX_TOKENS_PER_CALL,
+        max_tokens_per_call=max_tokens_per_call,
     )
 
 
@@ -186,17 +195,20 @@ def _scored(trajectory: trajectory_pb2.Trajectory) -> bool:
     return trajectory.reward.status == reward_pb2.REWARD_STATUS_SCORED
 
 
-def _resolved(trajectory: trajectory_pb2.Trajectory) -> bool:
-    return _scored(trajectory) and trajectory.reward.value >= 0.5
+def _resolved(trajectory: trajectory_pb2.Trajectory, mark: float = 0.5) -> bool:
+    return _scored(trajectory) and trajectory.reward.value >= mark
 
 
-def group_counts(groups: Sequence[trajectory_pb2.TrajectoryGroup]) -> dict[str, Any]:
-    """Rollouts of the groups, resolved, unresolved and excluded (by the layer that failed)."""
+def group_counts(
+    groups: Sequence[trajectory_pb2.TrajectoryGroup], mark: float = 0.5
+) -> dict[str, Any]:
+    """Rollouts of the groups, resolved (a reward of ``mark`` or more), unresolved and excluded
+    (by the layer that failed)."""
     rollouts = [t for g in groups for t in _main_line(g)]
     excluded: Counter[str] = Counter(
         t.metadata.get("failure_layer", "scoring") for t in rollouts if not _scored(t)
     )
-    resolved = sum(_resolved(t) for t in rollouts)
+    resolved = sum(_resolved(t, mark) for t in rollouts)
     return {
         "rollouts": len(rollouts),
         "resolved": resolved,
@@ -225,13 +237,20 @@ def _teacher(ctx: StageContext, tasks: Sequence[RecipeTask]) -> rollout_api.Poli
     `teacher.api_key_env` of the rollout service's environment), or the scripted teacher for the
     run's tasks, which the rollout service plays itself (the script travels in the job spec)."""
     teacher = ctx.recipe.teacher
+    if teacher.endpoint == "builtin:scripted" and ctx.recipe.tasks.claw is not None:
+        from orchard.tasks.claw.suite import task_by_id  # noqa: PLC0415
+        from orchard.tasks.claw.teacher import teacher_script as claw_script  # noqa: PLC0415
+
+        plans = claw_script([task_by_id(t.id) for t in tasks], model=teacher.model)
+        script = _scripted_policy(plans, seed=ctx.seed)
+        return rollout_api.PolicySpec(scripted=script, temperature=1.0)
     if teacher.endpoint == "builtin:scripted":
         from orchard.recipes.swe_suite import generate_suite  # noqa: PLC0415
 
         spec = ctx.recipe.tasks.builtin
         if spec is None:
             raise ValueError(
-                "the scripted teacher knows only the built-in suite; give teacher.endpoint an "
+                "the scripted teacher knows only the built-in suites; give teacher.endpoint an "
                 "OpenAI-compatible URL for JSONL tasks"
             )
         wanted = {t.id for t in tasks}
@@ -287,14 +306,18 @@ async def _collect(ctx: StageContext, out: Path) -> dict[str, Any]:
     path = out / "groups.jsonl"
     path.unlink(missing_ok=True)
     _write_groups(path, groups)
-    repository = {t.id: t.instance.repo for t in tasks}
+    repository = {t.id: t.source for t in tasks}
     rows = []
     for group in groups:
         for source in _main_line(group):
-            if not _scored(source) or not source.conversation_json:
+            if not _scored(source) or not (source.conversation_json or source.turns):
                 continue
             row = trajectory_pb2.Trajectory()
             row.CopyFrom(source)
+            if row.conversation_json:
+                # The trainer renders the conversation in the student's tokenizer; the captured
+                # turns are in the built-in one.
+                del row.turns[:]
             row.metadata["repository"] = repository.get(group.task_id, "")
             rows.append(row)
     # The conversations as orchard-rollout gave them; the trainer renders them.
@@ -302,7 +325,7 @@ async def _collect(ctx: StageContext, out: Path) -> dict[str, Any]:
     _write_trajectories(conversations, rows)
     result = await _prepare(ctx, conversations, out / "trajectories.jsonl", "collect")
     return {
-        **group_counts(groups),
+        **group_counts(groups, ctx.pass_mark),
         "trajectories": result.rows_kept,
         **_unrendered(result),
         "rollout_job": job.id,
@@ -396,7 +419,7 @@ def run_collect(ctx: StageContext) -> dict[str, Any]:
 
 def _statements(ctx: StageContext) -> dict[str, str]:
     """Each SFT task's problem statement, which the credit judge reads as the task."""
-    return {t.id: t.instance.problem_statement for t in ctx.tasks["sft"]}
+    return {t.id: t.instruction for t in ctx.tasks["sft"]}
 
 
 SCRIPTED_JUDGE = "scripted"
@@ -464,7 +487,7 @@ async def _credit(ctx: StageContext, out: Path) -> dict[str, Any]:
     failed = [
         r
         for r in rows
-        if r.reward.status == reward_pb2.REWARD_STATUS_SCORED and r.reward.value < 0.5
+        if r.reward.status == reward_pb2.REWARD_STATUS_SCORED and r.reward.value < ctx.pass_mark
     ]
     with _bar(ctx, len(failed), "credit") as bar:
         scripted = stage.judge_endpoint == "builtin:scripted"
@@ -684,15 +707,18 @@ async def _evaluate_model(
     split: str = "evaluate",
     attempts: int | None = None,
 ) -> dict[str, Any]:
-    """A rollout job of ``version`` on the tasks of ``split`` with the evaluation's settings;
+    """A rollout job of ``version`` on the tasks of ``split`` with the evaluation's settings, on
+    every evaluated harness (the recipe's own and, on the held-out tasks, the held-out ones);
     its groups go to ``out/<name>.groups.jsonl``."""
     stage = ctx.recipe.stages.evaluate
     tasks = ctx.tasks[split]
     n = attempts or stage.attempts_per_task
-    policy = _student_policy(ctx, version, stage.temperature)
-    spec = _job_spec(ctx, tasks, policy, _every_group(n), ctx.recipe.stages.rl.budget)
+    harnesses = ctx.recipe.evaluated_harnesses if split == "evaluate" else ctx.recipe.harnesses
+    budget = ctx.recipe.stages.rl.budget
+    policy = _student_policy(ctx, version, stage.temperature, budget.max_tokens_per_call)
+    spec = _job_spec(ctx, tasks, policy, _every_group(n), budget, harnesses=harnesses)
     desc = f"evaluate {name}" if split == "evaluate" else f"validate {name} on {split}"
-    total = len(tasks) * len(ctx.recipe.harnesses) * n
+    total = len(tasks) * len(harnesses) * n
     bar, progress = _rollout_bar(ctx, total, desc)
     with bar:
         async with RolloutJobs(ctx.stack.rollout) as rollouts:
@@ -702,14 +728,14 @@ async def _evaluate_model(
     path = out / f"{name}.groups.jsonl"
     path.unlink(missing_ok=True)
     _write_groups(path, groups)
-    counts = group_counts(groups)
+    counts = group_counts(groups, ctx.pass_mark)
     family = {t.id: t.family or "all" for t in tasks}
     by_family: dict[str, list[int]] = {}
     for group in groups:
         for trajectory in _main_line(group):
             if _scored(trajectory):
                 entry = by_family.setdefault(family.get(group.task_id, "all"), [0, 0])
-                entry[0] += int(_resolved(trajectory))
+                entry[0] += int(_resolved(trajectory, ctx.pass_mark))
                 entry[1] += 1
     return {
         "model": name,
@@ -721,7 +747,40 @@ async def _evaluate_model(
         "by_family": {
             k: {"resolved": v[0], "attempts": v[1]} for k, v in sorted(by_family.items())
         },
+        "by_harness": by_harness(groups, harnesses, set(ctx.recipe.harnesses), ctx.pass_mark),
     }
+
+
+def by_harness(
+    groups: Sequence[trajectory_pb2.TrajectoryGroup],
+    harnesses: Sequence[str],
+    trained: set[str],
+    mark: float,
+) -> dict[str, dict[str, Any]]:
+    """Per harness: resolved and scored attempts, excluded ones, whether it is held out from
+    training, and per task its scored attempts n and successes c (what pass@k and pass^k are
+    estimated from)."""
+    out: dict[str, dict[str, Any]] = {
+        h: {"held_out": h not in trained, "resolved": 0, "attempts": 0, "excluded": 0, "tasks": {}}
+        for h in harnesses
+    }
+    for group in groups:
+        entry = out.setdefault(
+            group.harness,
+            {"held_out": group.harness not in trained, "resolved": 0, "attempts": 0,
+             "excluded": 0, "tasks": {}},
+        )  # fmt: skip
+        for trajectory in _main_line(group):
+            if not _scored(trajectory):
+                entry["excluded"] += 1
+                continue
+            won = _resolved(trajectory, mark)
+            task = entry["tasks"].setdefault(group.task_id, [0, 0])
+            task[0] += 1
+            task[1] += int(won)
+            entry["attempts"] += 1
+            entry["resolved"] += int(won)
+    return out
 
 
 def run_evaluate(ctx: StageContext) -> dict[str, Any]:
@@ -757,6 +816,7 @@ def _sampler(ctx: StageContext) -> rollout_api.SamplerConfig:
         stride=spec.stride,
         rho_min=spec.rho_min,
         rho_max=spec.rho_max,
+        positive_threshold=ctx.pass_mark,
         keep_uninformative_groups=True,
     )
 
@@ -794,7 +854,7 @@ async def _rl(
                 spec = _job_spec(
                     ctx,
                     [tasks[i] for i in chosen],
-                    _student_policy(ctx, current, 1.0),
+                    _student_policy(ctx, current, 1.0, stage.budget.max_tokens_per_call),
                     _sampler(ctx),
                     stage.budget,
                 )
@@ -872,7 +932,7 @@ async def _rl(
                 bar.set_postfix(
                     reward="-" if reward is None else f"{reward:.2f}", groups=entry["groups_kept"]
                 )
-    summary.update(group_counts(every_group))
+    summary.update(group_counts(every_group, ctx.pass_mark))
     if summary["weights"] is None:
         # No update happened: the RL model is the SFT model, said so in the report.
         summary["weights"] = (ctx.run.done("sft") or {}).get("weights")

@@ -1,8 +1,9 @@
 """Recipes: one YAML file that says what to train, on which tasks, and how.
 
-A recipe names the tasks (the built-in suite or SWE-bench-format JSONL files), the harnesses
-that drive them, the teacher that collects the first trajectories, the student model, and the
-stages in their fixed order::
+A recipe names the tasks (the built-in software-engineering suite, the built-in Claw suite of
+personal-assistant tasks, or SWE-bench-format JSONL files), the harnesses that drive them
+(built-in loops, or unmodified agent programs such as ``program:claude-code``), the teacher
+that collects the first trajectories, the student model, and the stages in their fixed order::
 
     collect -> credit -> curate -> sft -> rl -> evaluate
 
@@ -39,8 +40,10 @@ from pydantic import Field, field_validator, model_validator
 from orchard.core.config import ConfigModel, load_document
 
 __all__ = [
+    "BUILTIN_RECIPES",
     "STAGES",
     "BuiltinTasks",
+    "ClawTasks",
     "JsonlTasks",
     "Recipe",
     "builtin_recipe",
@@ -51,7 +54,7 @@ STAGES = ("collect", "credit", "curate", "sft", "rl", "evaluate")
 """The stages, in the order a recipe runs them."""
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
-_HARNESS = re.compile(r"^(builtin|external):[a-z0-9][a-z0-9._-]*$")
+_HARNESS = re.compile(r"^(builtin|external|program):[a-z0-9][a-z0-9._-]*$")
 
 
 class BuiltinTasks(ConfigModel):
@@ -59,6 +62,17 @@ class BuiltinTasks(ConfigModel):
     real bug and real tests, of graded difficulty."""
 
     count: int = Field(default=24, ge=3, le=10_000, description="How many tasks to generate.")
+    seed: int = Field(
+        default=0, description="Seed of the generator; the same seed gives the same tasks."
+    )
+
+
+class ClawTasks(ConfigModel):
+    """The Claw suite generated in code: personal-assistant tasks on mail, calendar, contacts,
+    notes and documents served inside each sandbox, of graded difficulty, scored by the reward
+    service's checks (completion, safety, robustness)."""
+
+    count: int = Field(default=96, ge=12, le=960, description="How many tasks to generate.")
     seed: int = Field(
         default=0, description="Seed of the generator; the same seed gives the same tasks."
     )
@@ -89,19 +103,41 @@ class TaskSplit(ConfigModel):
 
 
 class Tasks(ConfigModel):
-    """Where the tasks come from: exactly one of ``builtin`` and ``jsonl``."""
+    """Where the tasks come from: exactly one of ``builtin``, ``claw`` and ``jsonl``."""
 
     builtin: BuiltinTasks | None = None
+    claw: ClawTasks | None = None
     jsonl: JsonlTasks | None = None
     split: TaskSplit = TaskSplit()
 
     @model_validator(mode="after")
     def _one_source(self) -> Tasks:
-        if (self.builtin is None) == (self.jsonl is None):
-            raise ValueError("give exactly one of tasks.builtin and tasks.jsonl")
+        given = [s for s in ("builtin", "claw", "jsonl") if getattr(self, s) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "give exactly one of tasks.builtin, tasks.claw and tasks.jsonl"
+                + (f" (this gives {' and '.join(given)})" if given else "")
+            )
         if self.jsonl is not None and "split" in self.model_fields_set:
-            raise ValueError("tasks.split divides the built-in suite; JSONL files are the split")
+            raise ValueError("tasks.split divides a built-in suite; JSONL files are the split")
         return self
+
+    @property
+    def generated(self) -> BuiltinTasks | ClawTasks | None:
+        """The built-in suite the tasks come from, if any."""
+        return self.builtin or self.claw
+
+
+def _check_harnesses(value: list[str]) -> list[str]:
+    for name in value:
+        if not _HARNESS.match(name):
+            raise ValueError(
+                f"{name!r} is not a harness name: use builtin:<name>, program:<name> or "
+                "external:<name>"
+            )
+    if len(set(value)) != len(value):
+        raise ValueError("a harness is named twice")
+    return value
 
 
 def _check_endpoint(value: str, builtin: tuple[str, ...]) -> str:
@@ -172,6 +208,12 @@ class Budget(ConfigModel):
         default=8192, ge=16, description="Tokens sampled over the whole rollout."
     )
     wall_clock_s: float = Field(default=600.0, gt=0, description="Seconds from start to reward.")
+    max_tokens_per_call: int = Field(
+        default=192,
+        ge=1,
+        le=32768,
+        description="Tokens one student call samples at most (the teacher is not bound by it).",
+    )
 
 
 class Stage(ConfigModel):
@@ -277,13 +319,25 @@ class Rl(Stage):
 
 
 class Evaluate(Stage):
-    """Held-out resolve rate of each model."""
+    """Held-out resolve rate of each model, on every harness of the recipe and on
+    ``harnesses`` (evaluated only: never used in collection or training); with
+    ``attempts_per_task`` k > 1 the report gives pass@k and pass^k per harness."""
 
     attempts_per_task: int = Field(default=1, ge=1, le=64)
+    harnesses: list[str] = Field(
+        default=[],
+        description="Harnesses the models are evaluated on besides the recipe's own (held "
+        "out from training: how the model does in an agent program it never trained in).",
+    )
     confidence: float = Field(
         default=0.95, gt=0, lt=1, description="Level of the intervals reported."
     )
     temperature: float = Field(default=0.0, ge=0)
+
+    @field_validator("harnesses")
+    @classmethod
+    def _harnesses(cls, value: list[str]) -> list[str]:
+        return _check_harnesses(value)
 
 
 class Stages(ConfigModel):
@@ -329,14 +383,12 @@ class Recipe(ConfigModel):
     @field_validator("harnesses")
     @classmethod
     def _harnesses(cls, value: list[str]) -> list[str]:
-        for name in value:
-            if not _HARNESS.match(name):
-                raise ValueError(
-                    f"{name!r} is not a harness name: use builtin:<name> or external:<name>"
-                )
-        if len(set(value)) != len(value):
-            raise ValueError("a harness is named twice")
-        return value
+        return _check_harnesses(value)
+
+    @property
+    def evaluated_harnesses(self) -> list[str]:
+        """Every harness the evaluate stage runs: the recipe's, then the held-out ones."""
+        return [*self.harnesses, *self.stages.evaluate.harnesses]
 
     @model_validator(mode="after")
     def _stages_fit(self) -> Recipe:
@@ -345,7 +397,19 @@ class Recipe(ConfigModel):
             raise ValueError("nothing to do: enable at least one of sft, rl and evaluate")
         if stages.sft.enabled and not stages.collect.enabled:
             raise ValueError("stages.sft needs stages.collect (SFT trains on what it collects)")
-        if self.tasks.builtin is not None:
+        held_out = set(self.harnesses) & set(stages.evaluate.harnesses)
+        if held_out:
+            raise ValueError(
+                f"stages.evaluate.harnesses names {', '.join(sorted(held_out))}, which the recipe "
+                "trains with: list there only harnesses held out from training"
+            )
+        programs = [h for h in self.harnesses if h.startswith("program:")]
+        if programs and stages.credit.enabled and stages.collect.enabled:
+            raise ValueError(
+                f"stages.credit needs the teacher's conversations, which agent programs "
+                f"({', '.join(programs)}) do not give: set stages.credit.enabled: false"
+            )
+        if self.tasks.generated is not None:
             split = self.tasks.split
             if stages.rl.enabled and split.rl == 0:
                 raise ValueError("stages.rl is on but tasks.split.rl is 0")
@@ -392,7 +456,15 @@ def load_recipe(path: str | os.PathLike[str], workdir: Path | None = None) -> Re
     return load_document(Recipe, path).resolve_paths(base, (workdir or Path.cwd()).resolve())
 
 
-def builtin_recipe() -> Path:
-    """The recipe ``make demo`` runs: the built-in suite, the scripted teacher, the tiny
-    student, every stage, sized to finish on two CPU cores."""
-    return Path(str(resources.files("orchard.sdk").joinpath("recipes/builtin-swe.yaml")))
+BUILTIN_RECIPES = ("swe", "claw")
+"""The recipes shipped with the SDK: ``swe`` is the one ``make demo`` runs."""
+
+
+def builtin_recipe(name: str = "swe") -> Path:
+    """A shipped recipe's file. ``swe`` (what ``make demo`` runs): the built-in
+    software-engineering suite, the scripted teacher, the tiny student, every stage, sized to
+    finish on two CPU cores. ``claw``: the Claw suite through unmodified agent programs (two to
+    train with, a third held out), a long-context student (``make demo-claw``)."""
+    if name not in BUILTIN_RECIPES:
+        raise ValueError(f"no built-in recipe {name!r}: there are {', '.join(BUILTIN_RECIPES)}")
+    return Path(str(resources.files("orchard.sdk").joinpath(f"recipes/builtin-{name}.yaml")))

@@ -5,7 +5,8 @@ and stays for the process's life. A policy a job brings (`RolloutJobSpec.policy_
 reference counted: registry weights run on an engine (`job_policies.engine`: local or vllm) that
 every running job with the same key (model, version, sampling settings) shares, closed when the
 last of them ends, and at most `job_policies.max_engines` of them run at once (a job needing
-another waits); an endpoint or a script is the job's own, closed when it ends.
+another waits); an endpoint or a script is the job's own, closed when it ends (a script runs
+as an engine behind a capture proxy of the job's own).
 
 Every engine, whatever its type, is started the same way (`create_engine`, then `start`) and
 sits behind a capture proxy of its own.
@@ -23,7 +24,7 @@ from orchard.rollout.config import PolicyConfig, RolloutConfig
 from orchard.rollout.harnesses.tool_loop import ModelEndpoint
 from orchard.rollout.metrics import RolloutMetrics
 from orchard.rollout.runner import CaptureSource, ProxyCapture
-from orchard.rollout.scripted_policy import ScriptedPolicyServer, script_from_proto
+from orchard.rollout.scripted_policy import script_from_proto
 from orchard.rollout.v1 import rollout_service_pb2 as api
 
 if TYPE_CHECKING:
@@ -69,12 +70,8 @@ class StartedPolicy:
     capture: CaptureSource | None = None
     engine: InferenceEngine | None = None
     proxy: CaptureProxy | None = None
-    scripted: ScriptedPolicyServer | None = None
 
     async def close(self) -> None:
-        if self.scripted is not None:
-            with contextlib.suppress(Exception):
-                await self.scripted.close()
         if self.proxy is not None:
             with contextlib.suppress(Exception):
                 await self.proxy.close()
@@ -89,27 +86,6 @@ class _Shared:
 
     policy: StartedPolicy
     users: int = 0
-
-
-async def _start_scripted(key: JobPolicyKey) -> StartedPolicy:
-    """The job's script served on loopback in this process: the harnesses reach it as they reach
-    an endpoint, and nothing outside this service ever dials it."""
-    message = api.ScriptedPolicy.FromString(key.script)
-    seed = message.seed if message.HasField("seed") else None
-    server = ScriptedPolicyServer(script_from_proto(message), seed=seed)
-    await server.start()
-    log.info(
-        "job policy %s: scripted, %d plans, at %s", key.name, len(message.plans), server.base_url
-    )
-    return StartedPolicy(
-        ModelEndpoint(
-            base_url=server.base_url,
-            model=key.model,
-            temperature=key.temperature,
-            max_tokens_per_call=key.max_tokens_per_call,
-        ),
-        scripted=server,
-    )
 
 
 class EnginePool:
@@ -199,7 +175,7 @@ class EnginePool:
         weights on the engine `job_policies.engine` configures: the pinned version's folder, or
         the model's latest version, followed."""
         if key.script:
-            return await _start_scripted(key)
+            return await self._start_scripted(key)
         if key.base_url:
             return await self.start_policy(key.name, key.as_config())
         if self.registry is None:
@@ -217,6 +193,34 @@ class EnginePool:
         else:
             update = {"model_folder": None, "registry_model": key.model, "follow_registry": True}
         return await self.start_policy(key.name, key.as_config(template.model_copy(update=update)))
+
+    async def _start_scripted(self, key: JobPolicyKey) -> StartedPolicy:
+        """The job's script as an engine (`ScriptedEngine`, the built-in tokenizer) behind a
+        capture proxy of its own, like any model: harnesses of every dialect reach it where
+        sandboxes reach the proxy, and its turns are captured in tokens, so a teacher's
+        rollouts rebuild into trajectories as a student's do."""
+        from orchard.lm.tokenizer import build_tokenizer  # noqa: PLC0415 - loads transformers
+        from orchard.rollout.engines.scripted import ScriptedEngine  # noqa: PLC0415
+        from orchard.rollout.proxy.server import CaptureProxy  # noqa: PLC0415
+
+        message = api.ScriptedPolicy.FromString(key.script)
+        seed = message.seed if message.HasField("seed") else None
+        engine = ScriptedEngine(script_from_proto(message), build_tokenizer(), seed=seed)
+        proxy = CaptureProxy(engine, self.config.proxy)
+        await proxy.start()
+        log.info(
+            "job policy %s: scripted, %d plans, behind %s", key.name, len(message.plans), proxy.url
+        )
+        return StartedPolicy(
+            ModelEndpoint(
+                base_url=proxy.url + "/v1",
+                model=key.model,
+                temperature=key.temperature,
+                max_tokens_per_call=key.max_tokens_per_call,
+            ),
+            capture=ProxyCapture(proxy, self.config.settle_timeout_s),
+            proxy=proxy,
+        )
 
     async def start_policy(self, name: str, policy: PolicyConfig) -> StartedPolicy:
         """Start `policy` as its kind says: ``openai`` is the endpoint itself (not captured);
@@ -240,7 +244,11 @@ class EnginePool:
             registry = registry.for_model(policy.engine.registry_model)
         engine = create_engine(policy.engine, registry=registry)
         await engine.start()
-        proxy = CaptureProxy(engine, self.config.proxy)
+        # The policy's budget per call binds agent programs too, which ask for what they like.
+        proxy_config = self.config.proxy.model_copy(
+            update={"max_tokens_cap": policy.max_tokens_per_call}
+        )
+        proxy = CaptureProxy(engine, proxy_config)
         try:
             await proxy.start()
         except BaseException:

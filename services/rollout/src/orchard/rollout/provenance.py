@@ -88,6 +88,10 @@ class RolloutRecord:
     calls: list[CallRecord] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)
     """The harness's final conversation (what it showed the model last), for reading."""
+    messages_complete: bool = False
+    """`messages` is the whole conversation with every tool call and result (a harness that
+    keeps it itself: the tool loop, mini-swe-agent), not a program's instruction and final
+    answer; a teacher's rollout then carries it as its trajectory's conversation."""
     reward: RewardRecord | None = None
     failure: InfraFailure | None = None
     sampled_tokens: int = 0
@@ -121,6 +125,7 @@ class RolloutRecord:
             tool_events=[ToolEvent(**e) for e in data["tool_events"]],
             calls=[_call_from_json(c) for c in data["calls"]],
             messages=list(data["messages"]),
+            messages_complete=bool(data.get("messages_complete", False)),
             reward=(
                 None
                 if reward is None

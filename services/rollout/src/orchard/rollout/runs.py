@@ -114,6 +114,11 @@ def _reward(record: RolloutRecord, discard_reason: str) -> reward_pb2.Reward:
     return reward
 
 
+def _teacher_rollout(record: RolloutRecord) -> bool:
+    """Every call of the rollout was answered by a scripted teacher (`ScriptedEngine`)."""
+    return all(call.weight_version.startswith("scripted:") for call in record.calls)
+
+
 def group_proto(
     job_id: str, sampled: SampledGroup, lost: Mapping[str, Sequence[str]] | None = None
 ) -> trajectory_pb2.TrajectoryGroup:
@@ -141,6 +146,12 @@ def group_proto(
             trajectories = tree_trajectories(
                 tree, task_id=key.task_id, harness=key.harness, outcome=_outcome(record)
             )
+            if record.messages_complete and _teacher_rollout(record):
+                # A teacher's turns are in the built-in tokenizer; its conversation lets a
+                # student of any tokenizer train on it (the trainer renders it).
+                for trajectory in trajectories:
+                    if "branch" not in trajectory.metadata:
+                        trajectory.conversation_json = json.dumps(record.messages)
         else:
             # Not captured (an endpoint policy): the conversation stands in for the turns.
             trajectories = [

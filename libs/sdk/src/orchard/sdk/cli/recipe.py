@@ -10,7 +10,7 @@ from typing import Any
 
 from orchard.core.config import ConfigError
 from orchard.sdk.cli.output import print_json, print_table
-from orchard.sdk.recipe import STAGES, Recipe, builtin_recipe, load_recipe
+from orchard.sdk.recipe import BUILTIN_RECIPES, STAGES, Recipe, builtin_recipe, load_recipe
 
 __all__ = ["add_recipe_commands"]
 
@@ -40,7 +40,8 @@ def add_recipe_commands(subparsers: Any, formatter: type[argparse.HelpFormatter]
         ),
         formatter_class=formatter,
     )
-    check.add_argument("file", nargs="?", type=Path, help="the recipe (default: built-in)")
+    check.add_argument("file", nargs="?", type=Path, help="the recipe (default: a built-in one)")
+    _builtin_option(check)
     check.add_argument("--json", action="store_true", help="print the validated recipe as JSON")
     check.set_defaults(run=_check)
     run = commands.add_parser(
@@ -58,12 +59,14 @@ def add_recipe_commands(subparsers: Any, formatter: type[argparse.HelpFormatter]
         epilog=(
             "examples:\n"
             "  orchard up --detach && orchard recipe run          # the built-in recipe\n"
+            "  orchard recipe run --builtin claw                  # Claw through agent programs\n"
             "  orchard recipe run my-recipe.yaml\n"
             "  orchard recipe run my-recipe.yaml --stage evaluate # evaluate again"
         ),
         formatter_class=formatter,
     )
-    run.add_argument("file", nargs="?", type=Path, help="the recipe (default: built-in)")
+    run.add_argument("file", nargs="?", type=Path, help="the recipe (default: a built-in one)")
+    _builtin_option(run)
     run.add_argument(
         "--stage",
         action="append",
@@ -92,6 +95,21 @@ def add_recipe_commands(subparsers: Any, formatter: type[argparse.HelpFormatter]
     run.set_defaults(run=_run)
 
 
+def _builtin_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--builtin",
+        choices=BUILTIN_RECIPES,
+        default="swe",
+        help="the built-in recipe used when no file is given: swe (software engineering, what "
+        "`make demo` runs) or claw (personal-assistant tasks through agent programs; needs "
+        "`make harnesses`); default swe",
+    )
+
+
+def _path(args: argparse.Namespace) -> Path:
+    return Path(args.file) if args.file else builtin_recipe(args.builtin)
+
+
 def _load(path: Path) -> Recipe | None:
     """The recipe, or None after saying on stderr what is wrong with it."""
     try:
@@ -104,7 +122,7 @@ def _load(path: Path) -> Recipe | None:
 
 
 def _check(args: argparse.Namespace) -> int:
-    path = args.file or builtin_recipe()
+    path = _path(args)
     recipe = _load(path)
     if recipe is None:
         return 2
@@ -114,6 +132,9 @@ def _check(args: argparse.Namespace) -> int:
     sys.stdout.write(f"recipe {recipe.name}: {path}\n")
     sys.stdout.write(f"  tasks     {_tasks(recipe)}\n")
     sys.stdout.write(f"  harnesses {', '.join(recipe.harnesses)}\n")
+    if recipe.stages.evaluate.harnesses:
+        held_out = ", ".join(recipe.stages.evaluate.harnesses)
+        sys.stdout.write(f"  held out  {held_out} (evaluated only)\n")
     sys.stdout.write(f"  teacher   {recipe.teacher.endpoint} ({recipe.teacher.model})\n")
     sys.stdout.write(f"  student   {recipe.student.model} on the {recipe.student.engine} engine\n")
     sys.stdout.write(f"  output    {recipe.output_dir}\n\n")
@@ -126,7 +147,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    path = args.file or builtin_recipe()
+    path = _path(args)
     if args.workers < 1:
         sys.stderr.write("orchard: --workers must be at least 1\n")
         return 2
@@ -191,7 +212,13 @@ def _tasks(recipe: Recipe) -> str:
             f"built-in suite, {tasks.builtin.count} tasks (seed {tasks.builtin.seed}); "
             f"split sft {split.sft:g} / rl {split.rl:g} / evaluate {split.evaluate:g}"
         )
-    assert tasks.jsonl is not None  # one of the two, validated
+    if tasks.claw is not None:
+        split = tasks.split
+        return (
+            f"Claw suite, {tasks.claw.count} tasks (seed {tasks.claw.seed}); "
+            f"split sft {split.sft:g} / rl {split.rl:g} / evaluate {split.evaluate:g}"
+        )
+    assert tasks.jsonl is not None  # one of the three, validated
     files = [f"{s}={getattr(tasks.jsonl, s)}" for s in ("sft", "rl", "evaluate")]
     return "JSONL " + ", ".join(files)
 
@@ -216,4 +243,6 @@ def _settings(recipe: Recipe, name: str) -> str:
     if name == "rl":
         sampler = s.rl.sampler
         return f"{s.rl.steps} steps x {s.rl.groups_per_step} groups, {sampler.kind} N={sampler.n}"
-    return f"{s.evaluate.attempts_per_task} attempts/task, {s.evaluate.confidence:.0%} intervals"
+    k = s.evaluate.attempts_per_task
+    passk = f", pass@{k} and pass^{k}" if k > 1 else ""
+    return f"{k} attempts/task, {s.evaluate.confidence:.0%} intervals{passk}"

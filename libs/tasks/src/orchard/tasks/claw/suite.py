@@ -16,6 +16,7 @@ each family between SFT, RL and held-out evaluation.
 from __future__ import annotations
 
 import datetime as dt
+import math
 import random
 import re
 import shlex
@@ -887,24 +888,34 @@ def split_suite(
     seed: int = 0,
 ) -> dict[Split, list[ClawTask]]:
     """Tasks divided by ``fractions`` (default 60 % SFT, 20 % RL, 20 % held-out) within each
-    family, so every split holds every family when there are enough tasks."""
+    family, so every split holds every family when there are enough tasks. A family's share of
+    a split is rarely whole (a fifth of 8 tasks): what rounding leaves over carries to the next
+    family (in an order the seed shuffles), so the splits' sizes follow the fractions over the
+    whole suite, and a small suite (two tasks per family) still gets every split."""
     fractions = fractions or {"sft": 0.6, "rl": 0.2, "evaluate": 0.2}
     if abs(sum(fractions.values()) - 1.0) > 1e-9:
         raise ValueError(f"fractions must sum to 1, they sum to {sum(fractions.values()):g}")
     rng = random.Random(f"split/{seed}")
     out: dict[Split, list[ClawTask]] = {"sft": [], "rl": [], "evaluate": []}
-    order: tuple[Split, ...] = ("evaluate", "rl", "sft")
-    for family in FAMILIES:
+    # sft takes what is left of each family. The held-out split rounds half up and RL rounds
+    # down, so a family that gives one more held-out task gives one fewer RL task and every
+    # family keeps tasks to train on.
+    carried: dict[Split, float] = {"evaluate": 0.5, "rl": 0.0}
+    seen = 0
+    families = list(FAMILIES)
+    rng.shuffle(families)
+    for family in families:
         members = [t for t in tasks if t.family == family]
         rng.shuffle(members)
         start = 0
-        for position, split in enumerate(order):
-            if position == len(order) - 1:
-                take = len(members) - start
-            else:
-                take = round(fractions.get(split, 0.0) * len(members))
+        for split, rounding in carried.items():
+            # Tasks this split should hold after this family, rounded, less what it holds.
+            due = math.floor(fractions.get(split, 0.0) * (seen + len(members)) + rounding)
+            take = min(max(0, due - len(out[split])), len(members) - start)
             out[split] += members[start : start + take]
             start += take
+        out["sft"] += members[start:]
+        seen += len(members)
     for chosen in out.values():
         chosen.sort(key=lambda t: t.id)
     return out

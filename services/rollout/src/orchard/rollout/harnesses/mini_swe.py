@@ -219,6 +219,7 @@ class MiniSweAgentHarness:
             ctx.record.messages = [
                 {k: v for k, v in message.items() if k != "extra"} for message in agent.messages
             ]
+            ctx.record.messages_complete = True
             ctx.record.sampled_tokens = sum(_completion_tokens(m) for m in agent.messages)
         status = str(result.get("exit_status", ""))
         outcome, truncated = _OUTCOMES.get(status, (status or "stopped", False))

@@ -113,6 +113,7 @@ class ToolCallingHarness:
             {"role": "user", "content": ctx.instruction},
         ]
         ctx.record.messages = messages
+        ctx.record.messages_complete = True
         while True:
             if ctx.record.steps >= ctx.budget.max_steps:
                 return HarnessOutcome("step_limit", truncated=True)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -108,6 +109,12 @@ class CaptureProxyConfig(BaseModel):
     )
     max_body_bytes: int = Field(
         default=16 * 1024 * 1024, ge=1024, description="Largest request body accepted."
+    )
+    max_tokens_cap: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most tokens one call samples, whatever it asks for (an agent program "
+        "asks for tens of thousands); None: what the call asks, else `default_max_tokens`.",
     )
 
 
@@ -338,6 +345,9 @@ class CaptureProxy:
                 default_max_tokens=self.config.default_max_tokens,
                 stop_token_ids=renderer.stop_token_ids,
             )
+            cap = self.config.max_tokens_cap
+            if cap is not None and params.max_tokens > cap:
+                params = dataclasses.replace(params, max_tokens=cap)
         except ApiError as e:
             return error_response(e, dialect, request)
 
