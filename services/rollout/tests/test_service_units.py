@@ -99,6 +99,26 @@ def test_bad_specs_say_what_to_fix(s: api.RolloutJobSpec, reason: Reason, words:
     assert words in info.value.message
 
 
+@pytest.mark.parametrize(
+    "task_id", ["claw/0/reply_mail/3", "a.b:c-d_e", "x" * 200, "swe/django__django-1234"]
+)
+def test_task_ids_may_be_paths_of_plain_segments(task_id: str) -> None:
+    s = spec(tasks=[api.RolloutTask(id=task_id, instruction="i", scorer_json=CHECK)])
+    assert list(validate(s).tasks) == [task_id]
+
+
+@pytest.mark.parametrize(
+    "task_id",
+    ["", "/abs", "a//b", "a/../b", "a/./b", "..", "a/", "a b", "a\x1fb", "x" * 201, "a/.hidden"],
+)
+def test_task_ids_with_empty_dot_or_odd_segments_are_refused(task_id: str) -> None:
+    s = spec(tasks=[api.RolloutTask(id=task_id, instruction="i", scorer_json=CHECK)])
+    with pytest.raises(OrchardError) as info:
+        validate(s)
+    assert info.value.reason is Reason.INVALID_ARGUMENT
+    assert "in segments joined by '/'" in info.value.message
+
+
 def test_a_tests_task_is_accepted_with_a_reward_service() -> None:
     s = spec(tasks=[api.RolloutTask(id="t", instruction="i", scorer_json=TESTS)])
     valid = validate(s, reward={"endpoint": "127.0.0.1:7200"})

@@ -71,7 +71,11 @@ log = logging.getLogger(__name__)
 
 JOB_LABEL = "orchard-rollout-job"
 """Label on every sandbox of a job (its id): a resumed job deletes what its last run left."""
-TASK_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_:-]{0,99}$")
+TASK_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_:.-]*(/[A-Za-z0-9][A-Za-z0-9_:.-]*)*$")
+"""A task id: segments of letters, digits, '_', ':', '.' and '-' joined by '/' (a Claw task's
+``claw/<seed>/<family>/<n>``), each starting with a letter or digit, so no segment is empty,
+'.' or '..'. Rollout ids (capture session paths) replace what they cannot hold."""
+TASK_ID_MAX = 200
 MAX_PAGE = 1000
 
 
@@ -272,9 +276,10 @@ def validate_spec(
         raise _invalid("spec.tasks is empty: give at least one task to roll out")
     tasks: dict[str, TaskSpec] = {}
     for i, task in enumerate(spec.tasks):
-        if not TASK_ID.match(task.id):
+        if len(task.id) > TASK_ID_MAX or not TASK_ID.match(task.id):
             raise _invalid(
-                f"spec.tasks[{i}].id {task.id!r} must be 1-100 letters, digits, '_', ':' or '-'"
+                f"spec.tasks[{i}].id {task.id!r} must be 1-{TASK_ID_MAX} letters, digits, '_', "
+                "':', '.' or '-', in segments joined by '/' that each start with a letter or digit"
             )
         if task.id in tasks:
             raise _invalid(f"spec.tasks[{i}].id {task.id!r} appears twice; task ids are unique")
