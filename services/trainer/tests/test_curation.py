@@ -189,6 +189,26 @@ def test_shortest_successful_keeps_one_success_per_task_and_the_failures(row):
     assert len(curate(rows, [ShortestSuccessful(success_threshold=1.0)]).rows) == len(rows)
 
 
+def test_a_pass_mark_and_per_harness_keep_each_program_s_shortest_pass(row):
+    """Claw rows: a partial score is not a success (the pass mark is 0.75), and each agent
+    program keeps its own shortest pass, since each teaches its own tool calls."""
+    rows = [
+        row("cc_long", task="t", tokens=30, harness="program:claude-code"),
+        row("cc_short", task="t", tokens=20, harness="program:claude-code", reward=0.8),
+        row("cx_partial", task="t", tokens=4, harness="program:codex", reward=0.6),
+        row("cx_pass", task="t", tokens=12, harness="program:codex", reward=0.75),
+    ]
+    step = ShortestSuccessful(minimum=0.75, per_harness=True)
+    result = curate(rows, [step])
+    assert ids(result.rows) == ["cc_short", "cx_partial", "cx_pass"]
+    assert [(d.trajectory_id, d.detail) for d in result.reports[0].dropped] == [
+        ("cc_long", "task 't' in program:claude-code: 30 tokens; kept 'cc_short' with 20")
+    ]
+    assert step.name == "shortest_successful(minimum=0.75, keep_failed=True, per_harness=True)"
+    # Without them the partial Codex row wins the task for both programs.
+    assert ids(curate(rows, [ShortestSuccessful()]).rows) == ["cx_partial"]
+
+
 def test_cap_per_source_keeps_the_first_rows_of_each_source(row):
     rows = [
         row("x1", source="org/x"),

@@ -541,7 +541,11 @@ def run_curate(ctx: StageContext) -> dict[str, Any]:
         shortest_success_per_task=stage.shortest_success_per_task,
         cap_per_source=stage.cap_per_source or 0,
         source_key="repository",
+        # Several programs: each keeps its shortest success (each teaches its own tool calls).
+        per_harness=len(ctx.recipe.harnesses) > 1,
     )
+    if ctx.recipe.tasks.claw is not None:
+        curation.success_threshold = ctx.pass_mark
     result = asyncio.run(_prepare(ctx, given, out / "sft.jsonl", "curate", curation))
     (out / "report.txt").write_text(result.curation_summary + "\n", encoding="utf-8")
     return {

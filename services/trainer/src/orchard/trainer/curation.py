@@ -13,8 +13,9 @@ in the order given and returns the surviving rows with one `StepReport` per step
 - `ParsableActions()` — policy turns whose action did not parse: a tool call whose arguments
   are not a JSON object, a `<tool_call>` block in the output text that is not a valid call (the
   same parser the capture proxy uses), or a `tool_calls` finish without any call;
-- `ShortestSuccessful()` — of the successful trajectories of a task, only the one with the
-  fewest tokens stays (the first in order on a tie); failed ones pass unless `keep_failed` is off;
+- `ShortestSuccessful()` — of the successful trajectories of a task (or of a task in one
+  harness, `per_harness`), only the one with the fewest tokens stays (the first in order on a
+  tie); failed ones pass unless `keep_failed` is off; `minimum` makes success a pass mark;
 - `CapPerSource(cap, key)` — at most `cap` trajectories per value of `metadata[key]` (e.g. the
   repository or website), the first ones in order; rows without the key pass.
 
@@ -273,44 +274,70 @@ class ParsableActions(_RowFilter):
         return None
 
 
-def _successful(trajectory: Trajectory, threshold: float) -> bool:
-    return trainable_reason(trajectory) is None and trajectory.reward.value > threshold
+def _successful(trajectory: Trajectory, threshold: float, minimum: float | None = None) -> bool:
+    if trainable_reason(trajectory) is not None:
+        return False
+    value = trajectory.reward.value
+    return value >= minimum if minimum is not None else value > threshold
 
 
 class ShortestSuccessful:
-    """Keep one successful trajectory per task: the one with the fewest tokens."""
+    """Keep one successful trajectory per task (or per task and harness): the one with the
+    fewest tokens. Successful: a reward above `success_threshold`, or at least `minimum` when
+    given (a pass mark)."""
 
-    def __init__(self, *, success_threshold: float = 0.0, keep_failed: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        success_threshold: float = 0.0,
+        keep_failed: bool = True,
+        minimum: float | None = None,
+        per_harness: bool = False,
+    ) -> None:
         self.success_threshold = success_threshold
         self.keep_failed = keep_failed
-        self.name = (
-            f"shortest_successful(success_threshold={success_threshold}, keep_failed={keep_failed})"
+        self.minimum = minimum
+        self.per_harness = per_harness
+        bar = (
+            f"minimum={minimum}"
+            if minimum is not None
+            else f"success_threshold={success_threshold}"
         )
+        per = ", per_harness=True" if per_harness else ""
+        self.name = f"shortest_successful({bar}, keep_failed={keep_failed}{per})"
+
+    def _key(self, row: Trajectory) -> tuple[str, str]:
+        return (row.task_id, row.harness if self.per_harness else "")
+
+    def _won(self, row: Trajectory) -> bool:
+        return _successful(row, self.success_threshold, self.minimum)
 
     def apply(self, rows: Sequence[Trajectory]) -> tuple[list[Trajectory], list[Drop]]:
-        best: dict[str, tuple[int, int]] = {}
+        best: dict[tuple[str, str], tuple[int, int]] = {}
         for position, row in enumerate(rows):
-            if _successful(row, self.success_threshold):
+            if self._won(row):
                 candidate = (token_count(row), position)
-                best[row.task_id] = min(best.get(row.task_id, candidate), candidate)
+                key = self._key(row)
+                best[key] = min(best.get(key, candidate), candidate)
         kept: list[Trajectory] = []
         dropped: list[Drop] = []
         for position, row in enumerate(rows):
-            if not _successful(row, self.success_threshold):
+            if not self._won(row):
                 if self.keep_failed:
                     kept.append(row)
                 else:
                     dropped.append(Drop(row.id, "not_successful", "not a successful trajectory"))
                 continue
-            tokens, winner = best[row.task_id]
+            tokens, winner = best[self._key(row)]
             if winner == position:
                 kept.append(row)
             else:
+                where = f" in {row.harness}" if self.per_harness else ""
                 dropped.append(
                     Drop(
                         row.id,
                         "longer_success",
-                        f"task {row.task_id!r}: {token_count(row)} tokens; kept "
+                        f"task {row.task_id!r}{where}: {token_count(row)} tokens; kept "
                         f"{rows[winner].id!r} with {tokens}",
                     )
                 )

@@ -877,6 +877,8 @@ class CurationSettings(_message.Message):
     SHORTEST_SUCCESS_PER_TASK_FIELD_NUMBER: _builtins.int
     CAP_PER_SOURCE_FIELD_NUMBER: _builtins.int
     SOURCE_KEY_FIELD_NUMBER: _builtins.int
+    SUCCESS_THRESHOLD_FIELD_NUMBER: _builtins.int
+    PER_HARNESS_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """Drop trajectories with more tokens in all (every turn's inputs and outputs); 0: no limit."""
     drop_unparsable: _builtins.bool
@@ -893,6 +895,14 @@ class CurationSettings(_message.Message):
     """Most trajectories per value of `metadata[source_key]`; 0: no cap."""
     source_key: _builtins.str
     """The metadata key `cap_per_source` counts by; empty: "repository"."""
+    success_threshold: _builtins.float
+    """The reward at or above which a trajectory counts as a success for
+    `shortest_success_per_task` (e.g. a Claw task's pass mark, 0.75); unset: above 0.
+    """
+    per_harness: _builtins.bool
+    """`shortest_success_per_task` keeps the shortest success of each task in each harness (rows
+    of several agent programs teach each its own tool calls); false: one per task.
+    """
     def __init__(
         self,
         *,
@@ -902,12 +912,16 @@ class CurationSettings(_message.Message):
         shortest_success_per_task: _builtins.bool = ...,
         cap_per_source: _builtins.int = ...,
         source_key: _builtins.str = ...,
+        success_threshold: _builtins.float | None = ...,
+        per_harness: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_success_threshold", b"_success_threshold", "success_threshold", b"success_threshold"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cap_per_source", b"cap_per_source", "drop_unknown_tools", b"drop_unknown_tools", "drop_unparsable", b"drop_unparsable", "max_tokens", b"max_tokens", "shortest_success_per_task", b"shortest_success_per_task", "source_key", b"source_key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_success_threshold", b"_success_threshold", "cap_per_source", b"cap_per_source", "drop_unknown_tools", b"drop_unknown_tools", "drop_unparsable", b"drop_unparsable", "max_tokens", b"max_tokens", "per_harness", b"per_harness", "shortest_success_per_task", b"shortest_success_per_task", "source_key", b"source_key", "success_threshold", b"success_threshold"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__success_threshold: _TypeAlias = _typing.Literal["success_threshold"]  # noqa: Y015
+    _WhichOneofArgType__success_threshold: _TypeAlias = _typing.Literal["_success_threshold", b"_success_threshold"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__success_threshold) -> _WhichOneofReturnType__success_threshold | None: ...
 
 Global___CurationSettings: _TypeAlias = CurationSettings  # noqa: Y015
 
