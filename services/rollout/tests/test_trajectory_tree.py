@@ -180,8 +180,59 @@ def test_a_rollout_branching_past_the_limit_is_discarded_with_the_reason() -> No
         log.call((*history(b), 40), (50,))
     assert build_tree(log.calls, TreeLimits(max_main_leaves=3)).discard_reason == ""
     tree = build_tree(log.calls, TreeLimits(max_main_leaves=2))
-    assert "3 main-line trajectories" in tree.discard_reason
+    assert "3 main-line trajectories from one context" in tree.discard_reason
     assert "limit of 2" in tree.discard_reason
+
+
+def test_a_program_that_rebuilds_its_prompt_every_call_is_not_searching() -> None:
+    """Twelve calls that each start a fresh context (OpenClaw drops the block it appended the
+    call before) are twelve one-call trajectories, not a search past the limit."""
+    log = CallLog()
+    for k in range(12):
+        log.call((*SYSTEM, *TASK, 100 + k), (10 + k,))
+    tree = build_tree(log.calls, TreeLimits(max_main_leaves=2))
+    assert tree.discard_reason == ""
+    assert len(tree.main_paths) == 12 and all(len(p.nodes) == 1 for p in tree.main_paths)
+
+
+def test_calls_under_another_system_prompt_are_inferred_auxiliary() -> None:
+    """An unmodified program names no branch: a call under another system prompt is a
+    sub-agent's (or a side task's), one asking for a summary of the conversation a compaction;
+    both are kept out of the loss, and the main line's calls stay trained."""
+    main_system = {"role": "system", "content": "You are the main agent."}
+    task = {"role": "user", "content": "Reply to Ann."}
+    log = CallLog()
+    a = log.call(SYSTEM + TASK, (10,), messages=(main_system, task))
+    side = log.call(
+        (7, 7, 7),
+        (8,),
+        messages=({"role": "system", "content": "Write a 5-word title."}, task),
+    )
+    b = log.call((*history(a), 20), (30,), messages=(main_system, task, {"role": "tool"}))
+    compact = log.call(
+        (*history(b), 99),
+        (98,),
+        messages=(
+            {"role": "system", "content": [{"type": "text", "text": "You summarize."}]},
+            {"role": "user", "content": "Summarize the conversation so far for a new session."},
+        ),
+    )
+    declared = log.call((6, 6), (5,), branch="subagent:named", messages=(main_system,))
+    tree = build_tree(log.calls)
+    by_branch = {p.branch: [n.call.call_id for n in p.nodes] for p in tree.paths}
+    assert by_branch[""] == [a.call_id, b.call_id]
+    title = next(k for k in by_branch if k.startswith("subagent:") and k != "subagent:named")
+    assert by_branch[title] == [side.call_id]
+    assert by_branch["compaction"][-1] == compact.call_id
+    assert by_branch["subagent:named"] == [declared.call_id]
+    main = next(p for p in tree.paths if not p.branch)
+    assert all(main.trained)
+    assert not any(any(p.trained) for p in tree.paths if p.branch)
+    inferred = [n.call for p in tree.paths if p.branch for n in p.nodes if n.call.branch]
+    assert {c.metadata.get("branch_inferred") for c in inferred if c.branch != "subagent:named"}
+    # Turned off, every call is on the main line (the header-declared branch stays).
+    plain = build_tree(log.calls, infer=False)
+    assert {p.branch for p in plain.paths} == {"", "subagent:named"}
 
 
 def test_calls_of_two_rollouts_are_refused() -> None:

@@ -34,6 +34,7 @@ from orchard.sdk.recipe import STAGES, Recipe
 from orchard.sdk.report import (
     Curve,
     GroupStats,
+    HarnessEvaluation,
     ModelEvaluation,
     RunReport,
     ServiceStats,
@@ -157,6 +158,28 @@ def _service_stats(stack: StackEndpoints) -> ServiceStats | None:
         return None
 
 
+def _harness_evaluations(
+    ctx: StageContext, by_harness: dict[str, dict[str, Any]]
+) -> tuple[HarnessEvaluation, ...]:
+    """A model's per-harness rows from the evaluate stage's ``by_harness`` (none in a run from
+    before it was recorded), in the recipe's order: its own harnesses, then the held-out ones."""
+    k = ctx.recipe.stages.evaluate.attempts_per_task
+    order = {h: i for i, h in enumerate(ctx.recipe.evaluated_harnesses)}
+    rows = [
+        HarnessEvaluation(
+            harness=harness,
+            resolved=int(entry["resolved"]),
+            attempts=int(entry["attempts"]),
+            held_out=bool(entry.get("held_out", False)),
+            excluded=int(entry.get("excluded", 0)),
+            k=k,
+            tasks={task: (int(n), int(c)) for task, (n, c) in entry.get("tasks", {}).items()},
+        )
+        for harness, entry in by_harness.items()
+    ]
+    return tuple(sorted(rows, key=lambda row: (order.get(row.harness, len(order)), row.harness)))
+
+
 def build_report(ctx: StageContext) -> RunReport:
     run = ctx.run
     evaluations = []
@@ -167,7 +190,15 @@ def build_report(ctx: StageContext) -> RunReport:
         weights = result.get("weight_version", "")
         if result.get("same_weights_as"):
             weights = f"{weights} (the {result['same_weights_as']} model's)"
-        evaluations.append(ModelEvaluation(name, result["resolved"], result["attempts"], weights))
+        evaluations.append(
+            ModelEvaluation(
+                name,
+                result["resolved"],
+                result["attempts"],
+                weights,
+                _harness_evaluations(ctx, result.get("by_harness", {})),
+            )
+        )
     curves = []
     sft_log = _jsonl(run.root / "sft" / "run.jsonl")
     curve = _curve("sft loss", [(float(r["step"]), float(r["loss"])) for r in sft_log])

@@ -4,8 +4,9 @@
 reward curves, sampler group statistics, trajectory counts, what the services' metrics say);
 :func:`write_report` turns it into ``report.md`` and ``report.json`` plus the plots beside them.
 Resolve rates carry Wilson score intervals, which stay inside [0, 1] and behave at 0 and at n
-successes, where the normal approximation does not. The plots need matplotlib (the ``report``
-extra); without it the report is written with tables only and says so.
+successes, where the normal approximation does not. A model evaluated on several harnesses has
+a row per harness with pass@k and pass^k (`orchard.sdk.passk`). The plots need matplotlib (the
+``report`` extra); without it the report is written with tables only and says so.
 """
 
 from __future__ import annotations
@@ -16,12 +17,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import NormalDist
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from orchard.sdk.passk import PassK, estimate_pass_k
 
 __all__ = [
     "Curve",
     "GroupStats",
+    "HarnessEvaluation",
     "ModelEvaluation",
     "RunReport",
     "ServiceStats",
@@ -53,6 +58,38 @@ def wilson_interval(successes: int, trials: int, confidence: float = 0.95) -> tu
 
 
 @dataclass(frozen=True, slots=True)
+class HarnessEvaluation:
+    """Held-out attempts of one model through one harness, with each task's counts."""
+
+    harness: str
+    """e.g. "program:codex"."""
+    resolved: int
+    attempts: int
+    """Scored attempts; excluded ones are not among them."""
+    held_out: bool = False
+    """The harness was not used in training: evaluated only."""
+    excluded: int = 0
+    """Attempts without a score (infrastructure failures), left out of every number."""
+    k: int = 1
+    """The k of pass@k and pass^k: the attempts made per task."""
+    tasks: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """Task id to (scored attempts n, successes c)."""
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ValueError(f"harness {self.harness!r}: k must be at least 1, got {self.k}")
+
+    @property
+    def rate(self) -> float:
+        return self.resolved / self.attempts if self.attempts else 0.0
+
+    @property
+    def pass_k(self) -> PassK:
+        """pass@k and pass^k over the tasks with k scored attempts."""
+        return estimate_pass_k(self.tasks, self.k)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelEvaluation:
     """Held-out attempts of one model."""
 
@@ -61,6 +98,8 @@ class ModelEvaluation:
     resolved: int
     attempts: int
     weight_version: str = ""
+    harnesses: tuple[HarnessEvaluation, ...] = ()
+    """The same attempts split by harness; empty for a run that did not record them."""
 
     @property
     def rate(self) -> float:
@@ -226,8 +265,59 @@ def _evaluation_section(report: RunReport, plots: Mapping[str, str]) -> list[str
             f"{e.rate:.1%} | {low:.1%} to {high:.1%} |"
         )
     lines.append("")
+    lines += _harness_table(report)
     if "evaluation" in plots:
         lines += [f"![held-out resolve rate]({plots['evaluation']})", ""]
+    return lines
+
+
+def _harness_table(report: RunReport) -> list[str]:
+    rows = [(e.model, h) for e in report.evaluations for h in e.harnesses]
+    if not rows:
+        return []
+    ks = {h.k for _, h in rows}
+    same_k = len(ks) == 1
+    k_label = str(next(iter(ks))) if same_k else "k"
+    level = f"{report.confidence:.0%}"
+    lines = [
+        "### By harness",
+        "",
+        f"pass@{k_label}: at least one of {k_label} attempts at a task succeeds; "
+        f"pass^{k_label}: all {k_label} do. Unbiased estimates from each task's scored "
+        f"attempts, averaged over the tasks that had at least {k_label} (the tasks column); "
+        "tasks with fewer are left out, counted as short.",
+        "",
+        f"| model | harness | resolved | attempts | excluded | rate | {level} interval | "
+        f"pass@{k_label} | pass^{k_label} | tasks |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|",
+    ]
+
+    def percent(value: float | None, k: int) -> str:
+        if value is None:
+            return "-"
+        return f"{value:.1%}" if same_k else f"{value:.1%} (k={k})"
+
+    for model, h in rows:
+        low, high = wilson_interval(h.resolved, h.attempts, report.confidence)
+        estimate = h.pass_k
+        harness = f"{h.harness} (held out)" if h.held_out else h.harness
+        rate = f"{h.rate:.1%}" if h.attempts else "-"
+        interval = f"{low:.1%} to {high:.1%}" if h.attempts else "-"
+        tasks = str(estimate.tasks_used)
+        if estimate.tasks_short:
+            tasks += f" ({estimate.tasks_short} short)"
+        lines.append(
+            f"| {model} | {harness} | {h.resolved} | {h.attempts} | {h.excluded} | {rate} | "
+            f"{interval} | {percent(estimate.pass_at_k, h.k)} | "
+            f"{percent(estimate.pass_hat_k, h.k)} | {tasks} |"
+        )
+    lines.append("")
+    if any(h.k > 1 for _, h in rows):
+        lines += [
+            "The intervals take every attempt as independent; attempts at the same task are "
+            "not, so with several attempts per task they are narrower than they should be.",
+            "",
+        ]
     return lines
 
 
@@ -320,7 +410,10 @@ def _plots(report: RunReport, folder: Path) -> dict[str, str]:
     except ImportError:
         return {}
     made: dict[str, str] = {}
-    if report.evaluations:
+    harnesses = _harness_names(report)
+    if len(harnesses) > 1:
+        made["evaluation"] = _plot_by_harness(report, harnesses, folder, pyplot)
+    elif report.evaluations:
         figure, axes = pyplot.subplots(figsize=(5, 3.2))
         names = [e.model for e in report.evaluations]
         rates = [e.rate for e in report.evaluations]
@@ -347,6 +440,69 @@ def _plots(report: RunReport, folder: Path) -> dict[str, str]:
     return made
 
 
+def _harness_names(report: RunReport) -> list[str]:
+    """Every harness any model was evaluated on, in the order they first appear."""
+    names: dict[str, None] = {}
+    for e in report.evaluations:
+        for h in e.harnesses:
+            names.setdefault(h.harness, None)
+    return list(names)
+
+
+def _plot_by_harness(report: RunReport, harnesses: Sequence[str], folder: Path, pyplot: Any) -> str:
+    """Resolve rate per model, one bar per harness (held-out ones hatched), with intervals."""
+    models = [e.model for e in report.evaluations]
+    width = 0.8 / len(harnesses)
+    figure, axes = pyplot.subplots(
+        figsize=(max(6.0, 1.2 + len(models) * len(harnesses) * 0.45), 4.0)
+    )
+    colours = ["#4c8c4a", "#3b6ea5", "#c0793a", "#8a5a9e", "#a03c3c", "#5a8f8f", "#7f7f3f"]
+    for i, name in enumerate(harnesses):
+        xs: list[float] = []
+        rates: list[float] = []
+        below: list[float] = []
+        above: list[float] = []
+        held_out = False
+        for x, e in enumerate(report.evaluations):
+            row = next((h for h in e.harnesses if h.harness == name), None)
+            if row is None or not row.attempts:
+                continue
+            held_out = held_out or row.held_out
+            low, high = wilson_interval(row.resolved, row.attempts, report.confidence)
+            xs.append(x - 0.4 + width * (i + 0.5))
+            rates.append(row.rate)
+            below.append(max(0.0, row.rate - low))
+            above.append(max(0.0, high - row.rate))
+        if not xs:
+            continue
+        axes.bar(
+            xs,
+            rates,
+            width=width * 0.95,
+            yerr=[below, above],
+            capsize=3,
+            color=colours[i % len(colours)],
+            hatch="//" if held_out else None,
+            edgecolor="white" if held_out else None,
+            label=f"{name} (held out)" if held_out else name,
+        )
+    axes.set_xticks(range(len(models)), models)
+    axes.set_ylim(0, 1)
+    axes.set_ylabel("resolve rate")
+    axes.set_title(
+        f"Held-out resolve rate by harness ({report.confidence:.0%} Wilson intervals)", fontsize=10
+    )
+    if axes.get_legend_handles_labels()[0]:
+        axes.legend(
+            fontsize=8,
+            loc="upper center",
+            bbox_to_anchor=(0.5, -0.12),
+            ncol=min(3, len(harnesses)),
+            frameon=False,
+        )
+    return _save(figure, folder / "resolve_rate.png", pyplot)
+
+
 def _save(figure: object, path: Path, pyplot: object) -> str:
     figure.tight_layout()  # type: ignore[attr-defined]
     figure.savefig(path, dpi=110)  # type: ignore[attr-defined]
@@ -361,7 +517,22 @@ def _as_json(report: RunReport) -> dict[str, object]:
             **asdict(e),
             "rate": e.rate,
             "interval": list(wilson_interval(e.resolved, e.attempts, report.confidence)),
+            "harnesses": [_harness_json(h, report.confidence) for h in e.harnesses],
         }
         for e in report.evaluations
     ]
     return data
+
+
+def _harness_json(h: HarnessEvaluation, confidence: float) -> dict[str, object]:
+    estimate = h.pass_k
+    return {
+        **asdict(h),
+        "tasks": {task: list(counts) for task, counts in h.tasks.items()},
+        "rate": h.rate,
+        "interval": list(wilson_interval(h.resolved, h.attempts, confidence)),
+        "pass_at_k": estimate.pass_at_k,
+        "pass_hat_k": estimate.pass_hat_k,
+        "tasks_used": estimate.tasks_used,
+        "tasks_short": estimate.tasks_short,
+    }

@@ -11,14 +11,22 @@ root-to-leaf path of main-line calls is one trajectory.
 - Auxiliary calls (`CallRecord.branch` set: compaction, sub-agents) attach to main-line nodes or
   to calls of their own branch, never the other way round. Their paths are kept as trajectories
   marked with the branch, every turn out of the loss.
+- An unmodified agent program names no branch, so one is inferred (`infer_branches`): the main
+  line speaks under the system prompt of the rollout's first call; a call under another system
+  prompt is a sub-agent's (or a side task's: a title, a summary), branch ``subagent:<digest of
+  its system prompt>``, unless its last message asks for a summary of the conversation, which
+  is a compaction (``compaction``). Calls without a system prompt are left as they are.
 - A node shared by several trajectories is trained once per rollout: only the first trajectory
   that holds it keeps its loss mask.
-- A rollout whose tree still has more main-line leaves than the limit after pruning is discarded
-  with the reason; the caller excludes it from training.
+- A rollout whose tree still has more main-line leaves under one root than the limit after
+  pruning is discarded with the reason; the caller excludes it from training.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -36,9 +44,10 @@ class TreeLimits:
     """How much branching a rollout may have and still be trained on."""
 
     max_main_leaves: int = 8
-    """Most main-line trajectories per rollout after retry pruning (one per context segment,
-    e.g. before and after a compaction). Past it the harness is searching, not acting, and the
-    rollout is discarded."""
+    """Most main-line trajectories that fork from one context (one root of the tree) after retry
+    pruning. Past it the harness is searching, not acting, and the rollout is discarded. Fresh
+    contexts do not count against it: a program that rebuilds its prompt on every call (OpenClaw
+    drops the block it appended last time) starts a root per call."""
 
     def __post_init__(self) -> None:
         if self.max_main_leaves < 1:
@@ -174,13 +183,72 @@ def _unique_tokens(sequences: Sequence[tuple[int, ...]]) -> int:
     return total
 
 
-def build_tree(calls: Sequence[CallRecord], limits: TreeLimits | None = None) -> TrajectoryTree:
-    """The pruned tree of one rollout's calls (any order; arrival order is `seq`).
+_COMPACTION = re.compile(
+    r"\b(summari[sz]e|summary of|compact)\b.{0,80}\b(conversation|context|session|so far)\b",
+    re.IGNORECASE | re.DOTALL,
+)
+
+
+def _system_text(call: CallRecord) -> str | None:
+    """The call's leading system (or developer) message, None without one."""
+    if not call.request_messages:
+        return None
+    first = call.request_messages[0]
+    if first.get("role") not in ("system", "developer"):
+        return None
+    content = first.get("content")
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return str(content or "")
+
+
+def _last_text(call: CallRecord) -> str:
+    if not call.request_messages:
+        return ""
+    content = call.request_messages[-1].get("content")
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return str(content or "")
+
+
+def infer_branches(calls: Sequence[CallRecord]) -> list[CallRecord]:
+    """``calls`` (in arrival order) with the branch of each undeclared auxiliary call filled in;
+    see the module's notes. Declared branches stay as they are."""
+    ordered = sorted(calls, key=lambda c: c.seq)
+    main = next((_system_text(c) for c in ordered if not c.branch), None)
+    if main is None:
+        return ordered
+    out = []
+    for call in ordered:
+        system = _system_text(call)
+        if call.branch or system is None or system == main:
+            out.append(call)
+            continue
+        if _COMPACTION.search(_last_text(call)):
+            branch = "compaction"
+        else:
+            branch = "subagent:" + hashlib.sha256(system.encode()).hexdigest()[:8]
+        out.append(
+            dataclasses.replace(
+                call, branch=branch, metadata={**call.metadata, "branch_inferred": "true"}
+            )
+        )
+    return out
+
+
+def build_tree(
+    calls: Sequence[CallRecord],
+    limits: TreeLimits | None = None,
+    *,
+    infer: bool = True,
+) -> TrajectoryTree:
+    """The pruned tree of one rollout's calls (any order; arrival order is `seq`); with
+    ``infer``, undeclared auxiliary calls get a branch first (`infer_branches`).
 
     Raises ValueError when the calls belong to several rollouts or repeat a call id.
     """
     limits = limits or TreeLimits()
-    ordered = sorted(calls, key=lambda c: c.seq)
+    ordered = infer_branches(calls) if infer else sorted(calls, key=lambda c: c.seq)
     rollout_ids = {c.rollout_id for c in ordered}
     if len(rollout_ids) > 1:
         raise ValueError(f"calls of several rollouts in one tree: {sorted(rollout_ids)}")
@@ -245,10 +313,14 @@ def build_tree(calls: Sequence[CallRecord], limits: TreeLimits | None = None) ->
 
     sequences = [path[-1].history for path in [*main_paths, *aux_paths]]
     discard = ""
-    if len(main_paths) > limits.max_main_leaves:
+    per_root: dict[int, int] = {}
+    for path in main_paths:
+        per_root[id(path[0])] = per_root.get(id(path[0]), 0) + 1
+    widest = max(per_root.values(), default=0)
+    if widest > limits.max_main_leaves:
         discard = (
-            f"the rollout branches into {len(main_paths)} main-line trajectories after retry "
-            f"pruning, more than the limit of {limits.max_main_leaves}"
+            f"the rollout branches into {widest} main-line trajectories from one context after "
+            f"retry pruning, more than the limit of {limits.max_main_leaves}"
         )
     pruned.sort(key=lambda n: n.call.seq)
     return TrajectoryTree(
