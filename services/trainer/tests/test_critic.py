@@ -1,4 +1,5 @@
-"""The PPO critic: returns and advantages on fixed numbers, the value loss, and a real update."""
+"""The PPO critic: returns and advantages on fixed numbers, the value loss, real updates, value
+pretraining, and a checkpoint that resumes the policy and the critic together."""
 
 from __future__ import annotations
 
@@ -8,6 +9,12 @@ import pytest
 import torch
 
 from orchard.trainer.batch import collate
+from orchard.trainer.checkpoints import (
+    CheckpointError,
+    load_checkpoint,
+    load_critic,
+    save_checkpoint,
+)
 from orchard.trainer.critic import (
     CriticConfig,
     build_critic,
@@ -16,9 +23,10 @@ from orchard.trainer.critic import (
     terminal_rewards,
     token_values,
     value_loss,
+    value_pretrain,
 )
 from orchard.trainer.engine import EngineConfig, TrainingEngine
-from orchard.trainer.policy import load_policy
+from orchard.trainer.policy import Policy, load_policy
 from orchard.trainer.rl import RlConfig, build_rl_batch
 
 F, T = False, True
@@ -95,6 +103,15 @@ def test_critic_shares_the_policy_trunk_and_starts_at_zero():
     out = critic(input_ids=torch.tensor([[1, 5, 7, 9]])).logits
     assert out.shape == (1, 4, 1)
     assert torch.count_nonzero(out) == 0
+    # No dropout in the head: in training mode the values are the ones inference gives.
+    with torch.no_grad():
+        critic.score.weight.normal_()
+    ids = torch.tensor([[1, 5, 7, 9]])
+    assert critic.training
+    trained = critic(input_ids=ids).logits
+    assert torch.count_nonzero(trained) > 0
+    assert torch.equal(trained, critic(input_ids=ids).logits)
+    assert torch.equal(trained, critic.eval()(input_ids=ids).logits)
 
 
 def _trajectories(build, n):
@@ -142,6 +159,62 @@ def test_ppo_update_trains_the_policy_on_critic_advantages_and_the_critic_on_ret
         assert min(good) > max(bad) + 0.1
         with pytest.raises(ValueError, match="one reward per sample"):
             ppo_update(engine, critic, replace(batch, rewards=()), config, pad_id=0)
+    finally:
+        engine.close()
+        critic.close()
+
+
+def _engines(zero_stage: int) -> tuple[Policy, TrainingEngine, TrainingEngine]:
+    policy = load_policy("builtin:tiny", vocab_size=48, seed=4)
+    critic_model = build_critic(policy.model)  # before the policy's engine partitions it
+    config = EngineConfig(
+        zero_stage=zero_stage, micro_batch_size=2, learning_rate=0.005, total_steps=16
+    )
+    engine = TrainingEngine(policy.model, config)
+    return policy, engine, TrainingEngine(critic_model, config)
+
+
+@pytest.mark.slow
+def test_value_pretraining_fits_returns_and_a_checkpoint_resumes_both_models(build, tmp_path):
+    # ZeRO-3 partitions the policy's weights in its engine: the critic is copied before.
+    zero_stage = 3
+    config = RlConfig(skip_zero_advantage=False, updates_per_batch=2)
+    batch = build_rl_batch(_trajectories(build, 8), config)
+    two_steps = CriticConfig(steps_per_update=2)
+    policy, engine, critic = _engines(zero_stage)
+    try:
+        pretrain = value_pretrain(critic, batch, steps=6, updates=2, pad_id=0)
+        # The zero head's first loss: 0.5 * mean(R^2), half of each mini-batch rewarded.
+        assert pretrain[0].loss == pytest.approx(0.5 * 0.5)
+        assert pretrain[-1].loss < 0.5 * pretrain[0].loss
+        assert critic.global_step == 6 and engine.global_step == 0
+        first = ppo_update(engine, critic, batch, config, two_steps, pad_id=0)
+        assert (len(first.policy), len(first.critic)) == (2, 4)
+        steps = first.steps()
+        for k, step in enumerate(steps):
+            assert step.extra["value_loss"] == pytest.approx(
+                (first.critic[2 * k].loss + first.critic[2 * k + 1].loss) / 2
+            )
+            assert step.extra["value_learning_rate"] == first.critic[2 * k].learning_rate
+            assert {"value_mean", "return_mean", "value_clip_fraction"} <= set(step.extra)
+        info = save_checkpoint(engine, policy.tokenizer, tmp_path, critic=critic)
+        assert info.critic_dir.is_dir()
+        continued = ppo_update(engine, critic, batch, config, two_steps, pad_id=0).steps()
+    finally:
+        engine.close()
+        critic.close()
+    policy, engine, critic = _engines(zero_stage)
+    try:
+        load_checkpoint(engine, info)
+        assert load_critic(critic, info) == 6 + 4
+        resumed = ppo_update(engine, critic, batch, config, two_steps, pad_id=0).steps()
+        for a, b in zip(continued, resumed, strict=True):
+            assert b.loss == pytest.approx(a.loss, rel=1e-6)
+            assert b.extra["value_loss"] == pytest.approx(a.extra["value_loss"], rel=1e-6)
+            assert b.extra["value_learning_rate"] == pytest.approx(a.extra["value_learning_rate"])
+        without = save_checkpoint(engine, policy.tokenizer, tmp_path, version="policy-only")
+        with pytest.raises(CheckpointError, match="no value model"):
+            load_critic(critic, without)
     finally:
         engine.close()
         critic.close()

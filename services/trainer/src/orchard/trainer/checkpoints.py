@@ -8,6 +8,9 @@ A checkpoint is one folder, ``<root>/<version>/``, holding
 - ``model/`` — the full weights, config and tokenizer in plain Hugging Face format
   (`orchard.lm.model_folder.save_model_folder`; gathered from every rank under ZeRO-3), which
   inference engines load;
+- ``critic/`` — only for PPO with a value model: the value model's engine, saved like
+  ``deepspeed/`` (weights, its own optimizer, schedule and step) and restored by `load_critic`;
+  it is never published;
 - ``checkpoint.json`` — the manifest (version, step, metadata), written last: a folder without
   it is an unfinished save and is never listed.
 
@@ -18,8 +21,9 @@ Every rank of a world calls `save_checkpoint` and `load_checkpoint` (they are co
 rank 0 writes the model folder and the manifest. The manifest's metadata names the world size
 it was saved at (``ranks``; 1 when absent). ZeRO stages 1-3 partition the optimizer state by
 rank, so a world of another size resumes through DeepSpeed's universal checkpoint format:
-`to_universal` converts the ``deepspeed/`` folder once (rank 0, before the engine is built
-with `EngineConfig.load_universal`), and `load_checkpoint` reads the converted folder.
+`to_universal` converts the ``deepspeed/`` folder (and ``critic/``, with `part=CRITIC_DIR`)
+once (rank 0, before the engine is built with `EngineConfig.load_universal`), and
+`load_checkpoint` (`load_critic`) reads the converted folder.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from orchard.trainer.distributed import import_deepspeed
 from orchard.trainer.engine import TrainingEngine
 
 __all__ = [
+    "CRITIC_DIR",
     "DEEPSPEED_DIR",
     "MANIFEST",
     "MODEL_DIR",
@@ -54,6 +59,7 @@ __all__ = [
     "StoredCheckpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "load_critic",
     "parse_manifest",
     "publish_checkpoint",
     "read_checkpoint",
@@ -65,6 +71,7 @@ __all__ = [
 
 MANIFEST = "checkpoint.json"
 DEEPSPEED_DIR = "deepspeed"
+CRITIC_DIR = "critic"
 MODEL_DIR = "model"
 _FORMAT = 1
 _VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -97,6 +104,11 @@ class CheckpointInfo:
     def model_dir(self) -> Path:
         """The Hugging Face model folder (what `publish_checkpoint` publishes)."""
         return self.path / MODEL_DIR
+
+    @property
+    def critic_dir(self) -> Path:
+        """The value model's DeepSpeed state (PPO with a critic only)."""
+        return self.path / CRITIC_DIR
 
     def to_json(self) -> str:
         return json.dumps(
@@ -151,9 +163,11 @@ def save_checkpoint(
     *,
     version: str | None = None,
     metadata: Mapping[str, str] | None = None,
+    critic: TrainingEngine | None = None,
 ) -> CheckpointInfo:
     """Save `engine` at its current step as ``root/<version>/`` (default version:
-    `step_version(engine.global_step)`). Collective: every rank calls it.
+    `step_version(engine.global_step)`), and `critic`, a value model's engine, in its
+    ``critic/`` folder. Collective: every rank calls it.
 
     The version folder must not exist yet: a saved checkpoint never changes.
     """
@@ -176,6 +190,10 @@ def save_checkpoint(
     engine.engine.save_checkpoint(
         str(path / DEEPSPEED_DIR), tag=version, client_state={"orchard_version": version}
     )
+    if critic is not None:
+        critic.engine.save_checkpoint(
+            str(path / CRITIC_DIR), tag=version, client_state={"orchard_version": version}
+        )
     model_metadata = {**labels, "version": version, "step": str(step)}
     if engine.config.zero_stage == 3:
         deepspeed = import_deepspeed()
@@ -246,17 +264,22 @@ def saved_world_size(info: CheckpointInfo) -> int:
         return 1
 
 
-def to_universal(info: CheckpointInfo, root: str | os.PathLike[str]) -> Path:
-    """Convert the DeepSpeed state of `info` to a universal checkpoint under ``root`` (replacing
-    an earlier conversion there); returns the folder to give `load_checkpoint` as
+def to_universal(
+    info: CheckpointInfo, root: str | os.PathLike[str], *, part: str = DEEPSPEED_DIR
+) -> Path:
+    """Convert the DeepSpeed state of `info` (its `part` folder: ``deepspeed/``, or
+    ``critic/`` for the value model) to a universal checkpoint under ``root`` (replacing an
+    earlier conversion there); returns the folder to give `load_checkpoint` (`load_critic`) as
     `universal`. Runs on one process (rank 0), before the engines are built."""
+    if not (info.path / part).is_dir():
+        raise CheckpointError(f"checkpoint {info.version!r} has no {part}/ folder to convert")
     import_deepspeed()
     from deepspeed.checkpoint import ds_to_universal  # noqa: PLC0415
 
     out = Path(root)
     shutil.rmtree(out, ignore_errors=True)
     arguments = argparse.Namespace(
-        input_folder=str(info.deepspeed_dir / info.version),
+        input_folder=str(info.path / part / info.version),
         output_folder=str(out / info.version),
         # One worker: the conversion runs in this process, no pool of forked children.
         num_extract_workers=1,
@@ -289,20 +312,48 @@ def load_checkpoint(
     included); at another world size (ZeRO 1-3), give the `to_universal` folder as `universal`
     to an engine built with `load_universal`. Collective: every rank calls it."""
     info = checkpoint if isinstance(checkpoint, CheckpointInfo) else read_checkpoint(checkpoint)
-    loaded, _ = engine.engine.load_checkpoint(
-        str(universal if universal is not None else info.deepspeed_dir),
-        tag=info.version,
-        load_optimizer_states=True,
-        load_lr_scheduler_states=True,
-    )
-    if loaded is None:
-        raise CheckpointError(f"no DeepSpeed checkpoint {info.version!r} in {info.deepspeed_dir}")
+    _load_engine(engine, info, info.deepspeed_dir, universal)
     if engine.global_step != info.step:
         raise CheckpointError(
             f"checkpoint {info.version!r} was saved at step {info.step} but restored step "
             f"{engine.global_step}"
         )
     return info.step
+
+
+def load_critic(
+    critic: TrainingEngine,
+    checkpoint: CheckpointInfo | str | os.PathLike[str],
+    *,
+    universal: str | os.PathLike[str] | None = None,
+) -> int:
+    """Restore the value model's weights, optimizer, scheduler and step from the ``critic/``
+    folder of `checkpoint` into `critic` (built as it was saved, see `load_checkpoint`); returns
+    the value model's own step count. Collective: every rank calls it."""
+    info = checkpoint if isinstance(checkpoint, CheckpointInfo) else read_checkpoint(checkpoint)
+    if not info.critic_dir.is_dir():
+        raise CheckpointError(
+            f"checkpoint {info.version!r} has no value model ({CRITIC_DIR}/): it was not saved "
+            "by a job with ADVANTAGE_ESTIMATOR_CRITIC"
+        )
+    _load_engine(critic, info, info.critic_dir, universal)
+    return critic.global_step
+
+
+def _load_engine(
+    engine: TrainingEngine,
+    info: CheckpointInfo,
+    folder: Path,
+    universal: str | os.PathLike[str] | None,
+) -> None:
+    loaded, _ = engine.engine.load_checkpoint(
+        str(universal if universal is not None else folder),
+        tag=info.version,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+    )
+    if loaded is None:
+        raise CheckpointError(f"no DeepSpeed checkpoint {info.version!r} in {folder}")
 
 
 async def publish_checkpoint(

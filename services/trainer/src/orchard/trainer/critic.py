@@ -13,23 +13,25 @@ defaults gamma = lambda = 1 the return of every action is the trajectory's rewar
 advantage is R - V_t.
 
 `ppo_update` computes values with the critic before any step, runs the policy steps of
-`rl.rl_update` with those per-token advantages, then as many critic steps on the clipped value
-loss (`value_loss`).
+`rl.rl_update` with those per-token advantages, then `steps_per_update` critic steps per policy
+step on the clipped value loss (`value_loss`). `value_pretrain` fits a fresh critic (zero head)
+to the returns of a batch before any policy step, so the first advantages are not just the
+rewards; `PpoResult.steps` puts the critic's numbers in the policy steps' metrics.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import AutoModelForTokenClassification, PreTrainedModel
 
-from orchard.trainer.batch import TokenBatch
+from orchard.trainer.batch import TokenBatch, collate
 from orchard.trainer.engine import StepResult, TrainingEngine
 from orchard.trainer.losses import masked_mean
-from orchard.trainer.rl import RlBatch, RlConfig, rl_update
+from orchard.trainer.rl import RlBatch, RlConfig, rank_micro_batches, rl_update
 
 __all__ = [
     "CriticConfig",
@@ -40,6 +42,7 @@ __all__ = [
     "terminal_rewards",
     "token_values",
     "value_loss",
+    "value_pretrain",
 ]
 
 
@@ -52,19 +55,31 @@ class CriticConfig:
     value_clip: float | None = 0.2
     """How far a value may move from its old estimate before the clipped loss binds; None: no
     clipping."""
+    steps_per_update: int = 1
+    """Critic optimizer steps after each policy step, on that step's micro-batches."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
             raise ValueError(f"gamma and lam must be in [0, 1], got {self.gamma}, {self.lam}")
         if self.value_clip is not None and self.value_clip <= 0.0:
             raise ValueError(f"value_clip must be > 0 or None, got {self.value_clip}")
+        if self.steps_per_update < 1:
+            raise ValueError(f"steps_per_update must be >= 1, got {self.steps_per_update}")
 
 
 def build_critic(policy: PreTrainedModel) -> PreTrainedModel:
-    """A value model for `policy`: the same trunk and weights, one output per token, head at 0."""
+    """A value model for `policy`: the same trunk and weights, one output per token, head at 0,
+    no dropout in the head."""
     config = copy.deepcopy(policy.config)
     config.num_labels = 1
+    # Token-classification heads default to dropout 0.1: the values trained on would then
+    # differ from the ones advantages and the value clip use (no dropout), and between ranks.
+    config.classifier_dropout = 0.0
     critic: PreTrainedModel = AutoModelForTokenClassification.from_config(config)  # type: ignore[no-untyped-call]
+    in_trunk = {id(m) for m in critic.base_model.modules()}
+    for module in critic.modules():
+        if isinstance(module, torch.nn.Dropout) and id(module) not in in_trunk:
+            module.p = 0.0
     trunk = policy.base_model
     missing = critic.base_model.load_state_dict(trunk.state_dict(), strict=True)
     if missing.missing_keys or missing.unexpected_keys:  # strict=True raises first; be explicit
@@ -179,10 +194,43 @@ def token_values(critic: TrainingEngine, batch: TokenBatch) -> torch.Tensor:
         critic.engine.train(was_training)
 
 
+CRITIC_STATS = ("value_mean", "return_mean", "value_clip_fraction")
+"""The value-loss statistics `PpoResult.steps` carries over from the critic's steps."""
+
+
 @dataclass(frozen=True, slots=True)
 class PpoResult:
     policy: list[StepResult]
     critic: list[StepResult]
+    """`steps_per_update` critic steps per policy step, in order."""
+
+    def steps(self) -> list[StepResult]:
+        """The policy steps, each with the numbers of the critic steps that followed it in its
+        `extra` (averaged over them): `value_loss`, `value_mean`, `return_mean`,
+        `value_clip_fraction`, `value_grad_norm`, `value_learning_rate`."""
+        if not self.policy:
+            return []
+        per_update = len(self.critic) // len(self.policy)
+        out = []
+        for k, step in enumerate(self.policy):
+            mine = self.critic[k * per_update : (k + 1) * per_update]
+            if not mine:
+                out.append(step)
+                continue
+            extra = {
+                **step.extra,
+                "value_loss": _mean([c.loss for c in mine]),
+                "value_grad_norm": _mean([c.grad_norm for c in mine]),
+                "value_learning_rate": mine[0].learning_rate,
+            }
+            for key in CRITIC_STATS:
+                extra[key] = _mean([c.extra.get(key, 0.0) for c in mine])
+            out.append(replace(step, extra=extra))
+        return out
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,17 +250,14 @@ def ppo_update(
     pad_id: int,
     reference: PreTrainedModel | None = None,
 ) -> PpoResult:
-    """Policy steps with the critic's advantages, then as many critic steps on its returns.
+    """Policy steps with the critic's advantages, each followed by critic steps on its returns.
 
-    Both engines step on the same micro-batches (`gradient_accumulation` must agree). Build the
-    batch with `skip_zero_advantage=False`: a group's mean says nothing about a critic's
-    advantages. `batch.rewards` gives each sample's reward.
+    Both engines step on the same micro-batches (`gradient_accumulation` must agree); after
+    each policy step the critic takes `critic_config.steps_per_update` steps on that step's
+    micro-batches. Build the batch with `skip_zero_advantage=False`: a group's mean says nothing
+    about a critic's advantages. `batch.rewards` gives each sample's reward.
     """
-    if len(batch.rewards) != len(batch.samples):
-        raise ValueError(
-            f"a PPO update needs one reward per sample: {len(batch.rewards)} rewards for "
-            f"{len(batch.samples)} samples (build the batch with rl.build_rl_batch)"
-        )
+    _check_rewards(batch, "a PPO update")
     accumulation = engine.config.gradient_accumulation
     if critic.config.gradient_accumulation != accumulation:
         raise ValueError(
@@ -242,8 +287,70 @@ def ppo_update(
     for update in range(config.updates_per_batch):
         chunk = targets[update * accumulation : (update + 1) * accumulation]
         loss_fns = [_value_loss_fn(t, critic_config) for t in chunk]
-        critic_steps.append(critic.step([t.tokens for t in chunk], loss_fns))
+        for _ in range(critic_config.steps_per_update):
+            critic_steps.append(critic.step([t.tokens for t in chunk], loss_fns))
     return PpoResult(policy_steps, critic_steps)
+
+
+def value_pretrain(
+    critic: TrainingEngine,
+    batch: RlBatch,
+    *,
+    steps: int,
+    updates: int,
+    critic_config: CriticConfig = CriticConfig(),
+    pad_id: int,
+) -> list[StepResult]:
+    """`steps` critic-only optimizer steps that fit the values to the returns of `batch`.
+
+    The targets are the discounted returns (`gae` with lambda 1, which do not depend on the
+    values: a fresh critic's zero values would otherwise bias lambda-returns towards 0), and the
+    loss is unclipped (the clip would hold the values near their zero start). The batch is cut
+    as `ppo_update` cuts it for `updates` policy steps (the same micro-batches on each rank) and
+    pretraining step `p` takes update `p mod updates`'s micro-batches. Every rank calls it.
+    """
+    _check_rewards(batch, "value pretraining")
+    accumulation = critic.config.gradient_accumulation
+    needed = updates * accumulation * critic.world_size
+    if len(batch.samples) < needed:
+        raise ValueError(
+            f"value pretraining for {updates} update(s) x {accumulation} micro-batches x "
+            f"{critic.world_size} rank(s) needs at least {needed} samples, got "
+            f"{len(batch.samples)}"
+        )
+    pieces = rank_micro_batches(
+        len(batch.samples),
+        updates=updates,
+        accumulation=accumulation,
+        world=critic.world_size,
+        rank=critic.rank,
+    )
+    targets = []
+    for piece in pieces:
+        tokens = collate([batch.samples[i] for i in piece], pad_id=pad_id)
+        mask = tokens.loss_mask
+        zeros = torch.zeros(mask.shape, dtype=torch.float32)
+        rewards = torch.tensor([batch.rewards[i] for i in piece], dtype=torch.float32)
+        _, returns = gae(
+            terminal_rewards(rewards, mask), zeros, mask, gamma=critic_config.gamma, lam=1.0
+        )
+        targets.append(_Targets(tokens, zeros, returns))
+    unclipped = replace(critic_config, value_clip=None)
+    results = []
+    for step in range(steps):
+        update = step % updates
+        chunk = targets[update * accumulation : (update + 1) * accumulation]
+        loss_fns = [_value_loss_fn(t, unclipped) for t in chunk]
+        results.append(critic.step([t.tokens for t in chunk], loss_fns))
+    return results
+
+
+def _check_rewards(batch: RlBatch, what: str) -> None:
+    if len(batch.rewards) != len(batch.samples):
+        raise ValueError(
+            f"{what} needs one reward per sample: {len(batch.rewards)} rewards for "
+            f"{len(batch.samples)} samples (build the batch with rl.build_rl_batch)"
+        )
 
 
 def _value_loss_fn(

@@ -250,8 +250,13 @@ class TrainingEngine:
         )
 
     def logits(self, batch: TokenBatch) -> torch.Tensor:
-        """Logits of `batch` through the engine (with gradients when training)."""
-        out = self.engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        """Logits of `batch` through the engine (with gradients when training).
+
+        Batches are right-padded (`collate`) and attention is causal, so no real token ever
+        attends to padding and the mask is left out: given one, the model would build a full
+        tokens x tokens mask per row (5 GiB for 16k + 8k tokens) where without it attention
+        stays linear in memory; the logits of real tokens are the same."""
+        out = self.engine(input_ids=batch.input_ids)
         logits: torch.Tensor = out.logits
         return logits
 

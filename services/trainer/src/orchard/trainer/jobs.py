@@ -18,7 +18,11 @@ Data (every rank holds the whole buffer and trains on its share of each step):
 - RL: each submitted group becomes samples with group-relative advantages
   (`rl.build_rl_batch`), after the staleness bound of `spec.max_staleness` when it is set; a
   `Step` of `n` optimizer steps consumes the whole buffer (`rl.rl_update`, `n` updates on it)
-  and needs at least `n x gradient_accumulation x ranks` trainable samples.
+  and needs at least `n x gradient_accumulation x ranks` trainable samples. With
+  `spec.advantage_estimator` ADVANTAGE_ESTIMATOR_CRITIC the ranks also hold a value model:
+  samples keep their rewards (zero group advantages included), the job's first Step runs
+  `spec.critic.value_pretrain_steps` value-model steps on its batch, and every Step is
+  `critic.ppo_update` (per-token advantages from the value model, then its own steps).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from orchard.trainer.checkpoints import (
     CheckpointInfo,
     StoredCheckpoint,
 )
+from orchard.trainer.critic import CriticConfig
 from orchard.trainer.engine import StepResult
 from orchard.trainer.masks import TrajectoryError
 from orchard.trainer.policy import BUILTIN_SIZES
@@ -46,6 +51,7 @@ from orchard.trainer.rank import (
     NotEnoughData,
     RankSetup,
     SubmitCounts,
+    critic_config,
     engine_config,
     policy_loss_config,
 )
@@ -179,6 +185,7 @@ def resolve_spec(spec: api.TrainingJobSpec, *, max_ranks: int = 0) -> api.Traini
             raise SpecError(
                 f"spec.max_staleness must be 0 or more versions, got {out.max_staleness}"
             )
+    _resolve_advantages(out)
     if out.weight_model:
         try:
             check_model_name(out.weight_model)
@@ -189,6 +196,73 @@ def resolve_spec(spec: api.TrainingJobSpec, *, max_ranks: int = 0) -> api.Traini
             raise SpecError("spec.dataset is for SFT jobs; RL jobs train on submitted groups")
         out.dataset = parse_url(out.dataset, what="spec.dataset").url
     return out
+
+
+_ESTIMATORS = (api.ADVANTAGE_ESTIMATOR_GROUP_RELATIVE, api.ADVANTAGE_ESTIMATOR_CRITIC)
+
+
+def _resolve_advantages(out: api.TrainingJobSpec) -> None:
+    """Check `spec.advantage_estimator` and `spec.critic` and fill in their defaults."""
+    estimator = out.advantage_estimator
+    if out.mode != api.TRAINING_MODE_RL:
+        if estimator != api.ADVANTAGE_ESTIMATOR_UNSPECIFIED or out.HasField("critic"):
+            raise SpecError(
+                "spec.advantage_estimator and spec.critic are for RL jobs (TRAINING_MODE_RL); "
+                "leave them unset for SFT"
+            )
+        return
+    if estimator == api.ADVANTAGE_ESTIMATOR_UNSPECIFIED:
+        out.advantage_estimator = api.ADVANTAGE_ESTIMATOR_GROUP_RELATIVE
+    elif estimator not in _ESTIMATORS:
+        raise SpecError(
+            f"spec.advantage_estimator must be ADVANTAGE_ESTIMATOR_GROUP_RELATIVE (1, the "
+            f"default) or ADVANTAGE_ESTIMATOR_CRITIC (2), got {estimator}"
+        )
+    if out.advantage_estimator != api.ADVANTAGE_ESTIMATOR_CRITIC:
+        if out.HasField("critic"):
+            raise SpecError(
+                "spec.critic configures the value model of ADVANTAGE_ESTIMATOR_CRITIC: set "
+                "spec.advantage_estimator to it, or leave spec.critic unset for group-relative "
+                "advantages"
+            )
+        return
+    c = out.critic
+    if not (math.isfinite(c.learning_rate) and c.learning_rate >= 0):
+        raise SpecError(
+            "spec.critic.learning_rate must be 0 (the job's learning_rate) or a positive "
+            f"number, got {c.learning_rate}"
+        )
+    if c.steps_per_update < 0:
+        raise SpecError(
+            f"spec.critic.steps_per_update must be 0 (one step) or more, got {c.steps_per_update}"
+        )
+    for name in ("gamma", "gae_lambda"):
+        value = getattr(c, name)
+        if c.HasField(name) and not 0.0 <= value <= 1.0:
+            raise SpecError(f"spec.critic.{name} must be in [0, 1] (unset: 1), got {value}")
+    if c.HasField("value_clip") and not (math.isfinite(c.value_clip) and c.value_clip >= 0):
+        raise SpecError(
+            "spec.critic.value_clip must be 0 (no clipping) or a positive number (unset: 0.2), "
+            f"got {c.value_clip}"
+        )
+    if c.value_pretrain_steps < 0:
+        raise SpecError(
+            "spec.critic.value_pretrain_steps must be 0 (no value pretraining) or more, got "
+            f"{c.value_pretrain_steps}"
+        )
+    default = CriticConfig()
+    c.learning_rate = c.learning_rate or out.learning_rate
+    c.steps_per_update = c.steps_per_update or default.steps_per_update
+    if not c.HasField("gamma"):
+        c.gamma = default.gamma
+    if not c.HasField("gae_lambda"):
+        c.gae_lambda = default.lam
+    if not c.HasField("value_clip"):
+        c.value_clip = default.value_clip or 0.0
+    try:
+        critic_config(out)
+    except ValueError as exc:
+        raise SpecError(f"spec.critic: {exc}") from None
 
 
 def check_artifacts(spec: api.TrainingJobSpec, store: ArtifactStore, cache: Path) -> None:

@@ -3,8 +3,10 @@
 `model` names are the `TrainingJobSpec.model` strings:
 
 - `builtin:<size>` — a small Qwen2 model built from a config in code with seeded weights
-  (`tiny`, `small`), with Orchard's offline tokenizer (`orchard.lm.tokenizer`, the one the
-  local inference engine uses); nothing is downloaded;
+  (`tiny`, `small`, and `tiny-32k`: tiny's shape with a 32,768-token context, enough for the
+  12-23k tokens of system prompt and tool schemas real agent programs send), with Orchard's
+  offline tokenizer (`orchard.lm.tokenizer`, the one the local inference engine uses), which
+  reports the size's context as its `model_max_length`; nothing is downloaded;
 - anything else — a local directory holding a Hugging Face causal LM (`config.json` and
   weights, and its tokenizer when it has one), loaded with `local_files_only`, so a missing
   file fails here instead of reaching for a hub.
@@ -39,11 +41,15 @@ class BuiltinSize:
     heads: int
     kv_heads: int
     context: int
+    """Tokens of prompt and output together (`max_position_embeddings`)."""
 
 
 BUILTIN_SIZES: dict[str, BuiltinSize] = {
     "tiny": BuiltinSize(hidden_size=64, layers=2, heads=4, kv_heads=2, context=2048),
     "small": BuiltinSize(hidden_size=128, layers=4, heads=4, kv_heads=2, context=2048),
+    # Holds an agent program's whole prompt. SDPA keeps attention memory linear in the length
+    # when nothing is padded: 1.1 GiB to train on one 32k sequence (bench/context_bench.py).
+    "tiny-32k": BuiltinSize(hidden_size=64, layers=2, heads=4, kv_heads=2, context=32768),
 }
 
 
@@ -77,6 +83,7 @@ def load_policy(model: str, *, vocab_size: int | None = None, seed: int = 0) -> 
                 f"unknown built-in model size {size_name!r}; known: {', '.join(BUILTIN_SIZES)}"
             )
         tokenizer = build_tokenizer()
+        tokenizer.model_max_length = size.context
         built = tiny_causal_lm(
             len(tokenizer) if vocab_size is None else vocab_size,
             hidden_size=size.hidden_size,

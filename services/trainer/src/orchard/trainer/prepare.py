@@ -153,9 +153,7 @@ def curation_steps(
                 )
             steps.append(KnownTools({name: ToolSchema.of(list(ts)) for name, ts in tools.items()}))
         if settings.shortest_success_per_task:
-            minimum = (
-                settings.success_threshold if settings.HasField("success_threshold") else None
-            )
+            minimum = settings.success_threshold if settings.HasField("success_threshold") else None
             steps.append(ShortestSuccessful(minimum=minimum, per_harness=settings.per_harness))
         if settings.cap_per_source:
             steps.append(CapPerSource(settings.cap_per_source, settings.source_key or "repository"))

@@ -9,6 +9,12 @@ same command: ``(name, arguments)`` in, ``("ok", value)`` or ``("error", RankFau
 Every rank keeps the whole data buffer and trains on its own share of each step's
 micro-batches; the controller reads rank 0's answer.
 
+An RL job with ADVANTAGE_ESTIMATOR_CRITIC holds a second engine, the value model
+(`critic.build_critic`: the policy's trunk, a zero value head; its own optimizer and schedule,
+`critic_engine_config`), built before the policy's engine partitions anything. Its first Step
+runs `critic.value_pretrain` on the Step's batch before `critic.ppo_update`; checkpoints save
+the value model beside the policy and a resume restores it (no second pretraining then).
+
 The rank never touches the artifact store: the controller hands it local folders (model,
 dataset, checkpoint to resume from) and uploads what it saves. A rank exits when the
 connection closes, when told to, or when the controller process is gone.
@@ -34,14 +40,17 @@ from typing import Any
 import torch
 
 from orchard.trainer.checkpoints import (
+    CRITIC_DIR,
     CheckpointError,
     CheckpointInfo,
     load_checkpoint,
+    load_critic,
     read_checkpoint,
     saved_world_size,
     to_universal,
 )
 from orchard.trainer.checkpoints import save_checkpoint as save_engine_checkpoint
+from orchard.trainer.critic import CriticConfig, build_critic, ppo_update, value_pretrain
 from orchard.trainer.datasets import parse_trajectories
 from orchard.trainer.distributed import ProcessGroupSpec
 from orchard.trainer.engine import EngineConfig, StepResult, TrainingEngine
@@ -60,7 +69,16 @@ from orchard.trainer.rl import rl_update as run_rl_update
 from orchard.trainer.v1 import trainer_service_pb2 as api
 from orchard.types.v1 import trajectory_pb2
 
-__all__ = ["RankFault", "RankReady", "RankSetup", "RankTrainer", "SubmitCounts", "main"]
+__all__ = [
+    "RankFault",
+    "RankReady",
+    "RankSetup",
+    "RankTrainer",
+    "SubmitCounts",
+    "critic_config",
+    "critic_engine_config",
+    "main",
+]
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +181,41 @@ def engine_config(spec: api.TrainingJobSpec) -> EngineConfig:
     )
 
 
+def critic_config(spec: api.TrainingJobSpec) -> CriticConfig | None:
+    """The value model's settings of a spec; None unless it is RL with
+    ADVANTAGE_ESTIMATOR_CRITIC. Unset fields take `CriticConfig`'s defaults; raises
+    `ValueError` for values out of range."""
+    if spec.mode != api.TRAINING_MODE_RL or (
+        spec.advantage_estimator != api.ADVANTAGE_ESTIMATOR_CRITIC
+    ):
+        return None
+    c, default = spec.critic, CriticConfig()
+    clip = c.value_clip if c.HasField("value_clip") else default.value_clip
+    return CriticConfig(
+        gamma=c.gamma if c.HasField("gamma") else default.gamma,
+        lam=c.gae_lambda if c.HasField("gae_lambda") else default.lam,
+        value_clip=clip or None,
+        steps_per_update=c.steps_per_update or default.steps_per_update,
+    )
+
+
+def critic_engine_config(spec: api.TrainingJobSpec) -> EngineConfig:
+    """The value model's engine settings: the policy's ZeRO stage and batch shape, its own
+    learning rate, and a cosine schedule without warmup over every value-model step the job
+    can take (pretraining, then `steps_per_update` per policy step)."""
+    c = spec.critic
+    per_update = c.steps_per_update or CriticConfig().steps_per_update
+    return replace(
+        engine_config(spec),
+        learning_rate=c.learning_rate or spec.learning_rate,
+        warmup_steps=0,
+        total_steps=c.value_pretrain_steps + spec.total_steps * per_update,
+    )
+
+
 class RankTrainer:
-    """The policy, its engine and the data buffer of one rank (see the module docstring)."""
+    """The policy, its engine, the value model's engine (PPO with a critic) and the data
+    buffer of one rank (see the module docstring)."""
 
     def __init__(self, setup: RankSetup) -> None:
         spec = api.TrainingJobSpec.FromString(setup.spec)
@@ -183,6 +234,10 @@ class RankTrainer:
         self.rl_samples: list[Sample] = []
         self.rl_advantages: list[float] = []
         self.rl_rewards: list[float] = []
+        self.rl_sample_rewards: list[float] = []
+        """The reward of each buffered sample's trajectory (a value model's returns)."""
+        self.critic_config = critic_config(spec)
+        self.critic: TrainingEngine | None = None
         self._plan: MicroBatchPlan | None = None
         if setup.dataset is not None:
             with open(setup.dataset, encoding="utf-8") as lines:
@@ -195,27 +250,41 @@ class RankTrainer:
             master_port=setup.master_port,
         )
         config = engine_config(spec)
-        checkpoint = universal = None
+        value_config = critic_engine_config(spec)
+        # Copied before the policy's engine exists: under ZeRO-3 it partitions the weights.
+        value_model = build_critic(self.policy.model) if self.critic_config else None
+        checkpoint = universal = critic_universal = None
         if setup.resume_from is not None:
             checkpoint = read_checkpoint(setup.resume_from)
             if spec.zero_stage > 0 and saved_world_size(checkpoint) != setup.world_size:
                 # The other ranks wait in the engine's first collective meanwhile.
                 universal = Path(setup.scratch) / "universal"
+                if value_model is not None:
+                    critic_universal = Path(setup.scratch) / "universal-critic"
                 if setup.rank == 0:
                     to_universal(checkpoint, universal)
+                    if critic_universal is not None:
+                        to_universal(checkpoint, critic_universal, part=CRITIC_DIR)
                 config = replace(config, load_universal=True)
+                value_config = replace(value_config, load_universal=True)
         self.engine = TrainingEngine(self.policy.model, config, process_group=group)
         try:
+            if value_model is not None:
+                self.critic = TrainingEngine(value_model, value_config, process_group=group)
             if checkpoint is not None:
                 load_checkpoint(self.engine, checkpoint, universal=universal)
+                if self.critic is not None:
+                    load_critic(self.critic, checkpoint, universal=critic_universal)
         except BaseException:
-            self.engine.close()
+            self.close()
             raise
         finally:
             if universal is not None and setup.world_size > 1:
                 torch.distributed.barrier()
-            if universal is not None and setup.rank == 0:
-                shutil.rmtree(universal, ignore_errors=True)
+            if setup.rank == 0:
+                for folder in (universal, critic_universal):
+                    if folder is not None:
+                        shutil.rmtree(folder, ignore_errors=True)
 
     def ready(self) -> RankReady:
         return RankReady(os.getpid(), self.engine.global_step, len(self.sft_samples))
@@ -238,6 +307,7 @@ class RankTrainer:
         batch = build_rl_batch(trajectories, self._rl_config(), version_lag=lag)
         self.rl_samples.extend(batch.samples)
         self.rl_advantages.extend(batch.advantages)
+        self.rl_sample_rewards.extend(batch.rewards)
         if not math.isnan(batch.reward_mean):
             self.rl_rewards.append(batch.reward_mean)
         return SubmitCounts(
@@ -246,7 +316,8 @@ class RankTrainer:
 
     def run_steps(self, steps: int) -> list[StepResult]:
         """SFT: `steps` optimizer steps of the seeded plan over the buffer. RL: `steps` updates
-        of the clipped objective on the whole buffer, which they consume."""
+        of the clipped objective on the whole buffer, which they consume; with a value model,
+        its pretraining first (on the job's first Step) and its steps after each update."""
         world = self.engine.world_size
         if self.mode == "sft":
             if not self.sft_samples:
@@ -279,9 +350,15 @@ class RankTrainer:
             samples=tuple(self.rl_samples),
             advantages=tuple(self.rl_advantages),
             reward_mean=math.fsum(rewards) / len(rewards) if rewards else math.nan,
+            rewards=tuple(self.rl_sample_rewards),
         )
         self.rl_samples, self.rl_advantages, self.rl_rewards = [], [], []
-        return run_rl_update(self.engine, batch, self._rl_config(steps), pad_id=self.policy.pad_id)
+        self.rl_sample_rewards = []
+        if self.critic is None or self.critic_config is None:
+            return run_rl_update(
+                self.engine, batch, self._rl_config(steps), pad_id=self.policy.pad_id
+            )
+        return self._ppo_steps(batch, steps, self.critic, self.critic_config)
 
     def save(self, version: str, metadata: dict[str, str]) -> CheckpointInfo:
         """Save the engine as ``<scratch>/saving/<version>`` (collective); rank 0's manifest."""
@@ -291,10 +368,17 @@ class RankTrainer:
         if self.engine.world_size > 1:
             torch.distributed.barrier()
         return save_engine_checkpoint(
-            self.engine, self.tokenizer, root, version=version, metadata=metadata
+            self.engine,
+            self.tokenizer,
+            root,
+            version=version,
+            metadata=metadata,
+            critic=self.critic,
         )
 
     def close(self) -> None:
+        if self.critic is not None:
+            self.critic.close()
         self.engine.close()
 
     # -- internals -------------------------------------------------------------------------
@@ -309,12 +393,58 @@ class RankTrainer:
                         f"outside the model's vocabulary [0, {self.vocab_size})"
                     )
 
+    def _ppo_steps(
+        self, batch: RlBatch, steps: int, critic: TrainingEngine, config: CriticConfig
+    ) -> list[StepResult]:
+        pretrain: list[StepResult] = []
+        pretrain_steps = self.spec.critic.value_pretrain_steps
+        if critic.global_step == 0 and pretrain_steps > 0:
+            pretrain = value_pretrain(
+                critic,
+                batch,
+                steps=pretrain_steps,
+                updates=steps,
+                critic_config=config,
+                pad_id=self.policy.pad_id,
+            )
+            if self.engine.rank == 0:
+                log.info(
+                    "value pretraining of job %s: %d step(s), loss %.4g -> %.4g",
+                    self.setup.job_id,
+                    len(pretrain),
+                    pretrain[0].loss,
+                    pretrain[-1].loss,
+                )
+        ppo = ppo_update(
+            self.engine,
+            critic,
+            batch,
+            self._rl_config(steps),
+            config,
+            pad_id=self.policy.pad_id,
+        )
+        results = ppo.steps()
+        if pretrain:
+            first = results[0]
+            results[0] = replace(
+                first,
+                extra={
+                    **first.extra,
+                    "value_pretrain_steps": float(len(pretrain)),
+                    "value_pretrain_loss_first": pretrain[0].loss,
+                    "value_pretrain_loss_last": pretrain[-1].loss,
+                },
+            )
+        return results
+
     def _rl_config(self, updates: int = 1) -> RlConfig:
         bounded = self.spec.HasField("max_staleness")
         return RlConfig(
             loss=policy_loss_config(self.spec),
             samples=self.samples,
             updates_per_batch=updates,
+            # A critic's advantages are per token: a group whose rewards agree still teaches.
+            skip_zero_advantage=self.critic_config is None,
             max_staleness=self.spec.max_staleness if bounded else None,
             stale=StalePolicy.SKIP if self.spec.skip_stale else StalePolicy.REJECT,
         )

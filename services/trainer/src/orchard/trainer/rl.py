@@ -50,6 +50,7 @@ __all__ = [
     "StalePolicy",
     "build_rl_batch",
     "count_shared_prefixes_once",
+    "rank_micro_batches",
     "rl_update",
     "staleness",
 ]
@@ -222,6 +223,21 @@ def _split(n: int, parts: int) -> list[range]:
     return ranges
 
 
+def rank_micro_batches(
+    samples: int, *, updates: int, accumulation: int, world: int, rank: int
+) -> list[range]:
+    """The sample ranges of a batch of `samples` that rank `rank` trains on, `accumulation`
+    per update for `updates` updates: the batch is cut into `updates x world` mini-batches of
+    `accumulation` micro-batches each, and update `u` of rank `r` takes mini-batch
+    `u x world + r`."""
+    split = _split(samples, updates * accumulation * world)
+    return [
+        split[(update * world + rank) * accumulation + k]
+        for update in range(updates)
+        for k in range(accumulation)
+    ]
+
+
 @dataclass(frozen=True, slots=True)
 class _RlMicroBatch:
     tokens: TokenBatch
@@ -258,12 +274,13 @@ def rl_update(
             f"x {world} rank(s) needs at least {pieces} trainable samples, got "
             f"{len(batch.samples)}"
         )
-    split = _split(len(batch.samples), pieces)
-    mine = [
-        split[(update * world + rank) * accumulation + k]
-        for update in range(config.updates_per_batch)
-        for k in range(accumulation)
-    ]
+    mine = rank_micro_batches(
+        len(batch.samples),
+        updates=config.updates_per_batch,
+        accumulation=accumulation,
+        world=world,
+        rank=rank,
+    )
     micro: list[_RlMicroBatch] = []
     for piece in mine:
         tokens = collate([batch.samples[i] for i in piece], pad_id=pad_id)

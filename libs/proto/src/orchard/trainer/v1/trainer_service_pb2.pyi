@@ -32,7 +32,9 @@ class _TrainingModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Training
     TRAINING_MODE_SFT: _TrainingMode.ValueType  # 1
     """Supervised fine-tuning on policy tokens with loss masks."""
     TRAINING_MODE_RL: _TrainingMode.ValueType  # 2
-    """Policy-gradient RL with group-relative advantages."""
+    """Policy-gradient RL: group-relative advantages (GRPO) or PPO with a value model, by
+    `TrainingJobSpec.advantage_estimator`.
+    """
 
 class TrainingMode(_TrainingMode, metaclass=_TrainingModeEnumTypeWrapper):
     """The kind of training."""
@@ -42,8 +44,52 @@ TRAINING_MODE_UNSPECIFIED: TrainingMode.ValueType  # 0
 TRAINING_MODE_SFT: TrainingMode.ValueType  # 1
 """Supervised fine-tuning on policy tokens with loss masks."""
 TRAINING_MODE_RL: TrainingMode.ValueType  # 2
-"""Policy-gradient RL with group-relative advantages."""
+"""Policy-gradient RL: group-relative advantages (GRPO) or PPO with a value model, by
+`TrainingJobSpec.advantage_estimator`.
+"""
 Global___TrainingMode: _TypeAlias = TrainingMode  # noqa: Y015
+
+class _AdvantageEstimator:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _AdvantageEstimatorEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AdvantageEstimator.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ADVANTAGE_ESTIMATOR_UNSPECIFIED: _AdvantageEstimator.ValueType  # 0
+    """Not set: group-relative (a resolved RL spec says ADVANTAGE_ESTIMATOR_GROUP_RELATIVE)."""
+    ADVANTAGE_ESTIMATOR_GROUP_RELATIVE: _AdvantageEstimator.ValueType  # 1
+    """GRPO: a trajectory's reward minus the mean of its (task, harness) group, divided by the
+    group's standard deviation, one advantage for all its tokens. Trajectories whose advantage
+    is zero (all rewards of the group agree, or a group of one) are left out of the loss.
+    """
+    ADVANTAGE_ESTIMATOR_CRITIC: _AdvantageEstimator.ValueType  # 2
+    """PPO with a value model (`TrainingJobSpec.critic`): per-token advantages by generalized
+    advantage estimation over the trajectory's loss tokens, its reward given at the last one.
+    The value model starts as the policy's trunk with a zero value head, is fitted to the
+    starting policy's returns by `CriticConfig.value_pretrain_steps` before the first policy
+    step, then takes its own steps after each policy step. Every scored trajectory enters the
+    loss, whatever its group's rewards.
+    """
+
+class AdvantageEstimator(_AdvantageEstimator, metaclass=_AdvantageEstimatorEnumTypeWrapper):
+    """How an RL job turns the rewards of its trajectories into advantages."""
+
+ADVANTAGE_ESTIMATOR_UNSPECIFIED: AdvantageEstimator.ValueType  # 0
+"""Not set: group-relative (a resolved RL spec says ADVANTAGE_ESTIMATOR_GROUP_RELATIVE)."""
+ADVANTAGE_ESTIMATOR_GROUP_RELATIVE: AdvantageEstimator.ValueType  # 1
+"""GRPO: a trajectory's reward minus the mean of its (task, harness) group, divided by the
+group's standard deviation, one advantage for all its tokens. Trajectories whose advantage
+is zero (all rewards of the group agree, or a group of one) are left out of the loss.
+"""
+ADVANTAGE_ESTIMATOR_CRITIC: AdvantageEstimator.ValueType  # 2
+"""PPO with a value model (`TrainingJobSpec.critic`): per-token advantages by generalized
+advantage estimation over the trajectory's loss tokens, its reward given at the last one.
+The value model starts as the policy's trunk with a zero value head, is fitted to the
+starting policy's returns by `CriticConfig.value_pretrain_steps` before the first policy
+step, then takes its own steps after each policy step. Every scored trajectory enters the
+loss, whatever its group's rewards.
+"""
+Global___AdvantageEstimator: _TypeAlias = AdvantageEstimator  # noqa: Y015
 
 class _TrainingJobState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -122,6 +168,78 @@ class PolicyLossConfig(_message.Message):
 Global___PolicyLossConfig: _TypeAlias = PolicyLossConfig  # noqa: Y015
 
 @_typing.final
+class CriticConfig(_message.Message):
+    """The value model of an RL job with ADVANTAGE_ESTIMATOR_CRITIC. It trains in an engine of its
+    own (its own AdamW optimizer and schedule; the job's ZeRO stage, micro-batch size, gradient
+    accumulation and ranks), is saved in every checkpoint beside the policy (`critic/`) and
+    restored when the job resumes; it is never published as a weight version.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEARNING_RATE_FIELD_NUMBER: _builtins.int
+    STEPS_PER_UPDATE_FIELD_NUMBER: _builtins.int
+    GAMMA_FIELD_NUMBER: _builtins.int
+    GAE_LAMBDA_FIELD_NUMBER: _builtins.int
+    VALUE_CLIP_FIELD_NUMBER: _builtins.int
+    VALUE_PRETRAIN_STEPS_FIELD_NUMBER: _builtins.int
+    learning_rate: _builtins.float
+    """Peak learning rate of the value model's cosine schedule, which has no warmup and spans
+    `value_pretrain_steps` + `TrainingJobSpec.total_steps` x `steps_per_update` steps; 0: the
+    job's `learning_rate`.
+    """
+    steps_per_update: _builtins.int
+    """Value-model optimizer steps after each policy step, on that step's micro-batches and
+    returns; 0: 1.
+    """
+    gamma: _builtins.float
+    """Discount per action token, in [0, 1]; unset: 1 (every action's return is the reward)."""
+    gae_lambda: _builtins.float
+    """GAE lambda, in [0, 1]: 1 gives the discounted return minus the value, 0 the one-step
+    temporal difference; unset: 1.
+    """
+    value_clip: _builtins.float
+    """How far a value may move from its estimate before the update until the clipped value loss
+    binds; 0 or more, 0 turns clipping off; unset: 0.2.
+    """
+    value_pretrain_steps: _builtins.int
+    """Value-model-only optimizer steps on the first Step's batch, before that Step's first policy
+    step: the value model, which starts with a zero head, is fitted (unclipped) to the
+    discounted returns of the starting policy's own trajectories, taking the micro-batches of
+    the Step's policy steps in turn, so the first policy steps see meaningful values. A job
+    resumed from a checkpoint taken after it does not repeat it. 0 or more; 0: none (the first
+    advantages are then the rewards themselves).
+    """
+    def __init__(
+        self,
+        *,
+        learning_rate: _builtins.float = ...,
+        steps_per_update: _builtins.int = ...,
+        gamma: _builtins.float | None = ...,
+        gae_lambda: _builtins.float | None = ...,
+        value_clip: _builtins.float | None = ...,
+        value_pretrain_steps: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_gae_lambda", b"_gae_lambda", "_gamma", b"_gamma", "_value_clip", b"_value_clip", "gae_lambda", b"gae_lambda", "gamma", b"gamma", "value_clip", b"value_clip"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_gae_lambda", b"_gae_lambda", "_gamma", b"_gamma", "_value_clip", b"_value_clip", "gae_lambda", b"gae_lambda", "gamma", b"gamma", "learning_rate", b"learning_rate", "steps_per_update", b"steps_per_update", "value_clip", b"value_clip", "value_pretrain_steps", b"value_pretrain_steps"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__gae_lambda: _TypeAlias = _typing.Literal["gae_lambda"]  # noqa: Y015
+    _WhichOneofArgType__gae_lambda: _TypeAlias = _typing.Literal["_gae_lambda", b"_gae_lambda"]  # noqa: Y015
+    _WhichOneofReturnType__gamma: _TypeAlias = _typing.Literal["gamma"]  # noqa: Y015
+    _WhichOneofArgType__gamma: _TypeAlias = _typing.Literal["_gamma", b"_gamma"]  # noqa: Y015
+    _WhichOneofReturnType__value_clip: _TypeAlias = _typing.Literal["value_clip"]  # noqa: Y015
+    _WhichOneofArgType__value_clip: _TypeAlias = _typing.Literal["_value_clip", b"_value_clip"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__gae_lambda) -> _WhichOneofReturnType__gae_lambda | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__gamma) -> _WhichOneofReturnType__gamma | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__value_clip) -> _WhichOneofReturnType__value_clip | None: ...
+
+Global___CriticConfig: _TypeAlias = CriticConfig  # noqa: Y015
+
+@_typing.final
 class TrainingJobSpec(_message.Message):
     """What a training job does."""
 
@@ -143,6 +261,8 @@ class TrainingJobSpec(_message.Message):
     SKIP_STALE_FIELD_NUMBER: _builtins.int
     WEIGHT_MODEL_FIELD_NUMBER: _builtins.int
     RANKS_FIELD_NUMBER: _builtins.int
+    ADVANTAGE_ESTIMATOR_FIELD_NUMBER: _builtins.int
+    CRITIC_FIELD_NUMBER: _builtins.int
     mode: Global___TrainingMode.ValueType
     """SFT or RL."""
     model: _builtins.str
@@ -186,9 +306,19 @@ class TrainingJobSpec(_message.Message):
     on micro_batch_size x gradient_accumulation x ranks sequences. 0: the service's
     `workers.ranks`; more than `workers.max_ranks` is INVALID_ARGUMENT.
     """
+    advantage_estimator: Global___AdvantageEstimator.ValueType
+    """RL: how advantages are estimated, GRPO or PPO with a value model; unset:
+    ADVANTAGE_ESTIMATOR_GROUP_RELATIVE. Set on an SFT job: INVALID_ARGUMENT.
+    """
     @_builtins.property
     def policy_loss(self) -> Global___PolicyLossConfig:
         """RL loss settings."""
+
+    @_builtins.property
+    def critic(self) -> Global___CriticConfig:
+        """RL with ADVANTAGE_ESTIMATOR_CRITIC: the value model's settings (unset fields take their
+        defaults, and the job's spec shows them). Set with another estimator: INVALID_ARGUMENT.
+        """
 
     def __init__(
         self,
@@ -209,10 +339,12 @@ class TrainingJobSpec(_message.Message):
         skip_stale: _builtins.bool = ...,
         weight_model: _builtins.str = ...,
         ranks: _builtins.int = ...,
+        advantage_estimator: Global___AdvantageEstimator.ValueType = ...,
+        critic: Global___CriticConfig | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "max_staleness", b"max_staleness", "policy_loss", b"policy_loss"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "critic", b"critic", "max_staleness", b"max_staleness", "policy_loss", b"policy_loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "dataset", b"dataset", "drop_long", b"drop_long", "gradient_accumulation", b"gradient_accumulation", "learning_rate", b"learning_rate", "max_sequence_tokens", b"max_sequence_tokens", "max_staleness", b"max_staleness", "micro_batch_size", b"micro_batch_size", "mode", b"mode", "model", b"model", "policy_loss", b"policy_loss", "ranks", b"ranks", "skip_stale", b"skip_stale", "total_steps", b"total_steps", "warmup_steps", b"warmup_steps", "weight_model", b"weight_model", "zero_stage", b"zero_stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "advantage_estimator", b"advantage_estimator", "critic", b"critic", "dataset", b"dataset", "drop_long", b"drop_long", "gradient_accumulation", b"gradient_accumulation", "learning_rate", b"learning_rate", "max_sequence_tokens", b"max_sequence_tokens", "max_staleness", b"max_staleness", "micro_batch_size", b"micro_batch_size", "mode", b"mode", "model", b"model", "policy_loss", b"policy_loss", "ranks", b"ranks", "skip_stale", b"skip_stale", "total_steps", b"total_steps", "warmup_steps", b"warmup_steps", "weight_model", b"weight_model", "zero_stage", b"zero_stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_staleness: _TypeAlias = _typing.Literal["max_staleness"]  # noqa: Y015
     _WhichOneofArgType__max_staleness: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness"]  # noqa: Y015
@@ -264,7 +396,12 @@ class StepMetrics(_message.Message):
     """Tokens that counted in the loss."""
     @_builtins.property
     def extra(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
-        """Other named metrics (clip fraction, KL, importance weight stats…)."""
+        """Other named metrics (clip fraction, KL, importance weight stats…). With a value model:
+        value_loss, value_mean, return_mean, value_clip_fraction, value_grad_norm and
+        value_learning_rate of the value-model steps after this policy step (averaged over them);
+        on the first step of the Step that ran value pretraining also value_pretrain_steps,
+        value_pretrain_loss_first and value_pretrain_loss_last.
+        """
 
     def __init__(
         self,

@@ -156,7 +156,10 @@ class TrainerServiceServicer:
 
     def Step(self, request, context):
         """Runs optimizer steps on buffered data and returns their metrics; publishes a new weight
-        version when asked. Errors: NOT_FOUND, FAILED_PRECONDITION (not enough buffered data).
+        version when asked. An RL job with a value model (ADVANTAGE_ESTIMATOR_CRITIC) also steps
+        the value model: first its `value_pretrain_steps` on the job's first Step, then after each
+        policy step; the metrics carry its numbers. Errors: NOT_FOUND, FAILED_PRECONDITION (not
+        enough buffered data).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

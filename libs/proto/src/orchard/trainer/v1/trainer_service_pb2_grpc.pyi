@@ -60,7 +60,10 @@ class TrainerServiceStub:
     """
     Step: _grpc.UnaryUnaryMultiCallable[_trainer_service_pb2.StepRequest, _trainer_service_pb2.StepResponse]
     """Runs optimizer steps on buffered data and returns their metrics; publishes a new weight
-    version when asked. Errors: NOT_FOUND, FAILED_PRECONDITION (not enough buffered data).
+    version when asked. An RL job with a value model (ADVANTAGE_ESTIMATOR_CRITIC) also steps
+    the value model: first its `value_pretrain_steps` on the job's first Step, then after each
+    policy step; the metrics carry its numbers. Errors: NOT_FOUND, FAILED_PRECONDITION (not
+    enough buffered data).
     """
     ListCheckpoints: _grpc.UnaryUnaryMultiCallable[_trainer_service_pb2.ListCheckpointsRequest, _trainer_service_pb2.ListCheckpointsResponse]
     """Lists a job's checkpoints and published weight versions. Changes nothing.
@@ -145,7 +148,10 @@ class TrainerServiceAsyncStub(TrainerServiceStub):
     """
     Step: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.StepRequest, _trainer_service_pb2.StepResponse]  # type: ignore[assignment]
     """Runs optimizer steps on buffered data and returns their metrics; publishes a new weight
-    version when asked. Errors: NOT_FOUND, FAILED_PRECONDITION (not enough buffered data).
+    version when asked. An RL job with a value model (ADVANTAGE_ESTIMATOR_CRITIC) also steps
+    the value model: first its `value_pretrain_steps` on the job's first Step, then after each
+    policy step; the metrics carry its numbers. Errors: NOT_FOUND, FAILED_PRECONDITION (not
+    enough buffered data).
     """
     ListCheckpoints: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.ListCheckpointsRequest, _trainer_service_pb2.ListCheckpointsResponse]  # type: ignore[assignment]
     """Lists a job's checkpoints and published weight versions. Changes nothing.
@@ -263,7 +269,10 @@ class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_trainer_service_pb2.StepResponse, _abc.Awaitable[_trainer_service_pb2.StepResponse]]:
         """Runs optimizer steps on buffered data and returns their metrics; publishes a new weight
-        version when asked. Errors: NOT_FOUND, FAILED_PRECONDITION (not enough buffered data).
+        version when asked. An RL job with a value model (ADVANTAGE_ESTIMATOR_CRITIC) also steps
+        the value model: first its `value_pretrain_steps` on the job's first Step, then after each
+        policy step; the metrics carry its numbers. Errors: NOT_FOUND, FAILED_PRECONDITION (not
+        enough buffered data).
         """
 
     @_abc_1.abstractmethod

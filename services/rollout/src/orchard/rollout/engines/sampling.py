@@ -4,6 +4,11 @@ engine, synchronous, run off the event loop.
 Prompts are left-padded into one batch with position ids that ignore the padding, so each row
 sees exactly what it would see alone; each row then samples with its own temperature, top-p,
 stop conditions and random generator, one forward pass per step for the whole batch (KV cache).
+Prompts of different lengths are prefilled one by one and their caches joined for decoding:
+a padded batch needs a padding mask, with which the attention (SDPA) can no longer rely on
+causal masking alone and builds the mask in full, rows x width x width (gigabytes for a 32k
+prompt beside a short one); prefilling row by row needs no mask, skips the padding, and was
+faster on the CPU for every mix of lengths measured, from 30 to 4,096 tokens.
 """
 
 from __future__ import annotations
@@ -13,9 +18,10 @@ import secrets
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from orchard.rollout.engines.base import EngineClosed, FinishReason, SamplingParams
 
@@ -92,20 +98,12 @@ def sample_batch(
     logprobs: list[list[float]] = [[] for _ in range(rows)]
     finished: list[FinishReason | None] = [None] * rows
 
-    step_ids, step_positions, past = input_ids, positions, None
-    cache_argument = _cache_argument(model)
+    forward = _Forward(model)
+    if stop_event is not None and stop_event.is_set():
+        raise EngineClosed("the engine closed while sampling")
+    last, past = forward.prefill(input_ids, attention, positions, prompts)
+    step_positions = positions[:, -1:]
     for _ in range(max(budgets)):
-        if stop_event is not None and stop_event.is_set():
-            raise EngineClosed("the engine closed while sampling")
-        out = model(
-            input_ids=step_ids,
-            attention_mask=attention,
-            position_ids=step_positions,
-            use_cache=True,
-            **{cache_argument: past},
-        )
-        past = out.get(cache_argument)
-        last = out.logits[:, -1, :]
         next_ids = torch.full((rows, 1), int(pad), dtype=torch.long)
         for i in range(rows):
             if finished[i] is not None:
@@ -124,19 +122,100 @@ def sample_batch(
                 finished[i] = "length"
         if all(f is not None for f in finished):
             break
-        step_ids = next_ids
+        if stop_event is not None and stop_event.is_set():
+            raise EngineClosed("the engine closed while sampling")
         attention = torch.cat([attention, torch.ones((rows, 1), dtype=torch.long)], dim=1)
-        step_positions = step_positions[:, -1:] + 1
+        step_positions = step_positions + 1
+        last, past = forward(next_ids, attention, step_positions, past)
     return [
         RowResult(tuple(outputs[i]), tuple(logprobs[i]), finished[i] or "length")
         for i in range(rows)
     ]
 
 
-def _cache_argument(model: PreTrainedModel) -> str:
-    # transformers renamed `past_key_values` to `cache` (5.2x); speak whichever this one takes.
-    parameters = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in parameters else "past_key_values"
+class _Forward:
+    """The model's forward pass as sampling uses it: the last position's logits and the cache."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        parameters = inspect.signature(model.forward).parameters
+        # transformers renamed `past_key_values` to `cache` (5.2x); speak whichever this one takes.
+        self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        # Only the last position's logits are sampled from: at 32k prompt tokens the others
+        # would be 32k x vocabulary floats.
+        self.extra: dict[str, Any] = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        attention: torch.Tensor,
+        positions: torch.Tensor,
+        past: Any,
+    ) -> tuple[torch.Tensor, Any]:
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            use_cache=True,
+            **{self.cache_argument: past},
+            **self.extra,
+        )
+        return out.logits[:, -1, :], out.get(self.cache_argument)
+
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        attention: torch.Tensor,
+        positions: torch.Tensor,
+        prompts: Sequence[Sequence[int]],
+    ) -> tuple[torch.Tensor, Any]:
+        """The prompts' last logits and cache: the batch as one when its prompts are equally
+        long (no padding), else row by row with the rows' caches left-padded into one (see the
+        module docstring)."""
+        width = input_ids.shape[1]
+        if len({len(p) for p in prompts}) == 1:
+            return self(input_ids, attention, positions, None)
+        lasts: list[torch.Tensor] = []
+        caches: list[Any] = []
+        for i, prompt in enumerate(prompts):
+            start = width - len(prompt)
+            one = slice(i, i + 1)
+            last, cache = self(
+                input_ids[one, start:], attention[one, start:], positions[one, start:], None
+            )
+            if not _joinable(cache):
+                return self(input_ids, attention, positions, None)
+            lasts.append(last)
+            caches.append(cache)
+        return torch.cat(lasts), _join_left_padded(caches, width)
+
+
+def _joinable(cache: Any) -> bool:
+    """Whether `_join_left_padded` can join this cache: a `DynamicCache` whose layers each hold
+    a whole key and value tensor (no sliding window)."""
+    if not isinstance(cache, DynamicCache):
+        return False
+    # Each layer iterates as (keys, values) or (keys, values, sliding window or None).
+    return all(len(layer) == 2 or layer[2] is None for layer in cache)
+
+
+def _join_left_padded(caches: Sequence[DynamicCache], width: int) -> DynamicCache:
+    """One batch cache of rows' caches, each row's keys and values left-padded with zeros to
+    `width` positions (the attention mask hides them), as a batched prefill would have left it."""
+
+    def padded(states: torch.Tensor) -> torch.Tensor:
+        missing = width - states.shape[-2]
+        if missing == 0:
+            return states
+        zeros = states.new_zeros((*states.shape[:-2], missing, states.shape[-1]))
+        return torch.cat([zeros, states], dim=-2)
+
+    layers = []
+    for per_row in zip(*(list(c) for c in caches), strict=True):
+        keys = torch.cat([padded(layer[0]) for layer in per_row])
+        values = torch.cat([padded(layer[1]) for layer in per_row])
+        layers.append((keys, values))
+    return DynamicCache(layers)
 
 
 def _hits_stop_string(

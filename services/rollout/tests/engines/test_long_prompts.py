@@ -1,0 +1,88 @@
+"""Sampling a batch whose prompts differ in length: each row prefills alone (no padding, so no
+attention mask of the square of the width), the rows' caches are joined for decoding, and every
+row samples exactly what it samples alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from orchard.lm.models import tiny_causal_lm_for
+from orchard.rollout.engines import sampling
+from orchard.rollout.engines.base import SamplingParams
+
+CONTEXT = 4096
+LENGTHS = [600, 12, 40]
+PARAMS = [
+    SamplingParams(max_tokens=6, temperature=0),
+    SamplingParams(max_tokens=6, temperature=1.0, seed=7),
+    SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9, seed=3),
+]
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    built = tiny_causal_lm_for(tokenizer, seed=1, context=CONTEXT)
+    built.train(False)
+    return built
+
+
+@pytest.fixture
+def shapes(monkeypatch) -> list[tuple[int, ...]]:
+    """The input shape of every forward pass sampling makes."""
+    seen: list[tuple[int, ...]] = []
+    forward = sampling._Forward.__call__
+
+    def recording(self, input_ids, attention, positions, past):
+        seen.append(tuple(input_ids.shape))
+        return forward(self, input_ids, attention, positions, past)
+
+    monkeypatch.setattr(sampling._Forward, "__call__", recording)
+    return seen
+
+
+def prompts_of(lengths, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 2000) for _ in range(n)] for n in lengths]
+
+
+def assert_same_as_alone(model, tokenizer, prompts, together) -> None:
+    for prompt, params, row in zip(prompts, PARAMS, together, strict=True):
+        (alone,) = sampling.sample_batch(
+            model, tokenizer, [prompt], [params], context_length=CONTEXT
+        )
+        assert row.token_ids == alone.token_ids
+        assert row.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
+        assert row.finish_reason == alone.finish_reason
+
+
+def test_prompts_of_different_lengths_prefill_alone_and_decode_together(model, tokenizer, shapes):
+    prompts = prompts_of(LENGTHS)
+    together = sampling.sample_batch(model, tokenizer, prompts, PARAMS, context_length=CONTEXT)
+    # One prefill per row at its own length, then one batched step per token.
+    assert shapes[:3] == [(1, n) for n in LENGTHS]
+    assert set(shapes[3:]) == {(3, 1)}
+    assert len(shapes) == 3 + 5  # six tokens at most: the first comes from the prefill
+    assert_same_as_alone(model, tokenizer, prompts, together)
+
+
+def test_prompts_of_one_length_prefill_as_one_batch(model, tokenizer, shapes):
+    prompts = prompts_of([50, 50, 50])
+    together = sampling.sample_batch(model, tokenizer, prompts, PARAMS, context_length=CONTEXT)
+    assert shapes[0] == (3, 50)
+    assert_same_as_alone(model, tokenizer, prompts, together)
+
+
+def test_a_cache_that_cannot_be_joined_falls_back_to_one_padded_batch(
+    model, tokenizer, shapes, monkeypatch
+):
+    class OtherCache:
+        """Stands for any cache class the join does not know."""
+
+    monkeypatch.setattr(sampling, "DynamicCache", OtherCache)
+    prompts = prompts_of(LENGTHS)
+    together = sampling.sample_batch(model, tokenizer, prompts, PARAMS, context_length=CONTEXT)
+    assert shapes[:2] == [(1, LENGTHS[0]), (3, max(LENGTHS))]
+    monkeypatch.undo()
+    assert_same_as_alone(model, tokenizer, prompts, together)
