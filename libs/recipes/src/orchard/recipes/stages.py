@@ -843,6 +843,14 @@ async def _rl(
     every_group: list[trajectory_pb2.TrajectoryGroup] = []
     current = start
     rotation = random.Random(ctx.seed)
+
+    def trains(group: trajectory_pb2.TrajectoryGroup) -> bool:
+        """GRPO learns from groups whose rewards differ; PPO's value model gives every scored
+        rollout an advantage of its own (its reward minus the value), so any scored group."""
+        if stage.estimator == "ppo":
+            return any(_scored(t) for t in group.trajectories)
+        return not group.no_signal_reason
+
     async with (
         WeightVersions(ctx.stack.trainer) as weights,
         RolloutJobs(ctx.stack.rollout) as rollouts,
@@ -868,8 +876,7 @@ async def _rl(
                     bar.set_postfix(rollouts=job.rollouts_done, groups=job.groups_emitted)
 
                 def enough(groups: list[trajectory_pb2.TrajectoryGroup]) -> bool:
-                    with_signal = [g for g in groups if not g.no_signal_reason]
-                    return len(with_signal) >= stage.groups_per_step
+                    return len([g for g in groups if trains(g)]) >= stage.groups_per_step
 
                 job, groups = await rollouts.run(
                     spec,
@@ -878,7 +885,7 @@ async def _rl(
                     enough=enough,
                 )
                 # The service streams every group and says which carry no signal.
-                kept = [g for g in groups if not g.no_signal_reason][: stage.groups_per_step]
+                kept = [g for g in groups if trains(g)][: stage.groups_per_step]
                 every_group += groups
                 _write_groups(groups_log, groups)
                 submitted = (
@@ -891,7 +898,7 @@ async def _rl(
                     "rollout_job": job.id,
                     "sampled": current,
                     "groups_kept": len(kept),
-                    "groups_dropped": sum(bool(g.no_signal_reason) for g in groups),
+                    "groups_dropped": sum(not trains(g) for g in groups),
                     "rollouts": int(job.rollouts_done),
                     "samples": submitted.trajectories_trainable,
                     "reward_mean": _mean(
@@ -969,6 +976,18 @@ def run_rl(ctx: StageContext) -> dict[str, Any]:
         skip_stale=True,
         weight_model=ctx.registry_model,
     )
+    if stage.estimator == "ppo":
+        spec.advantage_estimator = trainer_api.ADVANTAGE_ESTIMATOR_CRITIC
+        spec.critic.CopyFrom(
+            trainer_api.CriticConfig(
+                learning_rate=stage.critic.learning_rate,
+                steps_per_update=stage.critic.steps_per_update,
+                gae_lambda=stage.critic.gae_lambda,
+                value_pretrain_steps=stage.critic.pretrain_steps,
+            )
+        )
+    else:
+        spec.advantage_estimator = trainer_api.ADVANTAGE_ESTIMATOR_GROUP_RELATIVE
 
     async def go() -> dict[str, Any]:
         async with TrainerJobs(ctx.stack.trainer) as trainer:

@@ -293,10 +293,35 @@ class Sampler(ConfigModel):
         return self
 
 
+class Critic(ConfigModel):
+    """The value model of ``estimator: ppo``."""
+
+    learning_rate: float = Field(
+        default=0.0, ge=0, lt=1, description="Peak learning rate; 0: the stage's learning_rate."
+    )
+    pretrain_steps: int = Field(
+        default=8,
+        ge=0,
+        description="Value-model-only steps on the first step's rollouts (the starting "
+        "model's own), so the first policy update uses fitted values.",
+    )
+    steps_per_update: int = Field(
+        default=1, ge=1, description="Value-model steps after each policy step."
+    )
+    gae_lambda: float = Field(default=1.0, ge=0, le=1, description="GAE lambda.")
+
+
 class Rl(Stage):
     """Policy-gradient training on the RL tasks, starting from the SFT model."""
 
     steps: int = Field(default=4, ge=1)
+    estimator: Literal["grpo", "ppo"] = Field(
+        default="grpo",
+        description="grpo: group-relative advantages over the (task, harness) groups' "
+        "trajectories; ppo: per-token advantages from a value model the stage pretrains on "
+        "the first step's rollouts (`critic`).",
+    )
+    critic: Critic = Critic()
     groups_per_step: int = Field(default=4, ge=1)
     learning_rate: float = Field(default=5e-4, gt=0, lt=1)
     clip_low: float = Field(default=0.2, gt=0, lt=1)
@@ -316,6 +341,12 @@ class Rl(Stage):
             "the tasks it trained on. last: the last version, unchecked."
         ),
     )
+
+    @model_validator(mode="after")
+    def _critic_needs_ppo(self) -> Rl:
+        if "critic" in self.model_fields_set and self.estimator != "ppo":
+            raise ValueError("rl.critic configures the value model of estimator: ppo")
+        return self
 
 
 class Evaluate(Stage):

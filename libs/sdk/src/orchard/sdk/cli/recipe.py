@@ -242,7 +242,11 @@ def _settings(recipe: Recipe, name: str) -> str:
         )
     if name == "rl":
         sampler = s.rl.sampler
-        return f"{s.rl.steps} steps x {s.rl.groups_per_step} groups, {sampler.kind} N={sampler.n}"
+        estimator = "PPO (value model)" if s.rl.estimator == "ppo" else "GRPO"
+        return (
+            f"{s.rl.steps} steps x {s.rl.groups_per_step} groups, {sampler.kind} N={sampler.n}, "
+            f"{estimator}"
+        )
     k = s.evaluate.attempts_per_task
     passk = f", pass@{k} and pass^{k}" if k > 1 else ""
     return f"{k} attempts/task, {s.evaluate.confidence:.0%} intervals{passk}"
