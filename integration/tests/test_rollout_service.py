@@ -519,7 +519,9 @@ def test_a_job_brings_an_endpoint_and_its_trajectories_carry_the_conversation(
         (lambda s: s.harnesses.append("builtin:nope"), "INVALID_ARGUMENT", "known harnesses"),
         (lambda s: setattr(s, "policy", "gpt-9"), "INVALID_ARGUMENT", "configured policies"),
         (lambda s: setattr(s.tasks[0], "scorer_json", "{"), "INVALID_ARGUMENT", "not JSON"),
-        (lambda s: setattr(s.tasks[0], "id", "a/b"), "INVALID_ARGUMENT", "letters, digits"),
+        (lambda s: setattr(s.tasks[0], "id", "a/../b"), "INVALID_ARGUMENT", "letters, digits"),
+        (lambda s: setattr(s.tasks[0], "id", "a//b"), "INVALID_ARGUMENT", "letters, digits"),
+        (lambda s: setattr(s.tasks[0], "id", "/a"), "INVALID_ARGUMENT", "letters, digits"),
         (
             lambda s: s.sampler.CopyFrom(fixed_n(1, keep_all=False)),
             "INVALID_ARGUMENT",

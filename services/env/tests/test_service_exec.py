@@ -180,6 +180,51 @@ async def test_dead_agent_is_unavailable_then_failed(env: Any, runtime: Any) -> 
     assert await runtime.list_sandboxes() == []
 
 
+@pytest.mark.parametrize("streaming", [False, True], ids=["Exec", "ExecStream"])
+async def test_a_delete_during_an_exec_ends_the_exec_with_a_status(
+    env: Any, streaming: bool
+) -> None:
+    """The attack: a running exec whose sandbox is deleted under it. grpc.aio ends a call on a
+    closing channel by cancelling it; the handler used to let that cancellation out, which ends
+    the RPC without a status, so the caller hung until its own deadline (an hour by default)."""
+    sandbox = await env.ready()
+    command = exec_pb2.Command(shell="echo started; sleep 60")
+    deadline_s = 45
+    if streaming:
+        call = env.stub.ExecStream(
+            api.ExecStreamRequest(sandbox_id=sandbox.id, command=command),
+            metadata=env.md(),
+            timeout=deadline_s,
+        )
+        replies = aiter(call)
+        while (await anext(replies)).event.WhichOneof("event") != "stdout":
+            pass  # until the command runs: its first output came back
+
+        async def drain() -> None:
+            async for _ in replies:
+                pass
+
+        outcome: Any = asyncio.ensure_future(drain())
+    else:
+        outcome = asyncio.ensure_future(
+            env.stub.Exec(
+                api.ExecRequest(sandbox_id=sandbox.id, command=command),
+                metadata=env.md(),
+                timeout=deadline_s,
+            )
+        )
+        await asyncio.sleep(0.5)  # the agent runs the command
+        assert not outcome.done()
+    started = time.monotonic()
+    await env.stub.DeleteSandbox(api.DeleteSandboxRequest(sandbox_id=sandbox.id), metadata=env.md())
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await outcome
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION, caught.value
+    assert "stopped being READY during the call" in caught.value.details()
+    assert sandbox.id in caught.value.details()
+    assert time.monotonic() - started < deadline_s / 3  # an answer, not the deadline
+
+
 async def test_exec_in_pending_sandbox_is_failed_precondition(env: Any, runtime: Any) -> None:
     original = runtime.create
 

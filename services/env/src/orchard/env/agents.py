@@ -91,6 +91,9 @@ class AgentLink:
 
     ``lock`` serializes this replica's calls to the sandbox: a call holds it from start to
     end, and a streaming call (ExecStream, ReadFile, WriteFile) for as long as it streams.
+    ``closed`` says why the channel was closed, once it is: grpc.aio ends the calls in flight on
+    a closing channel by cancelling them, and their callers must not take that for their own
+    cancellation.
     """
 
     sandbox_id: str
@@ -98,6 +101,7 @@ class AgentLink:
     channel: grpc.aio.Channel
     stub: inagent_service_pb2_grpc.AgentServiceStub
     lock: asyncio.Lock
+    closed: str = ""
 
 
 class AgentLinks:
@@ -134,7 +138,7 @@ class AgentLinks:
         if link is not None and link.address == address:
             return link
         if link is not None:
-            self._close_later(link)
+            self._close_later(link, "its agent's address changed")
         channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         stub = (
             inagent_service_pb2_grpc.AgentServiceStub(channel)
@@ -155,17 +159,20 @@ class AgentLinks:
         """Close the sandbox's channel (it is gone); calls in flight on it fail."""
         link = self._links.pop(sandbox_id, None)
         if link is not None:
-            self._close_later(link)
+            self._close_later(link, "the sandbox failed or is being deleted")
 
     async def close(self) -> None:
         links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.closed = "the service is stopping"
         await asyncio.gather(*(link.channel.close() for link in links), return_exceptions=True)
         await asyncio.gather(*self._closing, return_exceptions=True)
 
     def __len__(self) -> int:
         return len(self._links)
 
-    def _close_later(self, link: AgentLink) -> None:
+    def _close_later(self, link: AgentLink, why: str) -> None:
+        link.closed = why
         task = asyncio.get_running_loop().create_task(link.channel.close())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)

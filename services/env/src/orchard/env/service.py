@@ -170,9 +170,25 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
         self, link: AgentLink, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[None]:
         """Turn the agent's failures into ours: UNAVAILABLE with a clear message (and a check
-        of whether the sandbox died); every other status and its ErrorInfo unchanged."""
+        of whether the sandbox died); every other status and its ErrorInfo unchanged.
+
+        A call whose link closed under it (the sandbox failed or is being deleted meanwhile)
+        ends in FAILED_PRECONDITION: grpc.aio cancels such a call, and a cancellation leaving
+        this handler would end the RPC with no status, so the caller would wait for its
+        deadline. Only this handler's own cancellation (its caller went away) passes through.
+        """
         try:
             yield
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not link.closed or (task is not None and task.cancelling()):
+                raise
+            raise OrchardError(
+                EnvReason.SANDBOX_NOT_READY,
+                f"sandbox {link.sandbox_id!r} stopped being READY during the call "
+                f"({link.closed}); what the call had done in it is unknown",
+                metadata={"sandbox_id": link.sandbox_id},
+            ) from None
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 tenant = self._auth.tenant(context)
