@@ -50,7 +50,8 @@ def _recipe(student: str) -> dict[str, Any]:
     stages["sft"].update(epochs=1, warmup_steps=1)
     # PPO here (the software recipe's test trains GRPO): a value model pretrained on the first
     # step's rollouts, through both programs' captured tokens.
-    stages["rl"].update(steps=1, groups_per_step=1, estimator="ppo", critic={"pretrain_steps": 2})
+    # Four groups a step: both RL tasks in both programs, so the one step is mixed.
+    stages["rl"].update(steps=1, groups_per_step=4, estimator="ppo", critic={"pretrain_steps": 2})
     stages["evaluate"].update(attempts_per_task=K)
     return data
 
