@@ -176,6 +176,8 @@ class EnginePool:
         the model's latest version, followed."""
         if key.script:
             return await self._start_scripted(key)
+        if key.relay:
+            return await self._start_relay(key)
         if key.base_url:
             return await self.start_policy(key.name, key.as_config())
         if self.registry is None:
@@ -201,24 +203,60 @@ class EnginePool:
         rollouts rebuild into trajectories as a student's do."""
         from orchard.lm.tokenizer import build_tokenizer  # noqa: PLC0415 - loads transformers
         from orchard.rollout.engines.scripted import ScriptedEngine  # noqa: PLC0415
-        from orchard.rollout.proxy.server import CaptureProxy  # noqa: PLC0415
 
         message = api.ScriptedPolicy.FromString(key.script)
         seed = message.seed if message.HasField("seed") else None
         engine = ScriptedEngine(script_from_proto(message), build_tokenizer(), seed=seed)
-        proxy = CaptureProxy(engine, self.config.proxy)
-        await proxy.start()
-        log.info(
-            "job policy %s: scripted, %d plans, behind %s", key.name, len(message.plans), proxy.url
+        return await self._behind_proxy(
+            key.name, engine, key.as_config(), f"scripted, {len(message.plans)} plans"
         )
+
+    async def _start_relay(self, key: JobPolicyKey) -> StartedPolicy:
+        """The job's endpoint through a capture proxy of its own (`RelayEngine`, the built-in
+        tokenizer): agent programs of every dialect reach the proxy, the endpoint is asked in
+        chat completions, and the calls are captured as a scripted teacher's are."""
+        from orchard.lm.tokenizer import build_tokenizer  # noqa: PLC0415 - loads transformers
+        from orchard.rollout.engines.relay import RelayEngine  # noqa: PLC0415
+
+        policy = key.as_config()
+        assert policy.base_url is not None  # an endpoint key
+        engine = RelayEngine(
+            base_url=policy.base_url,
+            model=policy.model,
+            api_key=policy.api_key(),
+            tokenizer=build_tokenizer(),
+            temperature=policy.temperature,
+        )
+        await engine.start()
+        return await self._behind_proxy(key.name, engine, policy, f"relay to {policy.base_url}")
+
+    async def _behind_proxy(
+        self, name: str, engine: InferenceEngine, policy: PolicyConfig, what: str
+    ) -> StartedPolicy:
+        """`engine` (started) behind a capture proxy of its own, which bounds every call by the
+        policy's tokens per call (agent programs ask for what they like); the engine is closed
+        when the proxy cannot start."""
+        from orchard.rollout.proxy.server import CaptureProxy  # noqa: PLC0415
+
+        proxy_config = self.config.proxy.model_copy(
+            update={"max_tokens_cap": policy.max_tokens_per_call}
+        )
+        proxy = CaptureProxy(engine, proxy_config)
+        try:
+            await proxy.start()
+        except BaseException:
+            await engine.close()
+            raise
+        log.info("policy %s: %s, behind %s", name, what, proxy.url)
         return StartedPolicy(
             ModelEndpoint(
                 base_url=proxy.url + "/v1",
-                model=key.model,
-                temperature=key.temperature,
-                max_tokens_per_call=key.max_tokens_per_call,
+                model=policy.model,
+                temperature=policy.temperature,
+                max_tokens_per_call=policy.max_tokens_per_call,
             ),
             capture=ProxyCapture(proxy, self.config.settle_timeout_s),
+            engine=engine,
             proxy=proxy,
         )
 
@@ -237,38 +275,12 @@ class EnginePool:
                 )
             )
         from orchard.rollout.engines import create_engine  # noqa: PLC0415 - loads torch or vLLM
-        from orchard.rollout.proxy.server import CaptureProxy  # noqa: PLC0415
 
         registry = self.registry
         if registry is not None:
             registry = registry.for_model(policy.engine.registry_model)
         engine = create_engine(policy.engine, registry=registry)
         await engine.start()
-        # The policy's budget per call binds agent programs too, which ask for what they like.
-        proxy_config = self.config.proxy.model_copy(
-            update={"max_tokens_cap": policy.max_tokens_per_call}
-        )
-        proxy = CaptureProxy(engine, proxy_config)
-        try:
-            await proxy.start()
-        except BaseException:
-            await engine.close()
-            raise
-        log.info(
-            "policy %s: %s engine %s behind %s",
-            name,
-            policy.kind,
-            engine.weight_version,
-            proxy.url,
-        )
-        return StartedPolicy(
-            ModelEndpoint(
-                base_url=proxy.url + "/v1",
-                model=policy.model,
-                temperature=policy.temperature,
-                max_tokens_per_call=policy.max_tokens_per_call,
-            ),
-            capture=ProxyCapture(proxy, self.config.settle_timeout_s),
-            engine=engine,
-            proxy=proxy,
+        return await self._behind_proxy(
+            name, engine, policy, f"{policy.kind} engine {engine.weight_version}"
         )

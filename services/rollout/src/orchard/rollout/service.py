@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import re
@@ -42,6 +43,7 @@ from orchard.rollout.harnesses.bash_react import (
 )
 from orchard.rollout.harnesses.kinds import Harness
 from orchard.rollout.harnesses.program_registry import program_harnesses
+from orchard.rollout.harnesses.sandboxed import SandboxedProgramHarness
 from orchard.rollout.harnesses.tool_loop import ToolCallingHarness
 from orchard.rollout.job_events import JobEvents
 from orchard.rollout.job_store import BadPageToken, decode_page_token, encode_page_token
@@ -125,6 +127,10 @@ class JobPolicyKey:
     api_key_env: str = ""
     script: bytes = b""
     """A serialized `ScriptedPolicy`, checked by `_job_policy`."""
+    relay: bool = False
+    """An endpoint the job's agent programs reach through a capture proxy of the job's own
+    (`RelayEngine`): they speak their own dialects, the endpoint chat completions, and their
+    calls are captured. Set when the job runs a program harness."""
 
     @property
     def name(self) -> str:
@@ -313,6 +319,10 @@ def validate_spec(
         if spec.policy:
             raise _invalid("spec names a policy and brings a policy_spec: give one of them")
         job_policy = _job_policy(spec.policy_spec, config)
+        if job_policy.base_url and any(
+            isinstance(harnesses[name], SandboxedProgramHarness) for name in spec.harnesses
+        ):
+            job_policy = dataclasses.replace(job_policy, relay=True)
         policy = ""
     else:
         policy = spec.policy or config.default_policy

@@ -456,15 +456,19 @@ class PolicySpec(_message.Message):
 
     @_builtins.property
     def endpoint(self) -> Global___ChatEndpoint:
-        """An endpoint (a hosted model, a teacher): its calls are not captured, so trajectories
-        carry their conversation (`Trajectory.conversation_json`) and no turns.
+        """An endpoint of OpenAI chat completions (a hosted model, a teacher). The built-in tool
+        loop calls it directly: trajectories carry their conversation
+        (`Trajectory.conversation_json`) and no turns. A job that runs agent programs reaches it
+        through a capture proxy of the job's own, which asks it in chat completions whatever
+        dialect each program speaks: their calls are captured (turns in the built-in tokenizer).
         """
 
     @_builtins.property
     def scripted(self) -> Global___ScriptedPolicy:
         """A scripted policy (a teacher that needs no model and no network) that the rollout
-        service plays itself, for this job only; like an endpoint its calls are not captured,
-        so trajectories carry their conversation and no turns.
+        service plays itself, for this job only, behind a capture proxy of the job's own: its
+        calls are captured (turns in the built-in tokenizer) and tool-loop trajectories carry
+        their conversation too.
         """
 
     def __init__(

@@ -143,11 +143,16 @@ class InferenceEngine(Protocol):
 @runtime_checkable
 class TurnEngine(Protocol):
     """An engine that decides whole turns from the conversation instead of sampling tokens (a
-    scripted teacher: `orchard.rollout.engines.scripted.ScriptedEngine`); the capture proxy
-    writes its turns in the engine's tokenizer's chat template."""
+    scripted teacher, `orchard.rollout.engines.scripted.ScriptedEngine`, or a teacher endpoint,
+    `orchard.rollout.engines.relay.RelayEngine`); the capture proxy writes its turns in the
+    engine's tokenizer's chat template."""
 
-    def decide(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
+    async def decide(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]],
+        params: SamplingParams,
     ) -> tuple[str, tuple[ToolCall, ...]]:
-        """The next turn's text and tool calls."""
+        """The next turn's text and tool calls (`params`: the call's sampling, as bounded by the
+        proxy)."""
         ...

@@ -79,10 +79,14 @@ class ScriptedEngine:
             "a scripted engine decides turns from messages: serve it behind the capture proxy"
         )
 
-    def decide(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
+    async def decide(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]],
+        params: SamplingParams,
     ) -> tuple[str, tuple[ToolCall, ...]]:
-        """The next turn's text and tool calls for a conversation and the tools offered."""
+        """The next turn's text and tool calls for a conversation and the tools offered (the
+        script samples with its own seed, whatever `params` say)."""
         self.turns += 1
         step = self.policy.next_step(messages, tools)
         calls = (ToolCall(step.tool, json.dumps(step.arguments)),) if step.tool else ()

@@ -424,7 +424,7 @@ class CaptureProxy:
         tokens, as a model of its tokenizer would have sampled it (logprobs 0.0)."""
         if not isinstance(self.engine, TurnEngine):
             return await self.engine.generate(prompt_ids, params)
-        content, calls = self.engine.decide(request.messages, request.tools)
+        content, calls = await self.engine.decide(request.messages, request.tools, params)
         text = format_assistant_text(content, calls)
         ids = [int(i) for i in self.engine.tokenizer.encode(text, add_special_tokens=False)]
         ids += renderer.stop_token_ids[:1]
