@@ -27,7 +27,8 @@ import openai
 from transformers import PreTrainedTokenizerBase
 
 from orchard.lm.chat import ToolCall
-from orchard.rollout.engines.base import EngineError, Generation, InvalidRequest, SamplingParams
+from orchard.rollout.engines.base import EngineError, InvalidRequest, SamplingParams
+from orchard.rollout.engines.turn_base import TurnEngineBase
 
 __all__ = ["RelayEngine"]
 
@@ -35,9 +36,11 @@ _REFUSED = frozenset({400, 404, 413, 422})
 """Statuses that mean the request itself was wrong: retrying it would not help."""
 
 
-class RelayEngine:
+class RelayEngine(TurnEngineBase):
     """Turns from an OpenAI-compatible endpoint, in `tokenizer`'s tokens; see the module
     docstring."""
+
+    kind = "a teacher endpoint's engine"
 
     def __init__(
         self,
@@ -51,29 +54,18 @@ class RelayEngine:
         max_retries: int = 3,
         context_length: int = 1 << 20,
     ) -> None:
+        super().__init__(tokenizer, context_length)
         self.base_url = base_url
         self.model = model
         self._api_key = api_key
-        self._tokenizer = tokenizer
         self._temperature = temperature
         self._timeout_s = timeout_s
         self._max_retries = max_retries
-        self._context_length = context_length
         self._client: openai.AsyncOpenAI | None = None
-        self.turns = 0
-        """Turns the endpoint decided so far."""
 
     @property
     def weight_version(self) -> str:
         return f"endpoint:{self.model}"
-
-    @property
-    def tokenizer(self) -> PreTrainedTokenizerBase:
-        return self._tokenizer
-
-    @property
-    def context_length(self) -> int:
-        return self._context_length
 
     async def start(self) -> None:
         if self._client is None:
@@ -88,24 +80,6 @@ class RelayEngine:
         client, self._client = self._client, None
         if client is not None:
             await client.close()
-
-    async def __aenter__(self) -> RelayEngine:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
-
-    async def load_version(self, version: str, folder: str) -> None:
-        raise InvalidRequest("a teacher endpoint has no weights to load")
-
-    async def wait_for_weights(self, version: str | None = None) -> None:
-        return None
-
-    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Generation:
-        raise InvalidRequest(
-            "a teacher endpoint decides turns from messages: serve it behind the capture proxy"
-        )
 
     async def decide(
         self,

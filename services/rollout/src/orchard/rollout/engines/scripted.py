@@ -21,14 +21,17 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from orchard.lm.chat import ToolCall
-from orchard.rollout.engines.base import Generation, InvalidRequest, SamplingParams
+from orchard.rollout.engines.base import SamplingParams
+from orchard.rollout.engines.turn_base import TurnEngineBase
 from orchard.rollout.scripted_policy import PolicyScript, ScriptedPolicy
 
 __all__ = ["ScriptedEngine"]
 
 
-class ScriptedEngine:
+class ScriptedEngine(TurnEngineBase):
     """`ScriptedPolicy` turns in `tokenizer`'s tokens; see the module docstring."""
+
+    kind = "a scripted engine"
 
     def __init__(
         self,
@@ -38,46 +41,12 @@ class ScriptedEngine:
         seed: int | None = None,
         context_length: int = 1 << 20,
     ) -> None:
+        super().__init__(tokenizer, context_length)
         self.policy = ScriptedPolicy(script, seed)
-        self._tokenizer = tokenizer
-        self._context_length = context_length
-        self.turns = 0
-        """Turns decided so far (a test's count of the calls that reached the teacher)."""
 
     @property
     def weight_version(self) -> str:
         return f"scripted:{self.policy.script.model}"
-
-    @property
-    def tokenizer(self) -> PreTrainedTokenizerBase:
-        return self._tokenizer
-
-    @property
-    def context_length(self) -> int:
-        return self._context_length
-
-    async def start(self) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
-
-    async def __aenter__(self) -> ScriptedEngine:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        return None
-
-    async def load_version(self, version: str, folder: str) -> None:
-        raise InvalidRequest("a scripted engine has no weights to load")
-
-    async def wait_for_weights(self, version: str | None = None) -> None:
-        return None
-
-    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Generation:
-        raise InvalidRequest(
-            "a scripted engine decides turns from messages: serve it behind the capture proxy"
-        )
 
     async def decide(
         self,
