@@ -286,6 +286,49 @@ async def test_an_rl_job_steps_on_scored_groups(trainer):
     )
 
 
+@pytest.mark.parametrize("kl_coef", [0.0, 0.5])
+async def test_an_rl_job_s_kl_penalty_measures_the_policy_against_its_starting_one(
+    trainer, kl_coef: float
+):
+    """With kl_coef > 0 the ranks hold a frozen copy of the starting policy: the first update
+    is at the reference (KL 0), the next has moved away from it (KL > 0). Without it nothing
+    is measured (no reference is loaded)."""
+    t = await trainer.start()
+    spec = api.TrainingJobSpec(
+        mode=api.TRAINING_MODE_RL,
+        model="builtin:tiny",
+        total_steps=4,
+        micro_batch_size=2,
+        learning_rate=5e-3,
+        policy_loss=api.PolicyLossConfig(clip_low=0.2, clip_high=0.2, kl_coef=kl_coef),
+    )
+    job = (await t.stub.CreateTrainingJob(api.CreateTrainingJobRequest(spec=spec))).job
+    build = TrajectoryBuilder()
+
+    def group(name: str) -> trajectory_pb2.TrajectoryGroup:
+        def turns(*outputs: int) -> list[Any]:
+            return [build.Turn(inputs=[1, 11, 12, 2], outputs=list(outputs))]
+
+        return trajectory_pb2.TrajectoryGroup(
+            id=name,
+            trajectories=[
+                build(turns(13, 14, 3), trajectory_id=f"{name}a", reward=1.0),
+                build(turns(15, 16, 3), trajectory_id=f"{name}b", reward=0.0),
+            ],
+        )
+
+    kls = []
+    for name in ("g0", "g1"):
+        await submit(t.stub, job.id, [group(name)])
+        (metrics,) = (await t.stub.Step(api.StepRequest(job_id=job.id, steps=1))).steps
+        kls.append(metrics.extra["kl_mean"])
+    if kl_coef == 0.0:
+        assert kls == [0.0, 0.0]
+    else:
+        assert kls[0] == pytest.approx(0.0, abs=1e-6)
+        assert kls[1] > 1e-5, kls
+
+
 async def test_cancel_keeps_checkpoints_and_refuses_more_work(trainer):
     t = await trainer.start()
     job = (await t.stub.CreateTrainingJob(api.CreateTrainingJobRequest(spec=sft_spec()))).job

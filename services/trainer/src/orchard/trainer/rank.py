@@ -14,6 +14,8 @@ An RL job with ADVANTAGE_ESTIMATOR_CRITIC holds a second engine, the value model
 `critic_engine_config`), built before the policy's engine partitions anything. Its first Step
 runs `critic.value_pretrain` on the Step's batch before `critic.ppo_update`; checkpoints save
 the value model beside the policy and a resume restores it (no second pretraining then).
+An RL job whose `policy_loss.kl_coef` is above 0 also holds a frozen copy of its starting policy,
+the reference its KL penalty measures the policy against (the same copy after a resume).
 
 The rank never touches the artifact store: the controller hands it local folders (model,
 dataset, checkpoint to resume from) and uploads what it saves. A rank exits when the
@@ -23,6 +25,7 @@ connection closes, when told to, or when the controller process is gone.
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import math
 import os
@@ -38,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 
 from orchard.trainer.checkpoints import (
     CRITIC_DIR,
@@ -253,6 +257,7 @@ class RankTrainer:
         value_config = critic_engine_config(spec)
         # Copied before the policy's engine exists: under ZeRO-3 it partitions the weights.
         value_model = build_critic(self.policy.model) if self.critic_config else None
+        self.reference = self._reference_model()
         checkpoint = universal = critic_universal = None
         if setup.resume_from is not None:
             checkpoint = read_checkpoint(setup.resume_from)
@@ -268,6 +273,8 @@ class RankTrainer:
                 config = replace(config, load_universal=True)
                 value_config = replace(value_config, load_universal=True)
         self.engine = TrainingEngine(self.policy.model, config, process_group=group)
+        if self.reference is not None:
+            torch.nn.Module.to(self.reference, self.engine.device)
         try:
             if value_model is not None:
                 self.critic = TrainingEngine(value_model, value_config, process_group=group)
@@ -285,6 +292,16 @@ class RankTrainer:
                 for folder in (universal, critic_universal):
                     if folder is not None:
                         shutil.rmtree(folder, ignore_errors=True)
+
+    def _reference_model(self) -> PreTrainedModel | None:
+        """The KL penalty's reference: a frozen copy of the job's starting policy (`spec.model`,
+        also when resuming), kept only by RL jobs whose `policy_loss.kl_coef` is above 0."""
+        if self.mode != "rl" or policy_loss_config(self.spec).kl_coef <= 0.0:
+            return None
+        reference = copy.deepcopy(self.policy.model)
+        reference.train(False)  # no dropout: its logprobs are the reference
+        reference.requires_grad_(False)
+        return reference
 
     def ready(self) -> RankReady:
         return RankReady(os.getpid(), self.engine.global_step, len(self.sft_samples))
@@ -356,7 +373,11 @@ class RankTrainer:
         self.rl_sample_rewards = []
         if self.critic is None or self.critic_config is None:
             return run_rl_update(
-                self.engine, batch, self._rl_config(steps), pad_id=self.policy.pad_id
+                self.engine,
+                batch,
+                self._rl_config(steps),
+                pad_id=self.policy.pad_id,
+                reference=self.reference,
             )
         return self._ppo_steps(batch, steps, self.critic, self.critic_config)
 
@@ -422,6 +443,7 @@ class RankTrainer:
             self._rl_config(steps),
             config,
             pad_id=self.policy.pad_id,
+            reference=self.reference,
         )
         results = ppo.steps()
         if pretrain:
