@@ -14,6 +14,7 @@ from orchard.rollout.v1 import rollout_service_pb2
 from orchard.tasks.commands import JUNIT_ENV, pytest_command
 from orchard.tasks.spec import (
     CommandCheck,
+    McpServer,
     ServiceTaskCheck,
     TaskFile,
     TaskSpec,
@@ -47,6 +48,12 @@ def _tasks() -> list[TaskSpec]:
             files=(TaskFile("file:///store/repos/abc.tar", "/testbed"),),
         ),
         TaskSpec("s", "score it", ServiceTaskCheck("calc-1")),
+        TaskSpec(
+            "m",
+            "mail it",
+            ServiceTaskCheck("claw/0/reply_mail/0"),
+            mcp_servers=(McpServer("claw", ("/opt/claw/bin/claw-mcp", "--apps", "mail")),),
+        ),
         TaskSpec("g", "use the tool", tests, tools=(CommandTool.from_declaration(TOOL),)),
     ]
 
@@ -82,6 +89,14 @@ def test_a_declared_tool_reads_back_as_declared() -> None:
         ({"score_task": "x", "files": [{"url": "/local/path.tar", "path": "/t"}]}, "artifact URL"),
         ({"score_task": "x", "files": [{"url": "file:///a.tar", "path": "t"}]}, "absolute"),
         ({"score_task": "x", "tools": [{"name": "n"}]}, "lacks parameters, command"),
+        ({"score_task": "x", "mcp_servers": {"claw": ["c"]}}, "must be a list"),
+        ({"score_task": "x", "mcp_servers": [{"name": "c", "command": []}]}, '"command": ["argv"'),
+        ({"score_task": "x", "mcp_servers": [{"name": "a b", "command": ["c"]}]}, "letters"),
+        ({"score_task": "x", "mcp_servers": [{"name": "c", "command": "c"}]}, "got {"),
+        (
+            {"score_task": "x", "mcp_servers": [{"name": "c", "command": ["c"]}] * 2},
+            "names 'c' twice",
+        ),
     ],
 )
 def test_bad_settings_are_refused_saying_what_to_fix(settings: dict[str, Any], words: str) -> None:

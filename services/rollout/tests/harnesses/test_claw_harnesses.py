@@ -7,6 +7,7 @@ calls of a mixed group (the same task through both programs) rebuild into trajec
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -176,3 +177,72 @@ async def test_a_mixed_group_of_programs_rebuilds_into_trajectories(run_group: R
         if name == "program:claude-code":
             main = [len(t.turns) for t in trajectories if "branch" not in t.metadata]
             assert max(main) >= len(TASK.solution) + 1, main
+
+
+def _mcp_script() -> PolicyScript:
+    """The reference solution said in the Claw MCP server's tools instead of the shell: the
+    teacher finds `mail_search` and `mail_reply` among the tools the program offers (Claude
+    Code's `mcp__claw__mail_reply`), which only a configured MCP server puts there."""
+    search, reply = (shlex.split(command) for command in TASK.solution)
+    assert search[:2] == ["mail", "search"] and reply[:2] == ["mail", "reply"], TASK.solution
+    body = reply[reply.index("--body") + 1]
+    return PolicyScript.from_json(
+        {
+            "plans": [
+                {
+                    "match": TASK.instruction[:40],
+                    "solve_rate": 1.0,
+                    "solution": [
+                        {"thought": "I look for the mail.", "tool": "mail_search",
+                         "arguments": {"query": search[2]}},
+                        {"thought": "I reply.", "tool": "mail_reply",
+                         "arguments": {"id": reply[2], "body": body}},
+                        {"thought": "I replied."},
+                    ],
+                    "failure": [{"thought": "I cannot."}],
+                }
+            ]
+        }
+    )  # fmt: skip
+
+
+async def test_claude_code_uses_the_claw_tools_through_the_mcp_server_the_task_declares(
+    sandboxes: AsyncSandboxClient,
+    harness_cache: HarnessCache,
+    reachable_host: str,
+    reward_target: str,
+    tmp_path: Path,
+) -> None:
+    name = "program:claude-code"
+    store = ArtifactStore(f"file://{tmp_path / 'store'}")
+    spec = task_spec(TASK, publish_archives(store, mcp=True), mcp=True)
+    assert [s.name for s in spec.mcp_servers] == ["claw"]
+    engine = ScriptedEngine(_mcp_script(), build_tokenizer(), seed=0)
+    config = CaptureProxyConfig(host=reachable_host, settle_quiet_s=0.2)
+    async with (
+        CaptureProxy(engine, config) as proxy,
+        RewardServiceScorer(reward_target, call_timeout_s=120) as scorer,
+    ):
+        run = RolloutRunner(
+            sandboxes=sandboxes,
+            endpoint=ModelEndpoint(base_url="unused", model="teacher"),
+            harnesses={name: program_harness(name, harness_cache, wall_clock_s=180)},
+            tasks={KEY: spec},
+            budget=RolloutBudget(max_duration_s=240),
+            retries=RETRIES,
+            capture=ProxyCapture(proxy),
+            scorer=scorer,
+            files=StoreFiles(store),
+            seed=1,
+        )
+        result = await run(GroupKey(KEY, name), 0)
+    record = result.payload
+    assert record.failure is None, record.failure
+    [event] = record.tool_events
+    assert event.exit_code == 0, event.output[-2000:]
+    assert result.reward is not None and result.reward >= PASS_MARK, record.reward
+    # The two steps were calls of the MCP server's tools, not of the program's shell.
+    called = [c["function"]["name"] for call in record.calls for c in call.tool_calls]
+    assert len(called) == 2, called
+    assert called[0].endswith("mail_search") and called[1].endswith("mail_reply"), called
+    assert all(tool.startswith("mcp__claw__") for tool in called), called

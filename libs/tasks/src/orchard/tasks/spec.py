@@ -18,7 +18,10 @@ id, image, instruction and `scorer_json`, a JSON object with
 - `tools`: tool declarations for the generic loop ({"name", "description", "parameters",
   "command": argv, "timeout_s"?}),
 - `memory`: the sandbox's memory limit ("512M"); doubled once when setup runs out of memory,
-- `workdir`: an absolute directory the harness's shell commands run in (e.g. "/testbed").
+- `workdir`: an absolute directory the harness's shell commands run in (e.g. "/testbed"),
+- `mcp_servers`: [{"name", "command": argv}]: MCP servers over stdio that the sandbox can run
+  (e.g. the Claw tools' ``claw-mcp``); an agent program with MCP support is configured to start
+  them (`orchard.rollout.harnesses.sandboxed`), a shell-only harness ignores them.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from orchard.tasks.tools import CommandTool
 __all__ = [
     "Check",
     "CommandCheck",
+    "McpServer",
     "ServiceTaskCheck",
     "TaskFile",
     "TaskSpec",
@@ -87,6 +91,49 @@ class TaskFile:
         return {"url": self.url, "path": self.path}
 
 
+@dataclass(frozen=True, slots=True)
+class McpServer:
+    """An MCP server over stdio in the sandbox: `command` is its argv there."""
+
+    name: str
+    command: tuple[str, ...]
+
+    def declaration(self) -> dict[str, Any]:
+        return {"name": self.name, "command": list(self.command)}
+
+
+_MCP_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+
+
+def _mcp_servers(task_id: str, settings: Mapping[str, Any]) -> tuple[McpServer, ...]:
+    raw = settings.get("mcp_servers", [])
+    if not isinstance(raw, list):
+        raise ValueError(f'task {task_id!r}: "mcp_servers" must be a list of {{"name", "command"}}')
+    out: list[McpServer] = []
+    for item in raw:
+        name = item.get("name") if isinstance(item, dict) else None
+        command = item.get("command") if isinstance(item, dict) else None
+        if (
+            not isinstance(item, dict)
+            or set(item) != {"name", "command"}
+            or not isinstance(name, str)
+            or not 0 < len(name) <= 64
+            or not set(name) <= _MCP_NAME_CHARS
+            or not isinstance(command, list)
+            or not command
+            or not all(isinstance(part, str) and part for part in command)
+        ):
+            raise ValueError(
+                f'task {task_id!r}: each of "mcp_servers" must be {{"name": letters, digits, '
+                f'"_" or "-" (at most 64), "command": ["argv", "in", "the", "sandbox"]}}, '
+                f"got {item!r}"
+            )
+        if any(server.name == name for server in out):
+            raise ValueError(f"task {task_id!r}: mcp_servers names {name!r} twice")
+        out.append(McpServer(name, tuple(command)))
+    return tuple(out)
+
+
 def _files(task_id: str, settings: Mapping[str, Any]) -> tuple[TaskFile, ...]:
     raw = settings.get("files", [])
     if not isinstance(raw, list):
@@ -120,6 +167,8 @@ class TaskSpec:
     """Where the harness's shell commands run; empty: the sandbox's working directory."""
     files: tuple[TaskFile, ...] = ()
     """Archives unpacked into the sandbox before `setup` runs."""
+    mcp_servers: tuple[McpServer, ...] = ()
+    """MCP servers the sandbox can run, for agent programs that take them."""
 
     def to_proto(self) -> rollout_service_pb2.RolloutTask:
         """The task as a rollout job takes it (`from_proto` gives it back)."""
@@ -143,6 +192,8 @@ class TaskSpec:
             settings["memory"] = self.memory
         if self.workdir:
             settings["workdir"] = self.workdir
+        if self.mcp_servers:
+            settings["mcp_servers"] = [server.declaration() for server in self.mcp_servers]
         return rollout_service_pb2.RolloutTask(
             id=self.id,
             image=self.image,
@@ -197,6 +248,7 @@ class TaskSpec:
             memory=str(settings.get("memory", "")),
             workdir=workdir,
             files=_files(task_id, settings),
+            mcp_servers=_mcp_servers(task_id, settings),
         )
 
 

@@ -302,6 +302,7 @@ class RolloutRunner:
                     record=record,
                     rng=self._rng,
                     tools=task.tools,
+                    mcp_servers=task.mcp_servers,
                 )
                 try:
                     async with asyncio.timeout(self.budget.max_duration_s):

@@ -13,14 +13,25 @@ program:claude-code anthropic messages ``claude -p TASK --output-format json`` (
 program:codex      responses           ``codex exec --json``, ``$CODEX_HOME/config.toml``
 program:hermes     chat completions    ``hermes -z TASK``, ``$HERMES_HOME/config.yaml``
 =================  ==================  ==========================================================
+
+A task's MCP servers (`TaskSpec.mcp_servers`) reach Claude Code (``--mcp-config`` JSON,
+``--strict-mcp-config``, and its tool search off so the tools are offered like its own); Codex,
+OpenClaw and hermes work through their shell, where the same tools are commands.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+import json
+from collections.abc import Iterable, Sequence
 
-from orchard.rollout.harnesses.sandboxed import HarnessCache, ProgramFile, SandboxedProgramHarness
+from orchard.rollout.harnesses.sandboxed import (
+    MCP_ARGS,
+    HarnessCache,
+    ProgramFile,
+    SandboxedProgramHarness,
+)
+from orchard.tasks.spec import McpServer
 
 __all__ = ["BUILTIN_PROGRAMS", "builtin_program_harnesses", "program_harness"]
 
@@ -76,7 +87,22 @@ CLAUDE_COMMAND = (
     "--dangerously-skip-permissions",
     "--model", "{model}",
     "--output-format", "json",
+    MCP_ARGS,
 )  # fmt: skip
+
+
+def claude_mcp_args(servers: Sequence[McpServer]) -> tuple[str, ...]:
+    """Claude Code's MCP settings: the servers as one JSON config, and no others (its user and
+    project settings are not read)."""
+    config = {
+        "mcpServers": {
+            s.name: {"type": "stdio", "command": s.command[0], "args": list(s.command[1:])}
+            for s in servers
+        }
+    }
+    # --mcp-config takes several values: the next option ends them.
+    return ("--mcp-config", json.dumps(config), "--strict-mcp-config")
+
 
 CODEX_COMMAND = (
     "codex", "exec",
@@ -111,6 +137,10 @@ def _definitions(cache: HarnessCache) -> dict[str, SandboxedProgramHarness]:
             cache=cache,
             dialect="anthropic_messages",
             command=CLAUDE_COMMAND,
+            mcp_args=claude_mcp_args,
+            # Its tool search would defer the MCP tools behind a `ToolSearch` call; a policy
+            # trained here sees them offered as any other tool.
+            mcp_env={"ENABLE_TOOL_SEARCH": "false"},
             env={
                 "ANTHROPIC_BASE_URL": "{anthropic_base_url}",
                 "ANTHROPIC_API_KEY": "{api_key}",

@@ -29,6 +29,12 @@ Placeholders, written ``{name}`` in commands, environment values and file conten
 e.g. JSON's, are left alone): ``instruction``, ``model``, ``workdir``, ``home``, ``cache`` (the
 harness cache folder), ``base_url`` (OpenAI style, ending in ``/v1``), ``anthropic_base_url``
 (the same without ``/v1``), ``api_key``, ``max_tokens`` (the endpoint's output budget per call).
+
+MCP servers the task declares (`TaskSpec.mcp_servers`: stdio commands in the sandbox, such as the
+Claw tools' ``claw-mcp``) reach a program that takes them through its ``mcp_args``: the command
+element ``{mcp_args}`` becomes the arguments that configure them (Claude Code ``--mcp-config``),
+or nothing when the task declares none. A program without
+``mcp_args`` ignores them and works through its shell, where the same tools are commands.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import json
 import re
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -53,10 +59,13 @@ from orchard.rollout.harnesses.tool_loop import HarnessContext, HarnessOutcome
 from orchard.rollout.harnesses.tools import INFRASTRUCTURE_ERRORS
 from orchard.rollout.provenance import FailureLayer, ToolEvent
 from orchard.sdk import AsyncSandbox
+from orchard.tasks.spec import McpServer
 
 __all__ = [
+    "MCP_ARGS",
     "Dialect",
     "HarnessCache",
+    "McpArgs",
     "ProgramFile",
     "SandboxedProgramHarness",
     "fill",
@@ -65,6 +74,11 @@ __all__ = [
 
 Dialect = Literal["chat_completions", "responses", "anthropic_messages"]
 """The model API a program speaks; the capture proxy serves each under the session URL."""
+
+McpArgs = Callable[[Sequence[McpServer]], tuple[str, ...]]
+"""How a program is told of MCP servers: the arguments that configure them."""
+MCP_ARGS = "{mcp_args}"
+"""The command element replaced by a program's `McpArgs` (none when the task has no servers)."""
 
 MANIFEST = "manifest.json"
 PLACEHOLDERS = (
@@ -177,6 +191,11 @@ class SandboxedProgramHarness:
     """ListHarnesses shows this; the program brings its own prompt, unknown to us."""
     tools: tuple[Any, ...] = ()
     """None of ours: the program brings its own tools."""
+    mcp_args: McpArgs | None = None
+    """How the program takes the task's MCP servers (in place of the ``{mcp_args}`` command
+    element); None: it does not, and the element (if any) is dropped."""
+    mcp_env: Mapping[str, str] = field(default_factory=dict)
+    """More environment of the program when it is given MCP servers."""
 
     def in_directory(self, workdir: str) -> SandboxedProgramHarness:
         """This harness working in `workdir` (a task's) unless it has a directory of its own."""
@@ -201,6 +220,16 @@ class SandboxedProgramHarness:
             "max_tokens": str(ctx.endpoint.max_tokens_per_call),
         }
 
+    def argv(self, values: Mapping[str, str], mcp_servers: Sequence[McpServer]) -> list[str]:
+        """The command with its placeholders filled and ``{mcp_args}`` spliced in."""
+        argv: list[str] = []
+        for part in self.command:
+            if part != MCP_ARGS:
+                argv.append(fill(part, values))
+            elif mcp_servers and self.mcp_args is not None:
+                argv.extend(self.mcp_args(mcp_servers))
+        return argv
+
     async def run(self, ctx: HarnessContext) -> HarnessOutcome:
         self.cache.version(self.program)  # fails early, clearly, when the cache lacks it
         base_url = ctx.endpoint.for_rollout(ctx.rollout_id)
@@ -210,7 +239,7 @@ class SandboxedProgramHarness:
         budget = min(self.wall_clock_s, ctx.budget.max_duration_s)
         await allow_endpoint(ctx.sandbox, base_url, budget + _EGRESS_MARGIN_S)
         await self._prepare(ctx.sandbox, values)
-        argv = [fill(part, values) for part in self.command]
+        argv = self.argv(values, ctx.mcp_servers)
         env = {
             "PATH": f"{self.cache.bin_dir}:/usr/local/bin:/usr/bin:/bin",
             "HOME": values["home"],
@@ -218,6 +247,8 @@ class SandboxedProgramHarness:
             "LANG": "C.UTF-8",
             **{key: fill(value, values) for key, value in self.env.items()},
         }
+        if ctx.mcp_servers and self.mcp_args is not None:
+            env.update(self.mcp_env)
         started = time.time()
         try:
             result = await ctx.sandbox.exec(

@@ -33,6 +33,7 @@ from orchard.rollout.harnesses.tools import (
 )
 from orchard.rollout.provenance import FailureLayer, RolloutRecord, ToolEvent
 from orchard.sdk import AsyncSandbox
+from orchard.tasks.spec import McpServer
 
 RETRYABLE_INFERENCE_ERRORS: tuple[type[Exception], ...] = (
     openai.APIConnectionError,  # APITimeoutError is a subclass
@@ -78,6 +79,8 @@ class HarnessContext:
     rng: random.Random
     tools: Sequence[Tool] = ()
     """Tools the task declares (the generic loop offers them beside the harness's own)."""
+    mcp_servers: Sequence[McpServer] = ()
+    """MCP servers the task's sandbox can run (agent programs with MCP support start them)."""
 
 
 @dataclass(frozen=True, slots=True)
