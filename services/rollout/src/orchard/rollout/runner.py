@@ -262,6 +262,7 @@ class RolloutRunner:
         capture = self.capture if session is None else None
         sandbox: AsyncSandbox | None = None
         capturing = False
+        program_failure: InfrastructureError | None = None
         try:
             sandbox = await self._create(task, record, memory)
             record.sandbox_ids.append(sandbox.id)
@@ -314,6 +315,14 @@ class RolloutRunner:
                 except TimeoutError:
                     record.outcome = "time_limit"
                     status = RolloutStatus.TRUNCATED
+                except InfrastructureError as exc:
+                    if not (
+                        capture is not None
+                        and isinstance(harness, SandboxedProgramHarness)
+                        and exc.layer is FailureLayer.HARNESS
+                    ):
+                        raise
+                    program_failure = exc  # judged by its calls, once they settle
             finally:
                 await client.close()
             if capture is not None:
@@ -321,6 +330,14 @@ class RolloutRunner:
                     record.calls = await capture.settle(record.rollout_id)
                 except CaptureNotSettled as exc:
                     raise InfrastructureError(FailureLayer.INFERENCE, str(exc), 1) from None
+                if program_failure is not None:
+                    if not record.calls or record.calls[-1].finish_reason != "length":
+                        raise program_failure
+                    # The program gave up because the policy's last answer was cut at its
+                    # tokens per call (Claude Code and Codex exit 1 on such answers): the
+                    # policy's doing, scored as a truncated rollout, never an exclusion.
+                    record.outcome = "token_limit"
+                    status = RolloutStatus.TRUNCATED
                 if not record.calls and isinstance(harness, SandboxedProgramHarness):
                     # The program ran but its model was never asked (it could not reach the
                     # proxy, or failed before its first call): nothing the policy did to score.

@@ -23,7 +23,10 @@ Per rollout the harness
 Its model calls go through the capture proxy like any other harness's, so the runner's capture
 source collects them with exact tokens. A non-zero exit is an infrastructure failure (layer
 ``harness``): these programs exit 0 when the model ends its turn, whether or not the task was
-solved, so a non-zero status means the program or its endpoint broke, never the policy.
+solved, so a non-zero status means the program or its endpoint broke. One exception, decided by
+the runner once the calls settle: a program that gives up after the policy's last answer was cut
+at its tokens per call (Claude Code and Codex exit 1 then) ended because of the policy, and the
+rollout is scored as truncated (``token_limit``).
 
 Placeholders, written ``{name}`` in commands, environment values and file contents (other braces,
 e.g. JSON's, are left alone): ``instruction``, ``model``, ``workdir``, ``home``, ``cache`` (the
