@@ -51,6 +51,11 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def _rate(value: float | None) -> str:
+    """A pass@k figure; "n/a" where no task had k scored attempts."""
+    return "n/a" if value is None else f"{value:.2f}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--resume", action="store_true", help="continue the previous demo")
@@ -161,10 +166,11 @@ def main() -> int:
         for row in evaluation.get("harnesses", []):
             k = row.get("k", 1)
             held = " (held out)" if row.get("held_out") else ""
+            excluded = f", {row['excluded']} excluded" if row.get("excluded") else ""
             print(
                 f"  {evaluation['model']:<5} {row['harness']}{held}: "
-                f"{row['resolved']}/{row['attempts']}, pass@{k} {row.get('pass_at_k', 0):.2f}, "
-                f"pass^{k} {row.get('pass_hat_k', 0):.2f}"
+                f"{row['resolved']}/{row['attempts']}{excluded}, "
+                f"pass@{k} {_rate(row.get('pass_at_k'))}, pass^{k} {_rate(row.get('pass_hat_k'))}"
             )
     print(f"\nreport: {shown}  ({time.monotonic() - started:.0f} s in all)")
     return 0
