@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import os
 import shlex
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 
@@ -77,7 +77,10 @@ async def reward_target(env_service: Mapping[str, Any]) -> AsyncIterator[str]:
         os.environ.pop(TOKEN_ENV, None)
 
 
-RunGroup = Callable[[tuple[str, ...]], Awaitable[tuple[list[RolloutResult], ScriptedEngine]]]
+class RunGroup(Protocol):
+    def __call__(
+        self, names: tuple[str, ...], *, script: PolicyScript | None = None, mcp: bool = False
+    ) -> Awaitable[tuple[list[RolloutResult], ScriptedEngine]]: ...
 
 
 @pytest.fixture
@@ -91,10 +94,12 @@ def run_group(
     """Runs one rollout of the task per program named, in that order; the results and the
     teacher."""
 
-    async def run_group(names: tuple[str, ...]) -> tuple[list[RolloutResult], ScriptedEngine]:
+    async def run_group(
+        names: tuple[str, ...], *, script: PolicyScript | None = None, mcp: bool = False
+    ) -> tuple[list[RolloutResult], ScriptedEngine]:
         store = ArtifactStore(f"file://{tmp_path / 'store'}")
-        spec = task_spec(TASK, publish_archives(store))
-        engine = ScriptedEngine(_script(), build_tokenizer(), seed=0)
+        spec = task_spec(TASK, publish_archives(store, mcp=mcp), mcp=mcp)
+        engine = ScriptedEngine(script or _script(), build_tokenizer(), seed=0)
         config = CaptureProxyConfig(host=reachable_host, settle_quiet_s=0.2)
         async with (
             CaptureProxy(engine, config) as proxy,
@@ -207,35 +212,10 @@ def _mcp_script() -> PolicyScript:
 
 
 async def test_claude_code_uses_the_claw_tools_through_the_mcp_server_the_task_declares(
-    sandboxes: AsyncSandboxClient,
-    harness_cache: HarnessCache,
-    reachable_host: str,
-    reward_target: str,
-    tmp_path: Path,
+    run_group: RunGroup,
 ) -> None:
     name = "program:claude-code"
-    store = ArtifactStore(f"file://{tmp_path / 'store'}")
-    spec = task_spec(TASK, publish_archives(store, mcp=True), mcp=True)
-    assert [s.name for s in spec.mcp_servers] == ["claw"]
-    engine = ScriptedEngine(_mcp_script(), build_tokenizer(), seed=0)
-    config = CaptureProxyConfig(host=reachable_host, settle_quiet_s=0.2)
-    async with (
-        CaptureProxy(engine, config) as proxy,
-        RewardServiceScorer(reward_target, call_timeout_s=120) as scorer,
-    ):
-        run = RolloutRunner(
-            sandboxes=sandboxes,
-            endpoint=ModelEndpoint(base_url="unused", model="teacher"),
-            harnesses={name: program_harness(name, harness_cache, wall_clock_s=180)},
-            tasks={KEY: spec},
-            budget=RolloutBudget(max_duration_s=240),
-            retries=RETRIES,
-            capture=ProxyCapture(proxy),
-            scorer=scorer,
-            files=StoreFiles(store),
-            seed=1,
-        )
-        result = await run(GroupKey(KEY, name), 0)
+    [result], _ = await run_group((name,), script=_mcp_script(), mcp=True)
     record = result.payload
     assert record.failure is None, record.failure
     [event] = record.tool_events
