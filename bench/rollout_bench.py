@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import enum
 import json
 import os
 import platform
@@ -66,7 +67,13 @@ from typing import TYPE_CHECKING, Any
 from orchard.rollout.batches import GroupFilter
 from orchard.rollout.harnesses.tool_loop import HarnessContext, HarnessOutcome, ToolCallingHarness
 from orchard.rollout.results import GroupKey, RolloutResult, RolloutStatus
-from orchard.rollout.samplers import BalancedAdaptiveSampler, FixedNSampler, Sampler
+from orchard.rollout.samplers import (
+    BalancedAdaptiveSampler,
+    FixedNSampler,
+    MemberChoice,
+    Sampler,
+    StopRule,
+)
 
 if TYPE_CHECKING:
     from orchard.rollout.workers import RolloutWorkers, RunnerSpec
@@ -162,7 +169,11 @@ async def score(name: str, sampler: Sampler, budget: int, seed: int) -> SamplerS
         if BALANCED[0] - 1e-9 <= group.positive_fraction <= BALANCED[1] + 1e-9:
             balanced += 1
     used = run.run_count
-    settings = {k: v for k, v in asdict(sampler).items() if k != "name"}  # type: ignore[call-overload]
+    settings = {
+        k: v.value if isinstance(v, enum.Enum) else v
+        for k, v in asdict(sampler).items()  # type: ignore[call-overload]
+        if k != "name" and not k.startswith("_")
+    }
     return SamplerScore(
         sampler=name,
         settings=settings,
@@ -199,9 +210,15 @@ def average(scores: list[SamplerScore]) -> dict[str, Any]:
 
 SAMPLERS: list[tuple[str, Sampler]] = [
     ("fixed_n N=8 + filter (baseline)", FixedNSampler(group_size=8)),
-    ("bar defaults (N=8 Nmax=16 s=16)", BalancedAdaptiveSampler()),
-    ("bar s=8", BalancedAdaptiveSampler(stride=8)),
+    ("bar defaults (N=8 Nmax=16 s=8, mixed stop, random members)", BalancedAdaptiveSampler()),
+    ("bar s=16 (one stride)", BalancedAdaptiveSampler(stride=16)),
     ("bar s=4", BalancedAdaptiveSampler(stride=4)),
+    (
+        "bar band stop, ranked members, s=16 (the earlier default)",
+        BalancedAdaptiveSampler(
+            stride=16, stop_rule=StopRule.BAND, member_choice=MemberChoice.RANKED
+        ),
+    ),
 ]
 
 

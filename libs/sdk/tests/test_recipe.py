@@ -7,7 +7,13 @@ from pathlib import Path
 import pytest
 
 from orchard.core.config import ConfigError
-from orchard.sdk.recipe import STAGES, builtin_recipe, load_recipe
+from orchard.sdk.recipe import (
+    CLAW_PASS_MARK,
+    DEFAULT_SUCCESS_THRESHOLD,
+    STAGES,
+    builtin_recipe,
+    load_recipe,
+)
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -134,6 +140,26 @@ def test_every_problem_is_reported_with_its_key_and_line(tmp_path: Path) -> None
             "tasks: {builtin: {}}\nstages: {rl: {sampler: {rho_min: 0.7, rho_max: 0.6}}}",
             "rho_min (0.7) is above rho_max (0.6)",
         ),
+        (
+            "tasks: {builtin: {}}\nstages: {rl: {sampler: {n: 4, n_max: 8, stride: 9}}}",
+            "stride (9) must be at most n_max (8)",
+        ),
+        (
+            "tasks: {builtin: {}}\nstages: {rl: {sampler: {kind: fixed, stop_rule: band}}}",
+            "stop_rule configure kind: bar, not kind: fixed",
+        ),
+        (
+            "tasks: {builtin: {}}\nstages: {rl: {sampler: {stop_rule: three_of_each}}}",
+            "Input should be 'mixed' or 'band'",
+        ),
+        (
+            "tasks: {builtin: {}}\nstages: {rl: {sampler: {member_choice: best}}}",
+            "Input should be 'random' or 'ranked'",
+        ),
+        ("tasks: {builtin: {}}\nsuccess_threshold: 1.5", "less than or equal to 1"),
+        ("tasks: {builtin: {}}\nsuccess_threshold: -0.1", "greater than or equal to 0"),
+        ("tasks: {builtin: {}}\nsuccess_threshold: .nan", "finite number"),
+        ("tasks: {builtin: {}}\nsuccess_threshold: .inf", "finite number"),
         ("tasks: {builtin: {}}\nstages: {collect: {enabled: false}}", "sft needs stages.collect"),
         ("tasks: {jsonl: {evaluate: e.jsonl}}", "tasks.jsonl.sft is not given"),
     ],
@@ -149,3 +175,24 @@ def test_not_yaml_and_not_a_file_are_clear(tmp_path: Path) -> None:
     assert "not valid YAML" in problems(write(tmp_path, "name: [unclosed\n"))[0]
     assert "expected a mapping" in problems(write(tmp_path, "- a\n- b\n"))[0]
     assert "No such file" in problems(tmp_path / "missing.yaml")[0]
+
+
+def test_one_success_threshold_defaults_to_the_suite_s_pass_mark(tmp_path: Path) -> None:
+    swe = load_recipe(write(tmp_path, "name: r\ntasks: {builtin: {}}\n"))
+    assert (swe.success_threshold, swe.pass_mark) == (None, DEFAULT_SUCCESS_THRESHOLD)
+    assert DEFAULT_SUCCESS_THRESHOLD == 0.5
+    claw = load_recipe(builtin_recipe("claw"))
+    assert claw.pass_mark == CLAW_PASS_MARK == 0.75
+    given = load_recipe(write(tmp_path, "name: r\ntasks: {builtin: {}}\nsuccess_threshold: 0.9\n"))
+    assert given.pass_mark == 0.9
+
+
+def test_bar_defaults_to_the_mixed_rule_with_random_members_and_a_stride_of_n(
+    tmp_path: Path,
+) -> None:
+    sampler = load_recipe(write(tmp_path, "name: r\ntasks: {builtin: {}}\n")).stages.rl.sampler
+    assert (sampler.kind, sampler.stop_rule, sampler.member_choice) == ("bar", "mixed", "random")
+    assert (sampler.n, sampler.stride, sampler.stride_or_n, sampler.n_max) == (8, None, 8, 16)
+    text = "name: r\ntasks: {builtin: {}}\nstages: {rl: {sampler: {stop_rule: band, stride: 4}}}\n"
+    sampler = load_recipe(write(tmp_path, text)).stages.rl.sampler
+    assert (sampler.stop_rule, sampler.stride_or_n) == ("band", 4)

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
-from orchard.core.errors import OrchardError
+from orchard.core.errors import OrchardError, Reason
 from orchard.reward.credit import (
     CalibrationRules,
     TurnSpan,
     credit_curve,
     interpolate,
     parse_annotations,
+    require_failed,
     rise_segments,
+    validate_success_threshold,
 )
 from orchard.reward.judge_json import MalformedJudgeOutput
+from orchard.types.v1 import reward_pb2, trajectory_pb2
 
 
 def reply(values: dict[int, float], critical: int | None = None, prose: str = "") -> str:
@@ -46,8 +50,66 @@ def test_maximal_runs_split_by_a_flat_or_small_step() -> None:
 
 
 def test_empty_and_one_turn_curves() -> None:
+    """A one-turn trajectory has no rise segment: turn 0 has no earlier value to rise from."""
     assert rise_segments([]) == []
     assert rise_segments([0.4]) == []
+    assert rise_segments([1.0]) == []
+
+
+def test_turn_0_never_gets_credit_and_a_rise_at_turn_1_starts_a_segment() -> None:
+    # However high the value after turn 0, turn 0 itself never rises.
+    assert rise_segments([0.9, 0.9, 0.9]) == []
+    assert rise_segments([0.0, 1.0]) == [TurnSpan(1, 1)]
+    assert rise_segments([0.3, 0.4, 0.5, 0.1]) == [TurnSpan(1, 2)]
+    # The same through the whole step: a judge's curve over one turn gives no segment.
+    curve = credit_curve(reply({0: 0.4}), 1, rules=CalibrationRules(end_below=0.5))
+    assert (curve.values, curve.rise_segments) == ((0.4,), ())
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ([0.3, float("nan")], r"the value at turn 1 must lie in \[0, 1\], got nan"),
+        ([0.3, float("inf")], r"turn 1 must lie in \[0, 1\], got inf"),
+        ([float("-inf"), 0.3], r"turn 0 must lie in \[0, 1\]"),
+        ([0.3, 1.2], r"turn 1 must lie in \[0, 1\], got 1.2"),
+        ([-0.1, 0.3], r"turn 0 must lie in \[0, 1\], got -0.1"),
+        ([0.3, None], r"the value at turn 1 must be a number in \[0, 1\], got None"),
+        ([0.3, "0.5"], r"turn 1 must be a number"),
+        ([True, 0.5], r"turn 0 must be a number"),
+        (None, "values must be a sequence of numbers, got None"),
+    ],
+)
+def test_rise_segments_refuses_values_that_are_not_probabilities(values: Any, message: str) -> None:
+    with pytest.raises(OrchardError, match=message) as caught:
+        rise_segments(values)
+    assert caught.value.reason is Reason.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("epsilon", [0, 0.0, -0.05, 1.0, 1.5, float("nan"), float("inf"), None])
+def test_rise_segments_refuses_an_epsilon_outside_0_1(epsilon: Any) -> None:
+    with pytest.raises(OrchardError, match="epsilon must") as caught:
+        rise_segments([0.3, 0.5], epsilon)
+    assert caught.value.reason is Reason.INVALID_ARGUMENT
+
+
+def test_the_success_threshold_decides_what_may_get_credit() -> None:
+    row = trajectory_pb2.Trajectory(id="r1")
+    row.reward.status = reward_pb2.REWARD_STATUS_SCORED
+    row.reward.value = 0.5
+    # At the threshold it succeeded (the one rule: reward >= threshold); below it, failed.
+    with pytest.raises(OrchardError, match=r"succeeded \(reward 0.5 is at or above"):
+        require_failed(row, validate_success_threshold(None))
+    require_failed(row, 0.51)
+    row.reward.value = 0.4999
+    require_failed(row, 0.5)
+    # Without a scored reward the caller's word stands.
+    require_failed(trajectory_pb2.Trajectory(id="r2"), 0.0)
+    assert validate_success_threshold(None) == 0.5
+    assert validate_success_threshold(0.0) == 0.0
+    for bad in (-0.1, 1.1, float("nan"), float("inf")):
+        with pytest.raises(OrchardError, match=r"success_threshold must lie in \[0, 1\]"):
+            validate_success_threshold(bad)
 
 
 def test_interpolation_is_linear_between_annotated_turns() -> None:

@@ -222,6 +222,32 @@ async def test_credit_assignment_and_its_exclusion(
     assert reward.metric("orchard_reward_rewards_total", scorer="credit", status="scored") == 1
 
 
+async def test_credit_is_refused_for_a_trajectory_at_or_above_the_success_threshold(
+    reward: Running, chat: ScriptedChatServer
+) -> None:
+    """The success threshold travels in the request (unset: 0.5); a reward exactly at it is a
+    success, so it gets no credit."""
+    scored = trajectory_pb2.Trajectory()
+    scored.CopyFrom(TRAJECTORY)
+    scored.reward.status = reward_pb2.REWARD_STATUS_SCORED
+    scored.reward.value = 0.5
+    for request in (
+        api.AssignCreditRequest(trajectory=scored),
+        api.AssignCreditRequest(trajectory=scored, success_threshold=0.5),
+    ):
+        code, details, reason = await _code(reward.stub.AssignCredit(request))
+        assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT")
+        assert "at or above the success threshold 0.5" in details
+    assert not chat.requests  # refused before the judge was asked
+    annotation = {"values": [{"turn": 0, "value": 0.4}, {"turn": 3, "value": 0.1}]}
+    chat.play(Step(reply=json.dumps(annotation)))
+    # A pass mark of 0.75 (a Claw suite's): a reward of 0.5 failed.
+    request = api.AssignCreditRequest(trajectory=scored, success_threshold=0.75)
+    reply = await reward.stub.AssignCredit(request)
+    assert reply.reward.status == reward_pb2.REWARD_STATUS_SCORED
+    assert len(reply.credit.step_values) == 4
+
+
 async def test_bad_input_is_invalid_argument_with_a_message(reward: Running) -> None:
     stub = reward.stub
     weights = api.GradeRubricRequest(trajectory=TRAJECTORY)
@@ -243,6 +269,12 @@ async def test_bad_input_is_invalid_argument_with_a_message(reward: Running) -> 
         (stub.GradeRubric(api.GradeRubricRequest()), "trajectory is empty"),
         (stub.AssignCredit(api.AssignCreditRequest()), "trajectory is empty"),
         (stub.AssignCredit(api.AssignCreditRequest(trajectory=TRAJECTORY, epsilon=1.5)), "epsilon"),
+        (
+            stub.AssignCredit(
+                api.AssignCreditRequest(trajectory=TRAJECTORY, success_threshold=float("nan"))
+            ),
+            "success_threshold must lie in [0, 1]",
+        ),
         (stub.ScoreTests(api.ScoreTestsRequest()), "task is required"),
         (
             stub.ScoreTests(api.ScoreTestsRequest(task=api.TestTask(image="host"))),

@@ -17,7 +17,14 @@ from orchard.rollout.config import RolloutConfig
 from orchard.rollout.provenance import FailureLayer, InfraFailure, RewardRecord, RolloutRecord
 from orchard.rollout.results import GroupKey, RolloutResult, RolloutStatus
 from orchard.rollout.runs import JobCancelled, JobState, JobStore, group_proto
-from orchard.rollout.samplers import BalancedAdaptiveSampler, GroupChoice, SampledGroup
+from orchard.rollout.samplers import (
+    BalancedAdaptiveSampler,
+    FixedNSampler,
+    GroupChoice,
+    MemberChoice,
+    SampledGroup,
+    StopRule,
+)
 from orchard.rollout.service import builtin_harnesses, validate_spec
 from orchard.rollout.v1 import rollout_service_pb2 as api
 from orchard.types.v1 import reward_pb2, trajectory_pb2
@@ -53,6 +60,75 @@ def test_a_spec_gets_the_configured_defaults() -> None:
     assert (valid.budget.max_steps, valid.budget.max_duration_s) == (30, 600.0)
     assert valid.sampler == BalancedAdaptiveSampler()
     assert valid.group_filter is not None
+
+
+def test_an_unset_sampler_is_bar_with_the_mixed_rule_random_members_and_threshold_0_5() -> None:
+    sampler = validate(spec()).sampler
+    assert isinstance(sampler, BalancedAdaptiveSampler)
+    assert (sampler.stop_rule, sampler.member_choice) == (StopRule.MIXED, MemberChoice.RANDOM)
+    assert (sampler.group_size, sampler.stride, sampler.max_rollouts) == (8, 8, 16)
+    assert sampler.positive_threshold == 0.5 and sampler.seed is None
+
+
+@pytest.mark.parametrize("kind", [api.SAMPLER_KIND_FIXED_N, api.SAMPLER_KIND_BAR])
+@pytest.mark.parametrize("threshold", [0.0, 0.75, 1.0])
+def test_the_success_threshold_sent_is_the_one_the_sampler_applies(
+    kind: int, threshold: float
+) -> None:
+    config = api.SamplerConfig(kind=kind, group_size=4, positive_threshold=threshold)
+    sampler = validate(spec(sampler=config)).sampler
+    assert isinstance(sampler, FixedNSampler | BalancedAdaptiveSampler)
+    assert sampler.positive_threshold == threshold  # 0 too: the field's presence is tracked
+
+
+def test_bar_options_travel_in_the_sampler_config() -> None:
+    config = api.SamplerConfig(
+        kind=api.SAMPLER_KIND_BAR,
+        group_size=4,
+        max_rollouts=12,
+        stride=3,
+        stop_rule=api.BAR_STOP_RULE_BAND,
+        member_choice=api.BAR_MEMBER_CHOICE_RANKED,
+        seed=42,
+    )
+    sampler = validate(spec(sampler=config)).sampler
+    assert sampler == BalancedAdaptiveSampler(
+        group_size=4,
+        max_rollouts=12,
+        stride=3,
+        stop_rule=StopRule.BAND,
+        member_choice=MemberChoice.RANKED,
+        seed=42,
+    )
+    config.stop_rule = api.BAR_STOP_RULE_MIXED
+    config.member_choice = api.BAR_MEMBER_CHOICE_RANDOM
+    sampler = validate(spec(sampler=config)).sampler
+    assert isinstance(sampler, BalancedAdaptiveSampler)
+    assert (sampler.stop_rule, sampler.member_choice) == (StopRule.MIXED, MemberChoice.RANDOM)
+
+
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        (
+            api.SamplerConfig(positive_threshold=1.5),
+            "positive_threshold must be a number in [0, 1]",
+        ),
+        (api.SamplerConfig(positive_threshold=float("nan")), "got nan"),
+        (api.SamplerConfig(positive_threshold=-0.5, kind=api.SAMPLER_KIND_FIXED_N), "got -0.5"),
+        (api.SamplerConfig(stop_rule=7), "stop_rule 7 is not MIXED or BAND"),  # type: ignore[arg-type]
+        (
+            api.SamplerConfig(member_choice=9),  # type: ignore[arg-type]
+            "member_choice 9 is not RANDOM or RANKED",
+        ),
+        (api.SamplerConfig(stride=-1), "stride must be at least 1"),
+    ],
+)
+def test_bad_sampler_configs_are_invalid_arguments(config: api.SamplerConfig, words: str) -> None:
+    with pytest.raises(OrchardError) as info:
+        validate(spec(sampler=config))
+    assert info.value.reason is Reason.INVALID_ARGUMENT
+    assert words in info.value.message
 
 
 def test_keeping_every_group_turns_the_filter_off() -> None:

@@ -185,8 +185,27 @@ def test_shortest_successful_keeps_one_success_per_task_and_the_failures(row):
     only_successes = curate(rows, [ShortestSuccessful(keep_failed=False)])
     assert ids(only_successes.rows) == ["a_short", "b_only"]
     assert only_successes.reports[0].by_reason == {"longer_success": 2, "not_successful": 3}
-    # A higher bar: a reward of 1.0 is not above 1.0, so nothing is a success.
-    assert len(curate(rows, [ShortestSuccessful(success_threshold=1.0)]).rows) == len(rows)
+    # The edge: a reward of 1.0 is at a threshold of 1.0, so it is still a success.
+    assert ids(curate(rows, [ShortestSuccessful(success_threshold=1.0)]).rows) == ids(result.rows)
+
+
+@pytest.mark.parametrize("threshold", [-0.1, 1.5, float("nan"), float("inf")])
+def test_a_success_threshold_outside_0_1_is_refused(threshold):
+    with pytest.raises(ValueError, match=r"success_threshold must be a number in \[0, 1\]"):
+        ShortestSuccessful(success_threshold=threshold)
+
+
+def test_the_success_threshold_is_the_one_rule_at_its_edge(row):
+    """Reward exactly at the threshold is a success; just below it is not (the same `>=` the
+    samplers, credit assignment, SFT masks and evaluation use)."""
+    rows = [
+        row("at", task="t", tokens=9, reward=0.5),
+        row("below", task="t", tokens=2, reward=0.49999),
+    ]
+    result = curate(rows, [ShortestSuccessful(keep_failed=False)])
+    assert ids(result.rows) == ["at"]
+    result = curate(rows, [ShortestSuccessful(success_threshold=0.49999, keep_failed=False)])
+    assert ids(result.rows) == ["below"]
 
 
 def test_a_pass_mark_and_per_harness_keep_each_program_s_shortest_pass(row):
@@ -198,14 +217,16 @@ def test_a_pass_mark_and_per_harness_keep_each_program_s_shortest_pass(row):
         row("cx_partial", task="t", tokens=4, harness="program:codex", reward=0.6),
         row("cx_pass", task="t", tokens=12, harness="program:codex", reward=0.75),
     ]
-    step = ShortestSuccessful(minimum=0.75, per_harness=True)
+    step = ShortestSuccessful(success_threshold=0.75, per_harness=True)
     result = curate(rows, [step])
     assert ids(result.rows) == ["cc_short", "cx_partial", "cx_pass"]
     assert [(d.trajectory_id, d.detail) for d in result.reports[0].dropped] == [
         ("cc_long", "task 't' in program:claude-code: 30 tokens; kept 'cc_short' with 20")
     ]
-    assert step.name == "shortest_successful(minimum=0.75, keep_failed=True, per_harness=True)"
-    # Without them the partial Codex row wins the task for both programs.
+    assert step.name == (
+        "shortest_successful(success_threshold=0.75, keep_failed=True, per_harness=True)"
+    )
+    # At the default threshold (0.5) and across programs the partial Codex row wins the task.
     assert ids(curate(rows, [ShortestSuccessful()]).rows) == ["cx_partial"]
 
 

@@ -7,6 +7,7 @@ import torch
 
 from orchard.trainer.batch import collate
 from orchard.trainer.masks import (
+    DEFAULT_SUCCESS_THRESHOLD,
     Overflow,
     Sample,
     SampleConfig,
@@ -86,9 +87,23 @@ def test_rise_segment_does_not_override_auxiliary_or_output_mask(build):
 def test_success_threshold_decides_which_masks_apply(build):
     turns = [build.Turn(inputs=[1], outputs=[2]), build.Turn(inputs=[3], outputs=[4])]
     t = build(turns, reward=0.5, rise=[(1, 1)])
+    # The default threshold is 0.5, and a reward exactly at it is a success: every turn trains.
+    assert SampleConfig().success_threshold == DEFAULT_SUCCESS_THRESHOLD == 0.5
     assert loss_positions(only_sample(sft_samples(t))) == [1, 3]
     strict = SampleConfig(success_threshold=0.9)
     assert loss_positions(only_sample(sft_samples(t, strict))) == [3]
+    # Just below the threshold: failed, so only the rise segment trains.
+    below = build(turns, reward=0.49, rise=[(1, 1)])
+    assert loss_positions(only_sample(sft_samples(below))) == [3]
+    # A reward of 0.3 no longer trains on every turn (the old default was "above 0").
+    partial = build(turns, reward=0.3)
+    assert sft_samples(partial) == [Skip("t0", SkipReason.NO_LOSS_TOKENS)]
+
+
+@pytest.mark.parametrize("threshold", [-0.01, 1.01, float("nan"), float("inf")])
+def test_a_success_threshold_outside_0_1_is_refused(threshold):
+    with pytest.raises(ValueError, match=r"success_threshold must be a number in \[0, 1\]"):
+        SampleConfig(success_threshold=threshold)
 
 
 def test_failed_trajectory_without_rise_segments_gives_no_sft_sample(build):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -201,6 +202,40 @@ async def test_teacher_rollouts_become_a_curated_dataset_in_the_students_tokens(
     assert result.sft_samples == len(built.samples) == 3
 
 
+async def test_one_success_threshold_decides_curation_and_the_samples_counted(
+    trainer: Running, store: ArtifactStore
+) -> None:
+    """A row at the threshold is a success (it trains whole); one just below it is a failure
+    without credit (no sample). Unset, the threshold is 0.5; the deprecated curation field is
+    taken when it is the only one given."""
+    at = student_rollout()
+    at.reward.value = 0.75
+    below = student_rollout()
+    below.id, below.rollout_id, below.reward.value = "s2/0", "s2", 0.7499
+    rows = put_rows(store, "edge.jsonl", [at, below])
+    base = {"model": "builtin:tiny", "trajectories": rows, "tools": HARNESS_TOOLS}
+    one_each = api.CurationSettings(shortest_success_per_task=True, per_harness=True)
+
+    def output() -> str:
+        return store.url("datasets", f"edge-{uuid.uuid4().hex}.jsonl")
+
+    _, result = await prepare(trainer, **base, output=output(), success_threshold=0.75)
+    assert (result.sft_samples, dict(result.sft_skipped)) == (1, {"no_loss_tokens": 1})
+    _, result = await prepare(
+        trainer, **base, output=output(), success_threshold=0.75, curation=one_each
+    )
+    # Only `at` is a success, so curation has no longer success to drop: both rows stay.
+    assert (result.rows_kept, result.sft_samples) == (2, 1)
+    legacy = api.CurationSettings(shortest_success_per_task=True, success_threshold=0.75)
+    _, result = await prepare(trainer, **base, output=output(), curation=legacy)
+    assert (result.rows_kept, result.sft_samples) == (2, 1)
+    # Unset: 0.5, so both rows succeed; curation keeps the shorter success of the task.
+    _, result = await prepare(trainer, **base, output=output())
+    assert result.sft_samples == 2
+    _, result = await prepare(trainer, **base, output=output(), curation=one_each)
+    assert (result.rows_kept, result.sft_samples) == (1, 1)
+
+
 async def test_a_model_folder_by_url_renders_with_its_own_tokenizer(
     trainer: Running, store: ArtifactStore, tmp_path: Path
 ) -> None:
@@ -289,6 +324,12 @@ async def test_bad_urls_and_unreadable_rows_fail_the_call_and_write_nothing(
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "request.tools" in message
     code, _, message = await ask(output="")
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "output is required" in message
+    code, _, message = await ask(success_threshold=1.5)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "success_threshold must be a number in [0, 1], got 1.5" in message
+    mismatch = api.CurationSettings(shortest_success_per_task=True, success_threshold=0.7)
+    code, _, message = await ask(success_threshold=0.6, curation=mismatch)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "differ" in message
     assert not store.exists(output)
 
     taken = store.write_bytes(store.url("datasets", "taken.jsonl"), b"")

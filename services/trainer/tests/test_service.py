@@ -329,6 +329,36 @@ async def test_an_rl_job_s_kl_penalty_measures_the_policy_against_its_starting_o
         assert kls[1] > 1e-5, kls
 
 
+@pytest.mark.parametrize(("threshold", "trainable"), [(None, 1), (0.6, 1), (0.75, 0)])
+async def test_an_sft_job_trains_every_turn_only_of_trajectories_at_its_success_threshold(
+    trainer, threshold: float | None, trainable: int
+):
+    """A reward of 0.6 is a success at the default 0.5 and at 0.6 (the edge counts), and a
+    failure at 0.75: with no credited turns a failure has nothing to train."""
+    t = await trainer.start()
+    spec = api.TrainingJobSpec(mode=api.TRAINING_MODE_SFT, model="builtin:tiny", total_steps=1)
+    if threshold is not None:
+        spec.success_threshold = threshold
+    job = (await t.stub.CreateTrainingJob(api.CreateTrainingJobRequest(spec=spec))).job
+    build = TrajectoryBuilder()
+    turns = [build.Turn(inputs=[1, 11, 12, 2], outputs=[13, 14, 3])]
+    group = trajectory_pb2.TrajectoryGroup(
+        id="g", trajectories=[build(turns, trajectory_id="a", reward=0.6)]
+    )
+    accepted = await submit(t.stub, job.id, [group])
+    assert accepted.trajectories_trainable == trainable
+
+
+async def test_an_sft_job_s_success_threshold_outside_0_1_is_refused(trainer):
+    t = await trainer.start()
+    spec = api.TrainingJobSpec(
+        mode=api.TRAINING_MODE_SFT, model="builtin:tiny", success_threshold=1.5
+    )
+    code, message = await failure(t.stub.CreateTrainingJob(api.CreateTrainingJobRequest(spec=spec)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "spec.success_threshold must be a number in [0, 1], got 1.5" in message
+
+
 async def test_cancel_keeps_checkpoints_and_refuses_more_work(trainer):
     t = await trainer.start()
     job = (await t.stub.CreateTrainingJob(api.CreateTrainingJobRequest(spec=sft_spec()))).job

@@ -42,12 +42,14 @@ from typing import Any
 from google.protobuf import json_format
 from tqdm import tqdm
 
+from orchard.core.success import DEFAULT_SUCCESS_THRESHOLD
 from orchard.recipes.recipe_tasks import RecipeTask, task_spec
 from orchard.recipes.rollout_client import RolloutJobs
 from orchard.recipes.swe_suite import teacher_script
 from orchard.recipes.trainer_client import TrainerJobs, step_entry
 from orchard.recipes.weights_client import WeightVersions
 from orchard.recipes.workspace import RunDir, StackEndpoints, write_json
+from orchard.reward.v1 import reward_service_pb2
 from orchard.rollout.v1 import rollout_service_pb2 as rollout_api
 from orchard.sdk.recipe import Budget, Recipe
 from orchard.trainer.v1 import trainer_service_pb2 as trainer_api
@@ -66,9 +68,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-CLAW_PASS_MARK = 0.75
-"""The task score at which a Claw task passes."""
-
 
 @dataclass
 class StageContext:
@@ -84,9 +83,11 @@ class StageContext:
 
     @property
     def pass_mark(self) -> float:
-        """The reward at which a rollout counts as resolved: a Claw task passes at a task score
-        of 0.75 (orchard-reward's ScoreTask), a software task when its tests pass (1.0)."""
-        return CLAW_PASS_MARK if self.recipe.tasks.claw is not None else 0.5
+        """The run's one success threshold (`Recipe.pass_mark`): a rollout whose reward is at or
+        above it succeeded. Every RPC that decides success is sent it: the samplers, credit
+        assignment, PrepareDataset (curation, SFT sample counts) and the SFT job; evaluation
+        counts resolved rollouts by it."""
+        return self.recipe.pass_mark
 
     @property
     def registry_model(self) -> str:
@@ -142,10 +143,14 @@ def _job_spec(
     )
 
 
-def _every_group(n: int) -> rollout_api.SamplerConfig:
-    """``n`` rollouts per task, every group streamed (collect and evaluation runs)."""
+def _every_group(n: int, mark: float) -> rollout_api.SamplerConfig:
+    """``n`` rollouts per task, every group streamed (collect and evaluation runs), successes
+    counted at ``mark``."""
     return rollout_api.SamplerConfig(
-        kind=rollout_api.SAMPLER_KIND_FIXED_N, group_size=n, keep_uninformative_groups=True
+        kind=rollout_api.SAMPLER_KIND_FIXED_N,
+        group_size=n,
+        keep_uninformative_groups=True,
+        positive_threshold=mark,
     )
 
 
@@ -195,12 +200,15 @@ def _scored(trajectory: trajectory_pb2.Trajectory) -> bool:
     return trajectory.reward.status == reward_pb2.REWARD_STATUS_SCORED
 
 
-def _resolved(trajectory: trajectory_pb2.Trajectory, mark: float = 0.5) -> bool:
+def _resolved(
+    trajectory: trajectory_pb2.Trajectory, mark: float = DEFAULT_SUCCESS_THRESHOLD
+) -> bool:
+    """Scored at or above the success threshold ``mark``: the one rule of success."""
     return _scored(trajectory) and trajectory.reward.value >= mark
 
 
 def group_counts(
-    groups: Sequence[trajectory_pb2.TrajectoryGroup], mark: float = 0.5
+    groups: Sequence[trajectory_pb2.TrajectoryGroup], mark: float = DEFAULT_SUCCESS_THRESHOLD
 ) -> dict[str, Any]:
     """Rollouts of the groups, resolved (a reward of ``mark`` or more), unresolved and excluded
     (by the layer that failed)."""
@@ -295,7 +303,7 @@ async def _collect(ctx: StageContext, out: Path) -> dict[str, Any]:
     tasks = ctx.tasks["sft"]
     total = len(tasks) * len(ctx.recipe.harnesses) * stage.attempts_per_task
     policy = _teacher(ctx, tasks)
-    sampler = _every_group(stage.attempts_per_task)
+    sampler = _every_group(stage.attempts_per_task, ctx.pass_mark)
     spec = _job_spec(ctx, tasks, policy, sampler, stage.budget)
     bar, progress = _rollout_bar(ctx, total, "collect")
     with bar:
@@ -353,16 +361,14 @@ async def _prepare(
     is given; the dataset it wrote is copied to `copy`, for people and later stages to read."""
     store = ctx.stack.artifact_store()
     output = f"{ctx.recipe.name}-{stage}-{uuid.uuid4().hex}.jsonl"
-    request = trainer_api.PrepareDatasetRequest(
+    request = prepare_request(
+        ctx,
         model=await base_model_url(ctx),
         trajectories=_put_file(ctx, rows, "trajectories"),
         tools=await _harness_tools(ctx),
         output=store.url("recipes", "datasets", output),
-        source_model=ctx.recipe.teacher.model,
-        examples_per_reason=2,
+        curation=curation,
     )
-    if curation is not None:
-        request.curation.CopyFrom(curation)
     bar = tqdm(total=0, desc=f"{stage}: prepare", unit="row", disable=not ctx.progress)
 
     def progress(update: trainer_api.PrepareDatasetProgress) -> None:
@@ -378,6 +384,31 @@ async def _prepare(
         shutil.copyfileobj(source, target)
     staging.rename(copy)
     return result
+
+
+def prepare_request(
+    ctx: StageContext,
+    *,
+    model: str,
+    trajectories: str,
+    tools: Sequence[trainer_api.HarnessTools],
+    output: str,
+    curation: trainer_api.CurationSettings | None = None,
+) -> trainer_api.PrepareDatasetRequest:
+    """PrepareDataset of ``trajectories`` for ``model``, with the run's success threshold (it
+    decides curation's successes and the SFT samples counted)."""
+    request = trainer_api.PrepareDatasetRequest(
+        model=model,
+        trajectories=trajectories,
+        tools=tools,
+        output=output,
+        source_model=ctx.recipe.teacher.model,
+        examples_per_reason=2,
+        success_threshold=ctx.pass_mark,
+    )
+    if curation is not None:
+        request.curation.CopyFrom(curation)
+    return request
 
 
 def _unrendered(result: trainer_api.PrepareDatasetResult) -> dict[str, Any]:
@@ -436,7 +467,7 @@ async def _credit_by_service(
     default judge)."""
     import grpc  # noqa: PLC0415
 
-    from orchard.reward.v1 import reward_service_pb2, reward_service_pb2_grpc  # noqa: PLC0415
+    from orchard.reward.v1 import reward_service_pb2_grpc  # noqa: PLC0415
     from orchard.types.v1 import reward_pb2  # noqa: PLC0415
 
     statement = _statements(ctx)
@@ -450,13 +481,7 @@ async def _credit_by_service(
             async with gate:
                 try:
                     reply = await stub.AssignCredit(
-                        reward_service_pb2.AssignCreditRequest(
-                            trajectory=row,
-                            epsilon=ctx.recipe.stages.credit.epsilon,
-                            task=statement.get(row.task_id, ""),
-                            failure=row.reward.detail,
-                            judge=judge,
-                        ),
+                        credit_request(ctx, row, statement.get(row.task_id, ""), judge),
                         timeout=600,
                     )
                 except grpc.aio.AioRpcError as exc:
@@ -479,16 +504,31 @@ async def _credit_by_service(
     return credited, excluded
 
 
-async def _credit(ctx: StageContext, out: Path) -> dict[str, Any]:
-    from orchard.types.v1 import reward_pb2  # noqa: PLC0415
+def credit_request(
+    ctx: StageContext, row: trajectory_pb2.Trajectory, task: str, judge: str
+) -> reward_service_pb2.AssignCreditRequest:
+    """AssignCredit of the failed ``row`` with the run's epsilon and success threshold."""
+    return reward_service_pb2.AssignCreditRequest(
+        trajectory=row,
+        epsilon=ctx.recipe.stages.credit.epsilon,
+        task=task,
+        failure=row.reward.detail,
+        judge=judge,
+        success_threshold=ctx.pass_mark,
+    )
 
+
+def failed_rows(
+    rows: Sequence[trajectory_pb2.Trajectory], mark: float
+) -> list[trajectory_pb2.Trajectory]:
+    """The scored rows below the success threshold ``mark``: what credit assignment is for."""
+    return [r for r in rows if _scored(r) and not _resolved(r, mark)]
+
+
+async def _credit(ctx: StageContext, out: Path) -> dict[str, Any]:
     stage = ctx.recipe.stages.credit
     rows = _read_trajectories(ctx.run.root / "collect" / "trajectories.jsonl")
-    failed = [
-        r
-        for r in rows
-        if r.reward.status == reward_pb2.REWARD_STATUS_SCORED and r.reward.value < ctx.pass_mark
-    ]
+    failed = failed_rows(rows, ctx.pass_mark)
     with _bar(ctx, len(failed), "credit") as bar:
         scripted = stage.judge_endpoint == "builtin:scripted"
         judge = SCRIPTED_JUDGE if scripted else ""
@@ -544,8 +584,6 @@ def run_curate(ctx: StageContext) -> dict[str, Any]:
         # Several programs: each keeps its shortest success (each teaches its own tool calls).
         per_harness=len(ctx.recipe.harnesses) > 1,
     )
-    if ctx.recipe.tasks.claw is not None:
-        curation.success_threshold = ctx.pass_mark
     result = asyncio.run(_prepare(ctx, given, out / "sft.jsonl", "curate", curation))
     (out / "report.txt").write_text(result.curation_summary + "\n", encoding="utf-8")
     return {
@@ -620,6 +658,26 @@ SFT_STEPS_PER_CALL = 12
 """Optimizer steps per Step call of an SFT job: often enough for the progress bar."""
 
 
+def sft_spec(ctx: StageContext, dataset: str, steps: int) -> trainer_api.TrainingJobSpec:
+    """The SFT job of ``steps`` optimizer steps on ``dataset`` (the URL of the dataset the
+    trainer prepared: by URL, never a path), with the run's success threshold, the one its
+    PrepareDataset counted samples with. The model is the published base, filled in later."""
+    stage = ctx.recipe.stages.sft
+    return trainer_api.TrainingJobSpec(
+        mode=trainer_api.TRAINING_MODE_SFT,
+        model="",
+        zero_stage=stage.zero_stage,
+        learning_rate=stage.learning_rate,
+        warmup_steps=min(stage.warmup_steps, steps),
+        total_steps=steps,
+        micro_batch_size=stage.batch_size,
+        gradient_accumulation=stage.gradient_accumulation,
+        dataset=dataset,
+        weight_model=ctx.registry_model,
+        success_threshold=ctx.pass_mark,
+    )
+
+
 def run_sft(ctx: StageContext) -> dict[str, Any]:
     stage = ctx.recipe.stages.sft
     curated = ctx.run.done("curate") or {}
@@ -637,19 +695,7 @@ def run_sft(ctx: StageContext) -> dict[str, Any]:
         )
     steps = max(1, stage.epochs * samples // (stage.batch_size * stage.gradient_accumulation))
     out = ctx.run.stage("sft")
-    spec = trainer_api.TrainingJobSpec(
-        mode=trainer_api.TRAINING_MODE_SFT,
-        model="",  # the published base, filled in by go()
-        zero_stage=stage.zero_stage,
-        learning_rate=stage.learning_rate,
-        warmup_steps=min(stage.warmup_steps, steps),
-        total_steps=steps,
-        micro_batch_size=stage.batch_size,
-        gradient_accumulation=stage.gradient_accumulation,
-        # the dataset the trainer prepared, in the artifact store (by URL, never a path)
-        dataset=str(curated["dataset"]),
-        weight_model=ctx.registry_model,
-    )
+    spec = sft_spec(ctx, str(curated["dataset"]), steps)
     log_path = out / "run.jsonl"
     log_path.unlink(missing_ok=True)
 
@@ -720,7 +766,9 @@ async def _evaluate_model(
     harnesses = ctx.recipe.evaluated_harnesses if split == "evaluate" else ctx.recipe.harnesses
     budget = ctx.recipe.stages.rl.budget
     policy = _student_policy(ctx, version, stage.temperature, budget.max_tokens_per_call)
-    spec = _job_spec(ctx, tasks, policy, _every_group(n), budget, harnesses=harnesses)
+    spec = _job_spec(
+        ctx, tasks, policy, _every_group(n, ctx.pass_mark), budget, harnesses=harnesses
+    )
     desc = f"evaluate {name}" if split == "evaluate" else f"validate {name} on {split}"
     total = len(tasks) * len(harnesses) * n
     bar, progress = _rollout_bar(ctx, total, desc)
@@ -809,20 +857,42 @@ def run_evaluate(ctx: StageContext) -> dict[str, Any]:
 # -- rl ------------------------------------------------------------------------------------------
 
 
-def _sampler(ctx: StageContext) -> rollout_api.SamplerConfig:
+_STOP_RULES = {
+    "mixed": rollout_api.BAR_STOP_RULE_MIXED,
+    "band": rollout_api.BAR_STOP_RULE_BAND,
+}
+_MEMBER_CHOICES = {
+    "random": rollout_api.BAR_MEMBER_CHOICE_RANDOM,
+    "ranked": rollout_api.BAR_MEMBER_CHOICE_RANKED,
+}
+
+
+def rl_sampler(ctx: StageContext, step: int = 0) -> rollout_api.SamplerConfig:
+    """The RL stage's sampler settings for ``step``, with the run's success threshold and, for
+    BAR's random members, a seed drawn from the run's seed and the step (each step draws anew,
+    the same run draws the same)."""
     spec = ctx.recipe.stages.rl.sampler
     if spec.kind == "fixed":
-        return _every_group(spec.n)
+        return _every_group(spec.n, ctx.pass_mark)
     return rollout_api.SamplerConfig(
         kind=rollout_api.SAMPLER_KIND_BAR,
         group_size=spec.n,
         max_rollouts=spec.n_max,
-        stride=spec.stride,
+        stride=spec.stride_or_n,
         rho_min=spec.rho_min,
         rho_max=spec.rho_max,
         positive_threshold=ctx.pass_mark,
         keep_uninformative_groups=True,
+        stop_rule=_STOP_RULES[spec.stop_rule],
+        member_choice=_MEMBER_CHOICES[spec.member_choice],
+        seed=_step_seed(ctx.seed, step),
     )
+
+
+def _step_seed(seed: int, step: int) -> int:
+    """A 63-bit seed for RL step ``step`` of a run seeded with ``seed``."""
+    digest = hashlib.sha256(f"{seed}/rl/{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
 
 
 async def _rl(
@@ -867,7 +937,7 @@ async def _rl(
                     ctx,
                     [tasks[i] for i in chosen],
                     _student_policy(ctx, current, 1.0, stage.budget.max_tokens_per_call),
-                    _sampler(ctx),
+                    rl_sampler(ctx, step),
                     stage.budget,
                 )
                 started = time.monotonic()

@@ -38,9 +38,12 @@ from urllib.parse import urlparse
 from pydantic import Field, field_validator, model_validator
 
 from orchard.core.config import ConfigModel, load_document
+from orchard.core.success import DEFAULT_SUCCESS_THRESHOLD
 
 __all__ = [
     "BUILTIN_RECIPES",
+    "CLAW_PASS_MARK",
+    "DEFAULT_SUCCESS_THRESHOLD",
     "STAGES",
     "BuiltinTasks",
     "ClawTasks",
@@ -52,6 +55,11 @@ __all__ = [
 
 STAGES = ("collect", "credit", "curate", "sft", "rl", "evaluate")
 """The stages, in the order a recipe runs them."""
+
+
+CLAW_PASS_MARK = 0.75
+"""The Claw suite's own success threshold: a task passes at a task score of 0.75 (orchard-reward's
+ScoreTask)."""
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 _HARNESS = re.compile(r"^(builtin|external|program):[a-z0-9][a-z0-9._-]*$")
@@ -126,6 +134,11 @@ class Tasks(ConfigModel):
     def generated(self) -> BuiltinTasks | ClawTasks | None:
         """The built-in suite the tasks come from, if any."""
         return self.builtin or self.claw
+
+    @property
+    def pass_mark(self) -> float | None:
+        """The suite's own success threshold, when it defines one (Claw: 0.75)."""
+        return CLAW_PASS_MARK if self.claw is not None else None
 
 
 def _check_harnesses(value: list[str]) -> list[str]:
@@ -272,15 +285,39 @@ class Sft(Stage):
     per_turn_samples: bool = False
 
 
+_BAR_ONLY = ("stop_rule", "member_choice")
+"""Sampler settings that only kind: bar takes (the older ones are ignored by kind: fixed)."""
+
+
 class Sampler(ConfigModel):
-    """How RL groups are sampled."""
+    """How RL groups are sampled. A rollout succeeded when its reward is at or above the
+    recipe's success threshold (`Recipe.pass_mark`)."""
 
     kind: Literal["bar", "fixed"] = Field(
         default="bar", description="bar: Balanced Adaptive Rollout; fixed: fixed-N with filtering."
     )
     n: int = Field(default=8, ge=2, description="Trajectories per group.")
     n_max: int = Field(default=16, ge=2, description="Most rollouts per task (bar).")
-    stride: int = Field(default=16, ge=1, description="Rollouts per stride (bar).")
+    stride: int | None = Field(
+        default=None,
+        ge=1,
+        description="Rollouts per stride (bar), at most n_max; the stop rule is checked after "
+        "each, so below n_max a task that meets it early costs fewer rollouts. Default: n.",
+    )
+    stop_rule: Literal["mixed", "band"] = Field(
+        default="mixed",
+        description="When bar stops running rollouts of a task. mixed: once its rollouts hold "
+        "at least one success and one failure (and n rollouts); the group is then as close to "
+        "the middle of [rho_min, rho_max] as they allow. band: once a group of n scored "
+        "rollouts with its fraction of successes in [rho_min, rho_max] can be assembled (3 of "
+        "each for n = 8).",
+    )
+    member_choice: Literal["random", "ranked"] = Field(
+        default="random",
+        description="Which rollouts become a bar group's members, among the successes and "
+        "among the failures. random: drawn with the run's seed; ranked: completed before "
+        "truncated, shorter before longer.",
+    )
     rho_min: float = Field(default=0.375, ge=0, le=1)
     rho_max: float = Field(default=0.625, ge=0, le=1)
 
@@ -288,9 +325,19 @@ class Sampler(ConfigModel):
     def _consistent(self) -> Sampler:
         if self.n_max < self.n:
             raise ValueError(f"n_max ({self.n_max}) must be at least n ({self.n})")
+        if self.stride is not None and self.stride > self.n_max:
+            raise ValueError(f"stride ({self.stride}) must be at most n_max ({self.n_max})")
         if self.rho_min > self.rho_max:
             raise ValueError(f"rho_min ({self.rho_min}) is above rho_max ({self.rho_max})")
+        given = [name for name in _BAR_ONLY if name in self.model_fields_set]
+        if self.kind == "fixed" and given:
+            raise ValueError(f"{', '.join(given)} configure kind: bar, not kind: fixed")
         return self
+
+    @property
+    def stride_or_n(self) -> int:
+        """Rollouts per stride: ``stride`` when given, else ``n``."""
+        return self.n if self.stride is None else self.stride
 
 
 class Critic(ConfigModel):
@@ -392,6 +439,17 @@ class Recipe(ConfigModel):
     name: str = Field(description="Names the run and its output folder.")
     tasks: Tasks
     harnesses: list[str] = Field(default=["builtin:swe"], min_length=1)
+    success_threshold: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="The reward at or above which a rollout succeeded, in [0, 1]: what BAR "
+        "counts as a success, what credit assignment treats as failed (below it), which "
+        "trajectories SFT trains on whole and curation compares, and what evaluation counts as "
+        f"resolved. Default: the task suite's pass mark (Claw: {CLAW_PASS_MARK}), else "
+        f"{DEFAULT_SUCCESS_THRESHOLD}.",
+    )
     teacher: Teacher = Teacher()
     student: Student = Student()
     stages: Stages = Stages()
@@ -415,6 +473,16 @@ class Recipe(ConfigModel):
     @classmethod
     def _harnesses(cls, value: list[str]) -> list[str]:
         return _check_harnesses(value)
+
+    @property
+    def pass_mark(self) -> float:
+        """The run's one success threshold: ``success_threshold`` when given, else the task
+        suite's pass mark, else :data:`DEFAULT_SUCCESS_THRESHOLD`. A rollout succeeded when its
+        reward is at or above it; every stage sends it to the services."""
+        if self.success_threshold is not None:
+            return self.success_threshold
+        suite = self.tasks.pass_mark
+        return DEFAULT_SUCCESS_THRESHOLD if suite is None else suite
 
     @property
     def evaluated_harnesses(self) -> list[str]:

@@ -7,8 +7,15 @@ what SFT may train on in a failed trajectory.
 
 The curve has one value per turn: ``values[t]`` is the estimated chance of resolving the task
 after turn ``t``. Turn ``t + 1`` *rises* when ``values[t + 1] - values[t] >= epsilon``; a rise
-segment is a maximal run of rising turns, as an inclusive :class:`TurnSpan`. Turn 0 has no
-earlier value and never rises.
+segment is a maximal run of rising turns, as an inclusive :class:`TurnSpan`.
+
+Turn 0 never receives credit: the curve holds no value before it to rise from (the judge's
+value at turn 0 is its estimate *after* that turn, and the calibration rules pin it to an
+uncertain start, not to a climb). So a segment starts at turn 1 at the earliest, and a one-turn
+trajectory has no rise segment: failed, it carries no SFT loss.
+
+Credit is for failed trajectories: a trajectory whose reward is scored at or above the success
+threshold (the one every service shares) succeeded and is refused (:func:`require_failed`).
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from typing import Any
 
 from orchard.core.errors import OrchardError, Reason
 from orchard.reward.judge_json import MalformedJudgeOutput, extract_json_object, require_probability
+from orchard.core.success import DEFAULT_SUCCESS_THRESHOLD
+from orchard.types.v1 import reward_pb2, trajectory_pb2
 
 __all__ = [
     "DEFAULT_EPSILON",
@@ -30,8 +39,10 @@ __all__ = [
     "credit_curve",
     "interpolate",
     "parse_annotations",
+    "require_failed",
     "rise_segments",
     "validate_epsilon",
+    "validate_success_threshold",
 ]
 
 DEFAULT_EPSILON = 0.05
@@ -80,6 +91,31 @@ def validate_epsilon(epsilon: float) -> float:
             f"epsilon must lie in (0, 1) (0 for {DEFAULT_EPSILON}), got {epsilon}",
         )
     return epsilon
+
+
+def validate_success_threshold(threshold: float | None) -> float:
+    """``threshold`` if it lies in [0, 1], else INVALID_ARGUMENT; None means the shared default."""
+    if threshold is None:
+        return DEFAULT_SUCCESS_THRESHOLD
+    if not math.isfinite(threshold) or not 0 <= threshold <= 1:
+        raise OrchardError(
+            Reason.INVALID_ARGUMENT,
+            f"success_threshold must lie in [0, 1] (unset for {DEFAULT_SUCCESS_THRESHOLD}), "
+            f"got {threshold}",
+        )
+    return threshold
+
+
+def require_failed(trajectory: trajectory_pb2.Trajectory, threshold: float) -> None:
+    """INVALID_ARGUMENT when ``trajectory`` succeeded: its reward is scored at or above
+    ``threshold``. A trajectory without a scored reward is taken as failed, as its caller says."""
+    reward = trajectory.reward
+    if reward.status == reward_pb2.REWARD_STATUS_SCORED and reward.value >= threshold:
+        raise OrchardError(
+            Reason.INVALID_ARGUMENT,
+            f"trajectory {trajectory.id!r} succeeded (reward {reward.value:g} is at or above the "
+            f"success threshold {threshold:g}): credit assignment is for failed trajectories",
+        )
 
 
 def parse_annotations(
@@ -164,8 +200,38 @@ def interpolate(annotated: Mapping[int, float], num_turns: int) -> list[float]:
     return values
 
 
+def _check_curve(values: Sequence[float], epsilon: float) -> None:
+    """INVALID_ARGUMENT unless ``values`` are numbers in [0, 1] and ``epsilon`` lies in (0, 1)."""
+    if isinstance(epsilon, bool) or not isinstance(epsilon, int | float):
+        raise OrchardError(
+            Reason.INVALID_ARGUMENT, f"epsilon must be a number in (0, 1), got {epsilon!r}"
+        )
+    if not math.isfinite(epsilon) or not 0 < epsilon < 1:
+        raise OrchardError(Reason.INVALID_ARGUMENT, f"epsilon must lie in (0, 1), got {epsilon}")
+    if values is None or isinstance(values, str | bytes):
+        raise OrchardError(
+            Reason.INVALID_ARGUMENT, f"values must be a sequence of numbers, got {values!r}"
+        )
+    for turn, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise OrchardError(
+                Reason.INVALID_ARGUMENT,
+                f"the value at turn {turn} must be a number in [0, 1], got {value!r}",
+            )
+        if not math.isfinite(value) or not 0 <= value <= 1:
+            raise OrchardError(
+                Reason.INVALID_ARGUMENT, f"the value at turn {turn} must lie in [0, 1], got {value}"
+            )
+
+
 def rise_segments(values: Sequence[float], epsilon: float = DEFAULT_EPSILON) -> list[TurnSpan]:
-    """Maximal runs of turns ``t`` with ``values[t] - values[t - 1] >= epsilon``."""
+    """Maximal runs of turns ``t >= 1`` with ``values[t] - values[t - 1] >= epsilon``.
+
+    Turn 0 never rises (nothing precedes it), so an empty or one-turn curve has no segment.
+    Raises INVALID_ARGUMENT for a value that is None, not a number, NaN, infinite or outside
+    [0, 1], and for an ``epsilon`` outside (0, 1), as :func:`credit_curve` does for its input.
+    """
+    _check_curve(values, epsilon)
     spans: list[TurnSpan] = []
     start: int | None = None
     # A tiny slack keeps a climb of exactly epsilon from falling to float rounding.

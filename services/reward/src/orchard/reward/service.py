@@ -21,7 +21,7 @@ from orchard.core.errors import OrchardError, Reason
 from orchard.reward import convert
 from orchard.reward.claw_tasks import builtin_task_checks, is_claw_id
 from orchard.reward.config import RewardConfig
-from orchard.reward.credit import validate_epsilon
+from orchard.reward.credit import require_failed, validate_epsilon, validate_success_threshold
 from orchard.reward.judge_client import Judge
 from orchard.reward.judged import assign_credit, grade_rubric, judge_outcome
 from orchard.reward.metrics import RewardMetrics
@@ -306,6 +306,10 @@ class RewardServicer(reward_service_pb2_grpc.RewardServiceServicer):
         epsilon = (
             validate_epsilon(request.epsilon) if request.epsilon else self.config.credit.epsilon
         )
+        threshold = validate_success_threshold(
+            request.success_threshold if request.HasField("success_threshold") else None
+        )
+        require_failed(request.trajectory, threshold)
         steps = convert.transcript(request.trajectory)
         judge = self._judge(request.judge, credit=True)
         failure = request.failure or request.trajectory.reward.detail or "the task was not solved"

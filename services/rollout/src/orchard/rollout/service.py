@@ -51,7 +51,14 @@ from orchard.rollout.metrics import RolloutMetrics
 from orchard.rollout.results import GroupKey, RunRollout
 from orchard.rollout.runner import RolloutRunner
 from orchard.rollout.runs import JobCancelled, JobRun, JobState, JobStore, new_job_id
-from orchard.rollout.samplers import BalancedAdaptiveSampler, FixedNSampler, Sampler
+from orchard.rollout.samplers import (
+    BalancedAdaptiveSampler,
+    FixedNSampler,
+    MemberChoice,
+    Sampler,
+    StopRule,
+    check_success_threshold,
+)
 from orchard.rollout.scheduler import JobScheduler, Work
 from orchard.rollout.scoring import LocalScorer, TaskScorer
 from orchard.rollout.scripted_policy import script_from_proto
@@ -63,6 +70,7 @@ from orchard.rollout.v1 import rollout_service_pb2_grpc
 from orchard.rollout.workers import RolloutWorkers, RunnerSpec
 from orchard.sdk import AsyncSandboxClient
 from orchard.sdk import errors as sdk_errors
+from orchard.core.success import DEFAULT_SUCCESS_THRESHOLD
 
 if TYPE_CHECKING:
     from orchard.lm.weights import WeightRegistry
@@ -247,9 +255,27 @@ def _scripted_policy(
     )
 
 
+_STOP_RULES = {
+    api.BAR_STOP_RULE_UNSPECIFIED: StopRule.MIXED,
+    api.BAR_STOP_RULE_MIXED: StopRule.MIXED,
+    api.BAR_STOP_RULE_BAND: StopRule.BAND,
+}
+_MEMBER_CHOICES = {
+    api.BAR_MEMBER_CHOICE_UNSPECIFIED: MemberChoice.RANDOM,
+    api.BAR_MEMBER_CHOICE_RANDOM: MemberChoice.RANDOM,
+    api.BAR_MEMBER_CHOICE_RANKED: MemberChoice.RANKED,
+}
+
+
 def _sampler(config: api.SamplerConfig) -> Sampler:
-    threshold = config.positive_threshold or 0.5
+    """The sampler a job's settings name; unset fields take the defaults the proto states."""
     try:
+        # Unset (a client from before the field was tracked): the shared default.
+        threshold = check_success_threshold(
+            config.positive_threshold
+            if config.HasField("positive_threshold")
+            else DEFAULT_SUCCESS_THRESHOLD
+        )
         if config.kind == api.SAMPLER_KIND_FIXED_N:
             if config.group_size == 1 and not config.keep_uninformative_groups:
                 raise ValueError(
@@ -259,13 +285,20 @@ def _sampler(config: api.SamplerConfig) -> Sampler:
             return FixedNSampler(group_size=config.group_size or 8, positive_threshold=threshold)
         if config.kind in (api.SAMPLER_KIND_BAR, api.SAMPLER_KIND_UNSPECIFIED):
             group_size = config.group_size or 8
+            if config.stop_rule not in _STOP_RULES:
+                raise ValueError(f"stop_rule {config.stop_rule} is not MIXED or BAND")
+            if config.member_choice not in _MEMBER_CHOICES:
+                raise ValueError(f"member_choice {config.member_choice} is not RANDOM or RANKED")
             return BalancedAdaptiveSampler(
                 group_size=group_size,
                 max_rollouts=config.max_rollouts or max(16, group_size),
-                stride=config.stride or 16,
+                stride=config.stride or group_size,
                 rho_min=config.rho_min if config.rho_min or config.rho_max else 0.375,
                 rho_max=config.rho_max or 0.625,
                 positive_threshold=threshold,
+                stop_rule=_STOP_RULES[config.stop_rule],
+                member_choice=_MEMBER_CHOICES[config.member_choice],
+                seed=config.seed if config.HasField("seed") else None,
             )
     except ValueError as exc:
         raise _invalid(f"spec.sampler: {exc}") from None

@@ -15,7 +15,8 @@ in the order given and returns the surviving rows with one `StepReport` per step
   same parser the capture proxy uses), or a `tool_calls` finish without any call;
 - `ShortestSuccessful()` — of the successful trajectories of a task (or of a task in one
   harness, `per_harness`), only the one with the fewest tokens stays (the first in order on a
-  tie); failed ones pass unless `keep_failed` is off; `minimum` makes success a pass mark;
+  tie); failed ones pass unless `keep_failed` is off. Successful: scored at or above
+  `success_threshold`, the success threshold every service shares (`masks.is_success`);
 - `CapPerSource(cap, key)` — at most `cap` trajectories per value of `metadata[key]` (e.g. the
   repository or website), the first ones in order; rows without the key pass.
 
@@ -35,6 +36,7 @@ from typing import Any, Protocol
 
 import jsonschema
 
+from orchard.core.success import DEFAULT_SUCCESS_THRESHOLD, check_success_threshold, is_success
 from orchard.lm.chat import ChatFormatError, normalize_tools, parse_assistant_text
 from orchard.trainer.masks import trainable_reason
 from orchard.types.v1 import trajectory_pb2
@@ -274,43 +276,38 @@ class ParsableActions(_RowFilter):
         return None
 
 
-def _successful(trajectory: Trajectory, threshold: float, minimum: float | None = None) -> bool:
+def _successful(trajectory: Trajectory, threshold: float) -> bool:
     if trainable_reason(trajectory) is not None:
         return False
-    value = trajectory.reward.value
-    return value >= minimum if minimum is not None else value > threshold
+    return is_success(trajectory.reward.value, threshold)
 
 
 class ShortestSuccessful:
     """Keep one successful trajectory per task (or per task and harness): the one with the
-    fewest tokens. Successful: a reward above `success_threshold`, or at least `minimum` when
-    given (a pass mark)."""
+    fewest tokens. Successful: a reward at or above `success_threshold` (in [0, 1], else
+    ValueError)."""
 
     def __init__(
         self,
         *,
-        success_threshold: float = 0.0,
+        success_threshold: float = DEFAULT_SUCCESS_THRESHOLD,
         keep_failed: bool = True,
-        minimum: float | None = None,
         per_harness: bool = False,
     ) -> None:
-        self.success_threshold = success_threshold
+        self.success_threshold = check_success_threshold(success_threshold)
         self.keep_failed = keep_failed
-        self.minimum = minimum
         self.per_harness = per_harness
-        bar = (
-            f"minimum={minimum}"
-            if minimum is not None
-            else f"success_threshold={success_threshold}"
-        )
         per = ", per_harness=True" if per_harness else ""
-        self.name = f"shortest_successful({bar}, keep_failed={keep_failed}{per})"
+        self.name = (
+            f"shortest_successful(success_threshold={success_threshold}, "
+            f"keep_failed={keep_failed}{per})"
+        )
 
     def _key(self, row: Trajectory) -> tuple[str, str]:
         return (row.task_id, row.harness if self.per_harness else "")
 
     def _won(self, row: Trajectory) -> bool:
-        return _successful(row, self.success_threshold, self.minimum)
+        return _successful(row, self.success_threshold)
 
     def apply(self, rows: Sequence[Trajectory]) -> tuple[list[Trajectory], list[Drop]]:
         best: dict[tuple[str, str], tuple[int, int]] = {}

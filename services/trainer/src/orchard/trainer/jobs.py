@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orchard.core.artifacts import ArtifactNotFound, ArtifactStore, parse_url
+from orchard.core.success import check_success_threshold
 from orchard.lm.weights import InvalidWeightVersion, check_model_name
 from orchard.trainer.checkpoints import (
     MANIFEST,
@@ -157,6 +158,11 @@ def resolve_spec(spec: api.TrainingJobSpec, *, max_ranks: int = 0) -> api.Traini
             f"spec.max_sequence_tokens must be 0 (no limit) or at least 2, got "
             f"{out.max_sequence_tokens}"
         )
+    if out.HasField("success_threshold"):
+        try:
+            check_success_threshold(out.success_threshold, "spec.success_threshold")
+        except ValueError as exc:
+            raise SpecError(str(exc)) from None
     if not (math.isfinite(out.learning_rate) and out.learning_rate >= 0):
         raise SpecError(f"spec.learning_rate must be a positive number, got {out.learning_rate}")
     out.learning_rate = out.learning_rate or DEFAULTS.learning_rate

@@ -7,7 +7,8 @@ and marks which tokens count in the loss:
 - observation, system and user tokens (`input_token_ids`) never count;
 - auxiliary turns (compaction, sub-agents) never count;
 - a policy output token counts only where its turn's `output_loss_mask` allows it;
-- for SFT, a successful trajectory trains on all its policy turns, a failed one only on the
+- for SFT, a successful trajectory (its reward at or above `success_threshold`, the success
+  threshold every service shares) trains on all its policy turns, a failed one only on the
   turns inside its credit-assignment rise segments (`TurnSpan`, inclusive at both ends);
 - for RL, every policy turn counts; the advantage carries the sign;
 - a trajectory whose reward is excluded, unscored or aborted never yields a sample.
@@ -23,6 +24,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from orchard.core.success import DEFAULT_SUCCESS_THRESHOLD, check_success_threshold, is_success
 from orchard.types.v1 import reward_pb2, trajectory_pb2
 
 
@@ -62,8 +64,8 @@ class SampleConfig:
     """Most tokens per sample; None means no limit."""
     overflow: Overflow = Overflow.TRUNCATE_LEFT
     """What happens to a sample longer than `context_window`."""
-    success_threshold: float = 0.0
-    """A scored trajectory is successful when its reward value is above this."""
+    success_threshold: float = DEFAULT_SUCCESS_THRESHOLD
+    """A scored trajectory is successful when its reward value is at or above this."""
     per_turn: bool = False
     """SFT only: each trained turn becomes its own sample, with the earlier turns as context."""
     drop_over: int | None = None
@@ -78,6 +80,7 @@ class SampleConfig:
             )
         if self.drop_over is not None and self.drop_over < 2:
             raise ValueError(f"drop_over must be at least 2 tokens (or None), got {self.drop_over}")
+        check_success_threshold(self.success_threshold)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +126,9 @@ def trainable_reason(trajectory: trajectory_pb2.Trajectory) -> SkipReason | None
 
 
 def is_successful(trajectory: trajectory_pb2.Trajectory, config: SampleConfig) -> bool:
-    """Whether a scored trajectory counts as a success for SFT."""
-    return trajectory.reward.value > config.success_threshold
+    """Whether a scored trajectory counts as a success for SFT: its reward is at or above
+    `config.success_threshold`."""
+    return is_success(trajectory.reward.value, config.success_threshold)
 
 
 def rise_turns(trajectory: trajectory_pb2.Trajectory) -> set[int]:

@@ -8,7 +8,9 @@ a check that their ids lie in the model's vocabulary. The curation steps asked f
 (`orchard.trainer.curation`) then run over the rows, and the kept ones are written as JSON
 Lines at the output URL, whole, only when the call succeeds. The result says how many rows went
 in, were rendered, kept and dropped (by step and reason), how many SFT samples a job on the
-dataset builds (`orchard.trainer.masks`), and which rows could not be rendered and why.
+dataset builds (`orchard.trainer.masks`), and which rows could not be rendered and why. One
+success threshold (`success_threshold_of`) decides both which rows curation counts as
+successes and which rows the count trains on whole.
 
 Rendering a conversation tokenizes its history once per assistant turn, so a large input
 takes minutes: the work runs in a thread off the event loop and the RPC streams progress.
@@ -30,6 +32,7 @@ from typing import Any
 
 from orchard.core.artifacts import ArtifactStore
 from orchard.core.errors import OrchardError, Reason
+from orchard.core.success import DEFAULT_SUCCESS_THRESHOLD, check_success_threshold
 from orchard.lm.chat import ChatRenderer
 from orchard.trainer.curation import (
     CapPerSource,
@@ -130,11 +133,38 @@ def harness_tools(entries: Sequence[api.HarnessTools]) -> dict[str, list[dict[st
     return out
 
 
+def success_threshold_of(request: api.PrepareDatasetRequest) -> float:
+    """The request's success threshold: `success_threshold`, else the deprecated
+    `curation.success_threshold`, else the shared default; INVALID_ARGUMENT outside [0, 1] or
+    when both are set and differ."""
+    given = request.success_threshold if request.HasField("success_threshold") else None
+    curation = request.curation if request.HasField("curation") else None
+    legacy = (
+        curation.success_threshold
+        if curation is not None and curation.HasField("success_threshold")
+        else None
+    )
+    if given is not None and legacy is not None and given != legacy:
+        raise _invalid(
+            f"success_threshold ({given}) and curation.success_threshold ({legacy}) differ: "
+            "give success_threshold only"
+        )
+    for value, what in ((given, "success_threshold"), (legacy, "curation.success_threshold")):
+        if value is not None:
+            try:
+                return check_success_threshold(value, what)
+            except ValueError as exc:
+                raise _invalid(str(exc)) from None
+    return DEFAULT_SUCCESS_THRESHOLD
+
+
 def curation_steps(
-    settings: api.CurationSettings | None, tools: Mapping[str, Sequence[Mapping[str, Any]]]
+    settings: api.CurationSettings | None,
+    tools: Mapping[str, Sequence[Mapping[str, Any]]],
+    success_threshold: float = DEFAULT_SUCCESS_THRESHOLD,
 ) -> list[CurationStep]:
-    """The steps `settings` asks for, in the order they run; raises INVALID_ARGUMENT for a
-    setting that cannot run."""
+    """The steps `settings` asks for, in the order they run, successes counted at
+    `success_threshold`; raises INVALID_ARGUMENT for a setting that cannot run."""
     if settings is None:
         return []
     if settings.max_tokens < 0 or settings.cap_per_source < 0:
@@ -153,8 +183,11 @@ def curation_steps(
                 )
             steps.append(KnownTools({name: ToolSchema.of(list(ts)) for name, ts in tools.items()}))
         if settings.shortest_success_per_task:
-            minimum = settings.success_threshold if settings.HasField("success_threshold") else None
-            steps.append(ShortestSuccessful(minimum=minimum, per_harness=settings.per_harness))
+            steps.append(
+                ShortestSuccessful(
+                    success_threshold=success_threshold, per_harness=settings.per_harness
+                )
+            )
         if settings.cap_per_source:
             steps.append(CapPerSource(settings.cap_per_source, settings.source_key or "repository"))
     except CurationError as exc:
@@ -246,8 +279,10 @@ class DatasetPreparer:
     ) -> api.PrepareDatasetResult:
         """Read, render, curate, count and write (see the module docstring)."""
         tools = harness_tools(request.tools)
-        steps = curation_steps(request.curation if request.HasField("curation") else None, tools)
-        samples = self._sample_config(request)
+        threshold = success_threshold_of(request)
+        settings = request.curation if request.HasField("curation") else None
+        steps = curation_steps(settings, tools, threshold)
+        samples = self._sample_config(request, threshold)
         source = self.store.require(request.trajectories, what="trajectories")
         output = self._output(request.output)
         tokenizer = self._tokenizer(request.model)
@@ -284,8 +319,11 @@ class DatasetPreparer:
         )
 
     @staticmethod
-    def _sample_config(request: api.PrepareDatasetRequest) -> SampleConfig:
-        """How the SFT job the request names will cut samples, so the count is its count."""
+    def _sample_config(
+        request: api.PrepareDatasetRequest, success_threshold: float
+    ) -> SampleConfig:
+        """How the SFT job the request names will cut samples, so the count is its count (the
+        job is given the same success threshold)."""
         if request.max_sequence_tokens < 0 or request.max_sequence_tokens == 1:
             raise _invalid(
                 "max_sequence_tokens must be 0 (no limit) or at least 2, got "
@@ -296,6 +334,7 @@ class DatasetPreparer:
         return SampleConfig(
             context_window=request.max_sequence_tokens or None,
             overflow=Overflow.DROP if request.drop_long else Overflow.TRUNCATE_LEFT,
+            success_threshold=success_threshold,
         )
 
     def _output(self, url: str) -> str:

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from orchard.core.success import DEFAULT_SUCCESS_THRESHOLD
 from orchard.trainer.checkpoints import (
     CRITIC_DIR,
     CheckpointError,
@@ -59,13 +60,7 @@ from orchard.trainer.datasets import parse_trajectories
 from orchard.trainer.distributed import ProcessGroupSpec
 from orchard.trainer.engine import EngineConfig, StepResult, TrainingEngine
 from orchard.trainer.losses import PolicyLossConfig
-from orchard.trainer.masks import (
-    Overflow,
-    Sample,
-    SampleConfig,
-    TrajectoryError,
-    build_sft_samples,
-)
+from orchard.trainer.masks import Overflow, Sample, SampleConfig, TrajectoryError, build_sft_samples
 from orchard.trainer.microbatches import MicroBatchPlan
 from orchard.trainer.policy import Policy, load_policy
 from orchard.trainer.rl import RlBatch, RlConfig, StaleBatchError, StalePolicy, build_rl_batch
@@ -159,6 +154,11 @@ def sample_config(spec: api.TrainingJobSpec) -> SampleConfig:
     return SampleConfig(
         context_window=spec.max_sequence_tokens or None,
         overflow=Overflow.DROP if spec.drop_long else Overflow.TRUNCATE_LEFT,
+        success_threshold=(
+            spec.success_threshold
+            if spec.HasField("success_threshold")
+            else DEFAULT_SUCCESS_THRESHOLD
+        ),
     )
 
 

@@ -435,6 +435,7 @@ class AssignCreditRequest(_message.Message):
     TASK_FIELD_NUMBER: _builtins.int
     FAILURE_FIELD_NUMBER: _builtins.int
     JUDGE_FIELD_NUMBER: _builtins.int
+    SUCCESS_THRESHOLD_FIELD_NUMBER: _builtins.int
     epsilon: _builtins.float
     """Least climb of the value curve that makes a rise segment; 0 uses the default (0.05)."""
     task: _builtins.str
@@ -443,6 +444,11 @@ class AssignCreditRequest(_message.Message):
     """How the trajectory failed (e.g. the failing tests); empty uses `trajectory.reward.detail`."""
     judge: _builtins.str
     """Judge to use, by configured name (e.g. "scripted"); empty means the default."""
+    success_threshold: _builtins.float
+    """The success threshold: a trajectory whose reward is SCORED at or above it succeeded and
+    gets no credit (INVALID_ARGUMENT). The same threshold the samplers, SFT masks, curation and
+    evaluation use. In [0, 1] (else INVALID_ARGUMENT); unset: 0.5.
+    """
     @_builtins.property
     def trajectory(self) -> _trajectory_pb2.Trajectory:
         """A failed trajectory."""
@@ -455,12 +461,15 @@ class AssignCreditRequest(_message.Message):
         task: _builtins.str = ...,
         failure: _builtins.str = ...,
         judge: _builtins.str = ...,
+        success_threshold: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["trajectory", b"trajectory"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_success_threshold", b"_success_threshold", "success_threshold", b"success_threshold", "trajectory", b"trajectory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epsilon", b"epsilon", "failure", b"failure", "judge", b"judge", "task", b"task", "trajectory", b"trajectory"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_success_threshold", b"_success_threshold", "epsilon", b"epsilon", "failure", b"failure", "judge", b"judge", "success_threshold", b"success_threshold", "task", b"task", "trajectory", b"trajectory"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__success_threshold: _TypeAlias = _typing.Literal["success_threshold"]  # noqa: Y015
+    _WhichOneofArgType__success_threshold: _TypeAlias = _typing.Literal["_success_threshold", b"_success_threshold"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__success_threshold) -> _WhichOneofReturnType__success_threshold | None: ...
 
 Global___AssignCreditRequest: _TypeAlias = AssignCreditRequest  # noqa: Y015
 

@@ -128,7 +128,8 @@ class RewardServiceServicer:
         `reward` EXCLUDED. The judge is a configured model endpoint or the service's scripted
         judge (a heuristic that values each turn by what its action does; no model, no network).
         Changes nothing.
-        Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1), unknown judge).
+        Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1), unknown judge,
+        success_threshold outside [0, 1], a trajectory scored at or above it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -73,7 +73,8 @@ class RewardServiceStub:
     `reward` EXCLUDED. The judge is a configured model endpoint or the service's scripted
     judge (a heuristic that values each turn by what its action does; no model, no network).
     Changes nothing.
-    Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1), unknown judge).
+    Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1), unknown judge,
+    success_threshold outside [0, 1], a trajectory scored at or above it).
     """
     ListTaskSuites: _grpc.UnaryUnaryMultiCallable[_reward_service_pb2.ListTaskSuitesRequest, _reward_service_pb2.ListTaskSuitesResponse]
     """Lists the task suites this service knows: suites generated in code whose tasks it scores
@@ -127,7 +128,8 @@ class RewardServiceAsyncStub(RewardServiceStub):
     `reward` EXCLUDED. The judge is a configured model endpoint or the service's scripted
     judge (a heuristic that values each turn by what its action does; no model, no network).
     Changes nothing.
-    Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1), unknown judge).
+    Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1), unknown judge,
+    success_threshold outside [0, 1], a trajectory scored at or above it).
     """
     ListTaskSuites: _aio.UnaryUnaryMultiCallable[_reward_service_pb2.ListTaskSuitesRequest, _reward_service_pb2.ListTaskSuitesResponse]  # type: ignore[assignment]
     """Lists the task suites this service knows: suites generated in code whose tasks it scores
@@ -208,7 +210,8 @@ class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
         `reward` EXCLUDED. The judge is a configured model endpoint or the service's scripted
         judge (a heuristic that values each turn by what its action does; no model, no network).
         Changes nothing.
-        Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1), unknown judge).
+        Errors: INVALID_ARGUMENT (empty trajectory, epsilon outside (0, 1), unknown judge,
+        success_threshold outside [0, 1], a trajectory scored at or above it).
         """
 
     @_abc_1.abstractmethod

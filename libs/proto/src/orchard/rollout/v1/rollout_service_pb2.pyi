@@ -33,8 +33,8 @@ class _SamplerKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SamplerKi
     SAMPLER_KIND_FIXED_N: _SamplerKind.ValueType  # 1
     """N rollouts per task; groups whose rewards are all equal are dropped."""
     SAMPLER_KIND_BAR: _SamplerKind.ValueType  # 2
-    """Balanced Adaptive Rollout: rollouts in strides until a group with a positive fraction in
-    [rho_min, rho_max] can be assembled, with relaxed and top-ranked fallbacks.
+    """Balanced Adaptive Rollout: rollouts in strides until the pair's rollouts meet the stop
+    rule (`stop_rule`), with relaxed and top-ranked fallbacks at `max_rollouts`.
     """
 
 class SamplerKind(_SamplerKind, metaclass=_SamplerKindEnumTypeWrapper):
@@ -45,10 +45,72 @@ SAMPLER_KIND_UNSPECIFIED: SamplerKind.ValueType  # 0
 SAMPLER_KIND_FIXED_N: SamplerKind.ValueType  # 1
 """N rollouts per task; groups whose rewards are all equal are dropped."""
 SAMPLER_KIND_BAR: SamplerKind.ValueType  # 2
-"""Balanced Adaptive Rollout: rollouts in strides until a group with a positive fraction in
-[rho_min, rho_max] can be assembled, with relaxed and top-ranked fallbacks.
+"""Balanced Adaptive Rollout: rollouts in strides until the pair's rollouts meet the stop
+rule (`stop_rule`), with relaxed and top-ranked fallbacks at `max_rollouts`.
 """
 Global___SamplerKind: _TypeAlias = SamplerKind  # noqa: Y015
+
+class _BarStopRule:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _BarStopRuleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BarStopRule.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    BAR_STOP_RULE_UNSPECIFIED: _BarStopRule.ValueType  # 0
+    """Not set: BAR_STOP_RULE_MIXED."""
+    BAR_STOP_RULE_MIXED: _BarStopRule.ValueType  # 1
+    """Stop once the pair's rollouts so far hold at least one success and one failure and enough
+    scored rollouts to fill the group; the group then holds the count of successes closest to
+    the middle of [rho_min, rho_max] that they allow, at least one of each.
+    """
+    BAR_STOP_RULE_BAND: _BarStopRule.ValueType  # 2
+    """Stop once a group whose fraction of successes lies in [rho_min, rho_max] can be assembled
+    (with the defaults, at least 3 successes and 3 failures for a group of 8).
+    """
+
+class BarStopRule(_BarStopRule, metaclass=_BarStopRuleEnumTypeWrapper):
+    """When Balanced Adaptive Rollout stops running rollouts of a (task, harness) pair; it checks
+    after every stride and falls back (relaxed, then top-ranked) at `max_rollouts`.
+    """
+
+BAR_STOP_RULE_UNSPECIFIED: BarStopRule.ValueType  # 0
+"""Not set: BAR_STOP_RULE_MIXED."""
+BAR_STOP_RULE_MIXED: BarStopRule.ValueType  # 1
+"""Stop once the pair's rollouts so far hold at least one success and one failure and enough
+scored rollouts to fill the group; the group then holds the count of successes closest to
+the middle of [rho_min, rho_max] that they allow, at least one of each.
+"""
+BAR_STOP_RULE_BAND: BarStopRule.ValueType  # 2
+"""Stop once a group whose fraction of successes lies in [rho_min, rho_max] can be assembled
+(with the defaults, at least 3 successes and 3 failures for a group of 8).
+"""
+Global___BarStopRule: _TypeAlias = BarStopRule  # noqa: Y015
+
+class _BarMemberChoice:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _BarMemberChoiceEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BarMemberChoice.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    BAR_MEMBER_CHOICE_UNSPECIFIED: _BarMemberChoice.ValueType  # 0
+    """Not set: BAR_MEMBER_CHOICE_RANDOM."""
+    BAR_MEMBER_CHOICE_RANDOM: _BarMemberChoice.ValueType  # 1
+    """At random, drawn with `seed`."""
+    BAR_MEMBER_CHOICE_RANKED: _BarMemberChoice.ValueType  # 2
+    """The best-ranked: completed before truncated, then shorter before longer, then earlier."""
+
+class BarMemberChoice(_BarMemberChoice, metaclass=_BarMemberChoiceEnumTypeWrapper):
+    """How Balanced Adaptive Rollout picks a group's members among the successes and among the
+    failures it has, once it knows how many of each the group holds.
+    """
+
+BAR_MEMBER_CHOICE_UNSPECIFIED: BarMemberChoice.ValueType  # 0
+"""Not set: BAR_MEMBER_CHOICE_RANDOM."""
+BAR_MEMBER_CHOICE_RANDOM: BarMemberChoice.ValueType  # 1
+"""At random, drawn with `seed`."""
+BAR_MEMBER_CHOICE_RANKED: BarMemberChoice.ValueType  # 2
+"""The best-ranked: completed before truncated, then shorter before longer, then earlier."""
+Global___BarMemberChoice: _TypeAlias = BarMemberChoice  # noqa: Y015
 
 class _RolloutJobState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -96,23 +158,44 @@ class SamplerConfig(_message.Message):
     RHO_MAX_FIELD_NUMBER: _builtins.int
     POSITIVE_THRESHOLD_FIELD_NUMBER: _builtins.int
     KEEP_UNINFORMATIVE_GROUPS_FIELD_NUMBER: _builtins.int
+    STOP_RULE_FIELD_NUMBER: _builtins.int
+    MEMBER_CHOICE_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
     kind: Global___SamplerKind.ValueType
     """Which sampler."""
     group_size: _builtins.int
-    """Trajectories per group."""
+    """Trajectories per group; 0: 8."""
     stride: _builtins.int
-    """BAR: rollouts started per stride."""
+    """BAR: rollouts started per stride; the stop rule is checked after each. Below
+    `max_rollouts` BAR is adaptive: a pair that meets the rule early costs fewer rollouts.
+    0: `group_size`.
+    """
     max_rollouts: _builtins.int
-    """BAR: most rollouts per task before falling back."""
+    """BAR: most rollouts per pair before falling back; 0: the larger of 16 and `group_size`."""
     rho_min: _builtins.float
-    """BAR: least positive fraction of an accepted group."""
+    """BAR: least fraction of successes of a group (BAR_STOP_RULE_BAND: of an accepted group;
+    BAR_STOP_RULE_MIXED: with `rho_max`, the balance it aims at); 0 with `rho_max` 0: 0.375.
+    """
     rho_max: _builtins.float
-    """BAR: most positive fraction of an accepted group."""
+    """BAR: most fraction of successes of a group (as `rho_min`); 0: 0.625."""
     positive_threshold: _builtins.float
-    """A reward at or above it counts as a positive (0: 0.5)."""
+    """The success threshold: a rollout whose reward is at or above it is a positive (a success),
+    below it a negative; the same rule as the reward, trainer and recipe use. In [0, 1]
+    (else INVALID_ARGUMENT); unset: 0.5. A client that set 0 before presence was tracked sent
+    nothing, so it keeps 0.5.
+    """
     keep_uninformative_groups: _builtins.bool
     """Stream every group, also those the group filter drops for carrying no signal (all rewards
     equal, fewer than two scored): for evaluation runs.
+    """
+    stop_rule: Global___BarStopRule.ValueType
+    """BAR: when a task has enough rollouts; unset: BAR_STOP_RULE_MIXED."""
+    member_choice: Global___BarMemberChoice.ValueType
+    """BAR: which rollouts become the group's members; unset: BAR_MEMBER_CHOICE_RANDOM."""
+    seed: _builtins.int
+    """BAR with BAR_MEMBER_CHOICE_RANDOM: seed of the member draw. A pair's draw depends only on
+    the seed, the pair and its rollouts, so a job with the same rollouts picks the same groups;
+    unset: a fresh seed per job.
     """
     def __init__(
         self,
@@ -123,14 +206,24 @@ class SamplerConfig(_message.Message):
         max_rollouts: _builtins.int = ...,
         rho_min: _builtins.float = ...,
         rho_max: _builtins.float = ...,
-        positive_threshold: _builtins.float = ...,
+        positive_threshold: _builtins.float | None = ...,
         keep_uninformative_groups: _builtins.bool = ...,
+        stop_rule: Global___BarStopRule.ValueType = ...,
+        member_choice: Global___BarMemberChoice.ValueType = ...,
+        seed: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_positive_threshold", b"_positive_threshold", "_seed", b"_seed", "positive_threshold", b"positive_threshold", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_size", b"group_size", "keep_uninformative_groups", b"keep_uninformative_groups", "kind", b"kind", "max_rollouts", b"max_rollouts", "positive_threshold", b"positive_threshold", "rho_max", b"rho_max", "rho_min", b"rho_min", "stride", b"stride"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_positive_threshold", b"_positive_threshold", "_seed", b"_seed", "group_size", b"group_size", "keep_uninformative_groups", b"keep_uninformative_groups", "kind", b"kind", "max_rollouts", b"max_rollouts", "member_choice", b"member_choice", "positive_threshold", b"positive_threshold", "rho_max", b"rho_max", "rho_min", b"rho_min", "seed", b"seed", "stop_rule", b"stop_rule", "stride", b"stride"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__positive_threshold: _TypeAlias = _typing.Literal["positive_threshold"]  # noqa: Y015
+    _WhichOneofArgType__positive_threshold: _TypeAlias = _typing.Literal["_positive_threshold", b"_positive_threshold"]  # noqa: Y015
+    _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
+    _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__positive_threshold) -> _WhichOneofReturnType__positive_threshold | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
 
 Global___SamplerConfig: _TypeAlias = SamplerConfig  # noqa: Y015
 

@@ -263,6 +263,7 @@ class TrainingJobSpec(_message.Message):
     RANKS_FIELD_NUMBER: _builtins.int
     ADVANTAGE_ESTIMATOR_FIELD_NUMBER: _builtins.int
     CRITIC_FIELD_NUMBER: _builtins.int
+    SUCCESS_THRESHOLD_FIELD_NUMBER: _builtins.int
     mode: Global___TrainingMode.ValueType
     """SFT or RL."""
     model: _builtins.str
@@ -310,6 +311,12 @@ class TrainingJobSpec(_message.Message):
     """RL: how advantages are estimated, GRPO or PPO with a value model; unset:
     ADVANTAGE_ESTIMATOR_GROUP_RELATIVE. Set on an SFT job: INVALID_ARGUMENT.
     """
+    success_threshold: _builtins.float
+    """SFT: the success threshold. A dataset row whose reward is at or above it succeeded and
+    trains on every policy turn; below it, only on its credit rise segments. The same
+    threshold the samplers, credit assignment, curation and evaluation use. In [0, 1] (else
+    INVALID_ARGUMENT); unset: 0.5.
+    """
     @_builtins.property
     def policy_loss(self) -> Global___PolicyLossConfig:
         """RL loss settings."""
@@ -341,14 +348,20 @@ class TrainingJobSpec(_message.Message):
         ranks: _builtins.int = ...,
         advantage_estimator: Global___AdvantageEstimator.ValueType = ...,
         critic: Global___CriticConfig | None = ...,
+        success_threshold: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "critic", b"critic", "max_staleness", b"max_staleness", "policy_loss", b"policy_loss"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "_success_threshold", b"_success_threshold", "critic", b"critic", "max_staleness", b"max_staleness", "policy_loss", b"policy_loss", "success_threshold", b"success_threshold"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "advantage_estimator", b"advantage_estimator", "critic", b"critic", "dataset", b"dataset", "drop_long", b"drop_long", "gradient_accumulation", b"gradient_accumulation", "learning_rate", b"learning_rate", "max_sequence_tokens", b"max_sequence_tokens", "max_staleness", b"max_staleness", "micro_batch_size", b"micro_batch_size", "mode", b"mode", "model", b"model", "policy_loss", b"policy_loss", "ranks", b"ranks", "skip_stale", b"skip_stale", "total_steps", b"total_steps", "warmup_steps", b"warmup_steps", "weight_model", b"weight_model", "zero_stage", b"zero_stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "_success_threshold", b"_success_threshold", "advantage_estimator", b"advantage_estimator", "critic", b"critic", "dataset", b"dataset", "drop_long", b"drop_long", "gradient_accumulation", b"gradient_accumulation", "learning_rate", b"learning_rate", "max_sequence_tokens", b"max_sequence_tokens", "max_staleness", b"max_staleness", "micro_batch_size", b"micro_batch_size", "mode", b"mode", "model", b"model", "policy_loss", b"policy_loss", "ranks", b"ranks", "skip_stale", b"skip_stale", "success_threshold", b"success_threshold", "total_steps", b"total_steps", "warmup_steps", b"warmup_steps", "weight_model", b"weight_model", "zero_stage", b"zero_stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_staleness: _TypeAlias = _typing.Literal["max_staleness"]  # noqa: Y015
     _WhichOneofArgType__max_staleness: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness"]  # noqa: Y015
+    _WhichOneofReturnType__success_threshold: _TypeAlias = _typing.Literal["success_threshold"]  # noqa: Y015
+    _WhichOneofArgType__success_threshold: _TypeAlias = _typing.Literal["_success_threshold", b"_success_threshold"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_staleness) -> _WhichOneofReturnType__max_staleness | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__success_threshold) -> _WhichOneofReturnType__success_threshold | None: ...
 
 Global___TrainingJobSpec: _TypeAlias = TrainingJobSpec  # noqa: Y015
 
@@ -1033,8 +1046,8 @@ class CurationSettings(_message.Message):
     source_key: _builtins.str
     """The metadata key `cap_per_source` counts by; empty: "repository"."""
     success_threshold: _builtins.float
-    """The reward at or above which a trajectory counts as a success for
-    `shortest_success_per_task` (e.g. a Claw task's pass mark, 0.75); unset: above 0.
+    """Deprecated: set `PrepareDatasetRequest.success_threshold`. When only this is set it is the
+    request's success threshold; both set and different: INVALID_ARGUMENT.
     """
     per_harness: _builtins.bool
     """`shortest_success_per_task` keeps the shortest success of each task in each harness (rows
@@ -1210,6 +1223,7 @@ class PrepareDatasetRequest(_message.Message):
     MAX_SEQUENCE_TOKENS_FIELD_NUMBER: _builtins.int
     DROP_LONG_FIELD_NUMBER: _builtins.int
     EXAMPLES_PER_REASON_FIELD_NUMBER: _builtins.int
+    SUCCESS_THRESHOLD_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """"builtin:<size>", or the artifact URL of a Hugging Face model folder with its tokenizer:
     the model the dataset trains, whose tokenizer and chat template render the conversations.
@@ -1234,6 +1248,13 @@ class PrepareDatasetRequest(_message.Message):
     """Whether that job drops over-long samples instead of left-truncating them (`drop_long`)."""
     examples_per_reason: _builtins.int
     """Drops shown per reason in each step's report; 0: 3."""
+    success_threshold: _builtins.float
+    """The success threshold: a row whose reward is at or above it succeeded. It decides which
+    rows `shortest_success_per_task` compares, and `sft_samples` counts as the SFT job cuts
+    them (a success trains on every policy turn, a failure on its credit rise segments), so
+    give the job the same value. In [0, 1] (else INVALID_ARGUMENT); unset:
+    `curation.success_threshold` when set, else 0.5.
+    """
     @_builtins.property
     def tools(self) -> _containers.RepeatedCompositeFieldContainer[Global___HarnessTools]:
         """The tools of every harness the rows name; a row whose harness is not here is not rendered."""
@@ -1254,12 +1275,15 @@ class PrepareDatasetRequest(_message.Message):
         max_sequence_tokens: _builtins.int = ...,
         drop_long: _builtins.bool = ...,
         examples_per_reason: _builtins.int = ...,
+        success_threshold: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["curation", b"curation"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_success_threshold", b"_success_threshold", "curation", b"curation", "success_threshold", b"success_threshold"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["curation", b"curation", "drop_long", b"drop_long", "examples_per_reason", b"examples_per_reason", "max_sequence_tokens", b"max_sequence_tokens", "model", b"model", "output", b"output", "source_model", b"source_model", "tools", b"tools", "trajectories", b"trajectories"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_success_threshold", b"_success_threshold", "curation", b"curation", "drop_long", b"drop_long", "examples_per_reason", b"examples_per_reason", "max_sequence_tokens", b"max_sequence_tokens", "model", b"model", "output", b"output", "source_model", b"source_model", "success_threshold", b"success_threshold", "tools", b"tools", "trajectories", b"trajectories"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__success_threshold: _TypeAlias = _typing.Literal["success_threshold"]  # noqa: Y015
+    _WhichOneofArgType__success_threshold: _TypeAlias = _typing.Literal["_success_threshold", b"_success_threshold"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__success_threshold) -> _WhichOneofReturnType__success_threshold | None: ...
 
 Global___PrepareDatasetRequest: _TypeAlias = PrepareDatasetRequest  # noqa: Y015
 
