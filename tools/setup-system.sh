@@ -13,6 +13,7 @@
 #   openssl          test certificates for the TLS tests
 #   prometheus       a real Prometheus scrapes the services in integration tests; promtool
 #                    checks and unit-tests the alerting rules in make charts
+#   chromium         the GUI domain's browser, driven by Playwright (never `playwright install`)
 set -euo pipefail
 
 missing=()
@@ -31,6 +32,7 @@ command -v nft >/dev/null || missing+=(nftables)
 command -v ip >/dev/null || missing+=(iproute2)
 command -v openssl >/dev/null || missing+=(openssl)
 { command -v prometheus >/dev/null && command -v promtool >/dev/null; } || missing+=(prometheus)
+[ -x /usr/bin/chromium ] || missing+=(chromium)
 
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0

@@ -1,0 +1,172 @@
+"""The browser tool server: one browser (`BrowserSession`) behind an MCP server with the 13
+tools, built with the official ``mcp`` SDK's low-level server.
+
+Run it inside a browser sandbox::
+
+    python -m orchard.tasks.gui.browser_server                       # MCP over stdio
+    python -m orchard.tasks.gui.browser_server --listen 0.0.0.0:8931  # streamable HTTP at /mcp
+
+Every tool's result is the observation: an image (the PNG screenshot of the active tab) and a
+text summary (the action's result, notes such as dialogs and popups, the viewport and the tabs),
+with the observation as structured content (``ok``, ``error``, ``message``, ``events``,
+``dialogs``, ``viewport``, ``tabs``, ``active_tab``, ``done``, ``response``; no screenshot). A
+failed call (bad arguments, timeout, crash) is a tool error (``isError``) whose text starts with
+``error (<kind>):``, and still carries the screenshot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import mcp_types as types
+import uvicorn  # a dependency of mcp's HTTP transport
+from mcp.server.lowlevel import Server
+from mcp.server.stdio import stdio_server
+
+from .actions import TOOLS
+from .browser import BrowserConfig, BrowserSession
+from .observation import Observation
+
+__all__ = ["build_server", "main", "observation_result"]
+
+_log = logging.getLogger("orchard.tasks.gui.browser_server")
+
+
+def observation_result(observation: Observation) -> types.CallToolResult:
+    """An observation as an MCP tool result: the screenshot as an image, then the summary."""
+    content: list[types.ContentBlock] = []
+    if observation.screenshot is not None:
+        data = observation.screenshot_base64() or ""
+        content.append(types.ImageContent(data=data, mime_type="image/png"))
+    content.append(types.TextContent(text=observation.summary()))
+    return types.CallToolResult(
+        content=content,
+        structured_content=observation.to_dict(screenshot=False),
+        is_error=not observation.ok,
+    )
+
+
+def build_server(browser: BrowserSession) -> Server[Any]:
+    """An MCP server whose tools drive ``browser`` (started and closed by the caller)."""
+
+    async def list_tools(
+        ctx: Any, params: types.PaginatedRequestParams | None
+    ) -> types.ListToolsResult:
+        return types.ListToolsResult(
+            tools=[
+                types.Tool(
+                    name=spec.name, description=spec.description, input_schema=spec.parameters()
+                )
+                for spec in TOOLS.values()
+            ]
+        )
+
+    async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
+        # Unknown tools and bad arguments come back as observations that say what to fix.
+        return observation_result(await browser.call(params.name, params.arguments or {}))
+
+    return Server(
+        "orchard-browser",
+        version="0.1.0",
+        instructions=(
+            "A web browser. Look at the screenshot after each action; coordinates are viewport "
+            "pixels of that screenshot. Call done with your answer when the task is finished."
+        ),
+        on_list_tools=list_tools,
+        on_call_tool=call_tool,
+    )
+
+
+async def _cancel_on_signal(scope: anyio.CancelScope) -> None:
+    # SIGTERM's default action would kill the process before the browser and its profile
+    # folder are cleaned up.
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            scope.cancel()
+            return
+
+
+async def _serve_stdio(config: BrowserConfig) -> None:
+    async with BrowserSession(config) as browser:
+        server = build_server(browser)
+        async with stdio_server() as (read_stream, write_stream), anyio.create_task_group() as tg:
+            tg.start_soon(_cancel_on_signal, tg.cancel_scope)
+            await server.run(read_stream, write_stream, server.create_initialization_options())
+            tg.cancel_scope.cancel()
+
+
+async def _serve_http(config: BrowserConfig, host: str, port: int) -> None:
+    # Bind first, so port 0 (any free port) is known before the log line that names it.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    server: uvicorn.Server | None = None
+
+    def stop(signum: int, frame: object) -> None:
+        if server is not None:
+            server.should_exit = True
+
+    # uvicorn re-raises the signal that stopped it once it has restored the handlers it found:
+    # with these in place, that ends the serve call instead of the process, so the browser and
+    # its profile folder are cleaned up.
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    async with BrowserSession(config) as browser:
+        app = build_server(browser).streamable_http_app(host=host)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        bound = sock.getsockname()
+        _log.info("browser tool server at http://%s:%d/mcp", bound[0], bound[1])
+        await server.serve(sockets=[sock])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m orchard.tasks.gui.browser_server",
+        description="Serve one headless Chromium's 13 browser tools over MCP.",
+    )
+    parser.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="serve MCP streamable HTTP at http://HOST:PORT/mcp (default: MCP over stdio)",
+    )
+    parser.add_argument("--chromium", default=BrowserConfig.executable_path, help="the binary")
+    parser.add_argument("--width", type=int, default=BrowserConfig.viewport_width)
+    parser.add_argument("--height", type=int, default=BrowserConfig.viewport_height)
+    parser.add_argument(
+        "--action-timeout", type=float, default=BrowserConfig.action_timeout_s, help="seconds"
+    )
+    parser.add_argument(
+        "--dialogs", choices=("accept", "dismiss"), default="accept", help="how to answer dialogs"
+    )
+    args = parser.parse_args(argv)
+    try:
+        config = BrowserConfig(
+            executable_path=args.chromium,
+            viewport_width=args.width,
+            viewport_height=args.height,
+            action_timeout_s=args.action_timeout,
+            dialog_answer=args.dialogs,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.listen is None:
+        anyio.run(_serve_stdio, config)
+        return 0
+    host, _, port = args.listen.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit():
+        parser.error(f"--listen {args.listen!r}: give HOST:PORT, e.g. 127.0.0.1:8931")
+    anyio.run(_serve_http, config, host, int(port))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,105 @@
+"""What the browser returns after every tool call: the latest screenshot, the viewport size, the
+tabs, and what happened (the action's result, dialogs, popups, errors)."""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = ["DialogRecord", "ErrorKind", "Observation", "TabInfo"]
+
+# invalid_argument: the call was refused before it ran (fix the arguments);
+# timeout: the action or page load did not finish in time (the page may be hung);
+# page_crashed: the tab's renderer died (the tab was replaced by a blank one);
+# browser_crashed: the browser process died (a fresh browser was started, earlier tabs lost);
+# action_failed: the browser ran the action and it failed (e.g. a URL that does not load).
+ErrorKind = Literal[
+    "invalid_argument", "timeout", "page_crashed", "browser_crashed", "action_failed"
+]
+
+
+@dataclass(frozen=True)
+class TabInfo:
+    """One open tab."""
+
+    index: int
+    url: str
+    title: str
+    active: bool
+
+
+@dataclass(frozen=True)
+class DialogRecord:
+    """A JavaScript dialog the page opened and the browser answered on its own."""
+
+    type: str  # alert, confirm, prompt or beforeunload
+    message: str
+    answer: str  # "accepted", "dismissed", or 'accepted with "text"' for a prompt
+
+
+@dataclass(frozen=True)
+class Observation:
+    """The state after one tool call. ``ok`` is false when the call failed (``error`` says how
+    and ``message`` what to do); a failed call still carries the screenshot and tabs."""
+
+    tool: str
+    ok: bool
+    message: str
+    screenshot: bytes | None  # PNG of the active tab's viewport; None when it could not be taken
+    viewport: tuple[int, int]  # width, height in pixels: the screenshot's size
+    tabs: tuple[TabInfo, ...]
+    error: ErrorKind | None = None
+    events: tuple[str, ...] = ()  # what else happened: dialogs, popups, tabs the page closed
+    dialogs: tuple[DialogRecord, ...] = ()
+    done: bool = False
+    response: str | None = None  # the agent's answer, from ``done``
+    elapsed_s: float = 0.0
+
+    @property
+    def active_tab(self) -> int:
+        """Index of the active tab (-1 when there is none, which only a dead browser shows)."""
+        return next((t.index for t in self.tabs if t.active), -1)
+
+    def screenshot_base64(self) -> str | None:
+        """The screenshot as base64 text (for JSON and image URLs), or None."""
+        return None if self.screenshot is None else base64.b64encode(self.screenshot).decode()
+
+    def summary(self) -> str:
+        """The observation as text for a model (the screenshot goes beside it as an image)."""
+        head = self.message if self.ok else f"error ({self.error}): {self.message}"
+        lines = [head]
+        lines += [f"note: {event}" for event in self.events]
+        width, height = self.viewport
+        lines.append(f"viewport: {width}x{height}")
+        for tab in self.tabs:
+            mark = "*" if tab.active else " "
+            lines.append(f"{mark}[{tab.index}] {tab.title or '(no title)'} - {tab.url}")
+        if self.screenshot is None:
+            lines.append("no screenshot this time")
+        return "\n".join(lines)
+
+    def to_dict(self, *, screenshot: bool = True) -> dict[str, Any]:
+        """JSON-ready form; the screenshot as base64 under ``screenshot_png_base64``."""
+        out: dict[str, Any] = {
+            "tool": self.tool,
+            "ok": self.ok,
+            "message": self.message,
+            "error": self.error,
+            "events": list(self.events),
+            "dialogs": [
+                {"type": d.type, "message": d.message, "answer": d.answer} for d in self.dialogs
+            ],
+            "viewport": {"width": self.viewport[0], "height": self.viewport[1]},
+            "tabs": [
+                {"index": t.index, "url": t.url, "title": t.title, "active": t.active}
+                for t in self.tabs
+            ],
+            "active_tab": self.active_tab,
+            "done": self.done,
+            "response": self.response,
+            "elapsed_s": round(self.elapsed_s, 4),
+        }
+        if screenshot:
+            out["screenshot_png_base64"] = self.screenshot_base64()
+        return out
