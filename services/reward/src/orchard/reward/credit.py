@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchard.core.errors import OrchardError, Reason
-from orchard.reward.judge_json import MalformedJudgeOutput, extract_json_object, require_probability
 from orchard.core.success import DEFAULT_SUCCESS_THRESHOLD
+from orchard.reward.judge_json import MalformedJudgeOutput, extract_json_object, require_probability
 from orchard.types.v1 import reward_pb2, trajectory_pb2
 
 __all__ = [

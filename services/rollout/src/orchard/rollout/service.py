@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from orchard.core.errors import OrchardError, Reason
+from orchard.core.success import DEFAULT_SUCCESS_THRESHOLD
 from orchard.lm.weights import InvalidWeightVersion, check_model_name
 from orchard.rollout.batches import GroupFilter
 from orchard.rollout.budgets import LayeredRetries, RolloutBudget
@@ -70,7 +71,6 @@ from orchard.rollout.v1 import rollout_service_pb2_grpc
 from orchard.rollout.workers import RolloutWorkers, RunnerSpec
 from orchard.sdk import AsyncSandboxClient
 from orchard.sdk import errors as sdk_errors
-from orchard.core.success import DEFAULT_SUCCESS_THRESHOLD
 
 if TYPE_CHECKING:
     from orchard.lm.weights import WeightRegistry
