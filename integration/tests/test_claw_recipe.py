@@ -50,8 +50,17 @@ def _recipe(student: str) -> dict[str, Any]:
     stages["sft"].update(epochs=1, warmup_steps=1)
     # PPO here (the software recipe's test trains GRPO): a value model pretrained on the first
     # step's rollouts, through both programs' captured tokens.
-    # Four groups a step: both RL tasks in both programs, so the one step is mixed.
-    stages["rl"].update(steps=1, groups_per_step=4, estimator="ppo", critic={"pretrain_steps": 2})
+    # Four groups a step: both RL tasks in both programs, so the one step is mixed. Each
+    # trajectory trains on its last 2,048 tokens: an untrained student's answers run to the cap,
+    # Claude Code asks again three times (each call a trajectory of ~23k tokens), and the whole
+    # prompts would cost PPO minutes of CPU per trajectory.
+    stages["rl"].update(
+        steps=1,
+        groups_per_step=4,
+        estimator="ppo",
+        critic={"pretrain_steps": 2},
+        max_sequence_tokens=2048,
+    )
     stages["evaluate"].update(attempts_per_task=K)
     return data
 

@@ -156,6 +156,10 @@ def test_every_problem_is_reported_with_its_key_and_line(tmp_path: Path) -> None
             "tasks: {builtin: {}}\nstages: {rl: {sampler: {member_choice: best}}}",
             "Input should be 'random' or 'ranked'",
         ),
+        (
+            "tasks: {builtin: {}}\nstages: {rl: {max_sequence_tokens: -1}}",
+            "stages.rl.max_sequence_tokens: Input should be greater than or equal to 0",
+        ),
         ("tasks: {builtin: {}}\nsuccess_threshold: 1.5", "less than or equal to 1"),
         ("tasks: {builtin: {}}\nsuccess_threshold: -0.1", "greater than or equal to 0"),
         ("tasks: {builtin: {}}\nsuccess_threshold: .nan", "finite number"),

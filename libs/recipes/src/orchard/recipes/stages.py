@@ -1045,6 +1045,7 @@ def run_rl(ctx: StageContext) -> dict[str, Any]:
         max_staleness=stage.max_staleness,
         skip_stale=True,
         weight_model=ctx.registry_model,
+        max_sequence_tokens=stage.max_sequence_tokens,
     )
     if stage.estimator == "ppo":
         spec.advantage_estimator = trainer_api.ADVANTAGE_ESTIMATOR_CRITIC

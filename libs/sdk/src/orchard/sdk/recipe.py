@@ -377,6 +377,13 @@ class Rl(Stage):
     max_staleness: int = Field(
         default=1, ge=0, description="Oldest weight version a batch may use."
     )
+    max_sequence_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="Most tokens of one trajectory a training step reads (0: all): a longer "
+        "one keeps its last tokens (its final turns), so an agent program's long prompt costs "
+        "no more than this.",
+    )
     sampler: Sampler = Sampler()
     budget: Budget = Budget()
     select: Literal["validation", "last"] = Field(
