@@ -8,7 +8,6 @@ The programs' calls are captured: trajectories carry turns in tokens and their c
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -64,15 +63,8 @@ async def _rollout(
 
 
 def _spec(base_url: str) -> api.RolloutJobSpec:
-    check = json.dumps(
-        {
-            "setup": ["mkdir -p /srv/work"],
-            "check": {"command": f"test \"$(cat /srv/work/greeting.txt)\" = '{GREETING}'"},
-            "workdir": "/srv/work",
-        }
-    )
     return api.RolloutJobSpec(
-        tasks=[api.RolloutTask(id=TASK.id, instruction=TASK.instruction, scorer_json=check)],
+        tasks=[TASK.to_proto()],  # the task test_claude_codex.py runs in-process
         harnesses=list(PROGRAMS),
         policy_spec=api.PolicySpec(
             endpoint=api.ChatEndpoint(base_url=base_url, model="hosted-teacher"),
