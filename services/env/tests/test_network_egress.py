@@ -8,6 +8,8 @@ beyond that namespace, the sandboxes' links and loopback.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import os
 import secrets
 import shutil
@@ -102,6 +104,13 @@ class Network:
 
 @pytest.fixture
 async def network(tmp_path: Path) -> AsyncIterator[Network]:
+    async with running_network(tmp_path) as made:
+        yield made
+
+
+@contextlib.asynccontextmanager
+async def running_network(tmp_path: Path, pool: str = POOL) -> AsyncIterator[Network]:
+    """A real local runtime with sandbox links from ``pool`` on a table of its own."""
     from orchard.env.runtime.local import LocalRuntime, LocalRuntimeConfig
     from orchard.env.runtime.local.config import LocalNetwork
 
@@ -113,7 +122,7 @@ async def network(tmp_path: Path) -> AsyncIterator[Network]:
         run_dir=run_dir,
         cgroup_parent=f"orchard-test-{uuid.uuid4().hex[:8]}",
         network=LocalNetwork(
-            pool=POOL,
+            pool=pool,
             nft_table=table,
             host_forwarding=False,
             claims_dir=str(tmp_path / "claims"),
@@ -333,3 +342,157 @@ async def test_two_runtimes_on_one_table_share_the_pool_and_never_take_each_othe
     await first.remove("sbx-a")
     await first.remove("sbx-c")
     assert not any((tmp_path / "claims" / table).iterdir())
+
+
+# -- one sandbox reaching another ------------------------------------------------------------
+
+BETA_TOKEN = "beta-token"  # the second tenant of the tests' configuration (conftest)
+# Two listeners in the serving sandbox; it accepts peers on the first only.
+SITE = """
+import os, socket, selectors
+sel = selectors.DefaultSelector()
+for port, tag in ((8080, b"S0"), (8081, b"S1")):
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("0.0.0.0", port))
+    sock.listen(64)
+    sel.register(sock, selectors.EVENT_READ, tag)
+open("/tmp/listening", "w").close()
+while True:
+    for key, _ in sel.select():
+        conn, _ = key.fileobj.accept()
+        conn.sendall(key.data)
+        conn.close()
+"""
+
+
+def peer_rule(
+    sandbox_id: str, *ports: int, expire_in_s: float | None = None
+) -> env_pb2.NetworkPolicy:
+    policy = allow(f"sandbox:{sandbox_id}", *ports, expire_in_s=expire_in_s)
+    policy.egress[0].protocol = env_pb2.PROTOCOL_UNSPECIFIED
+    return policy
+
+
+async def serve_site(env: Any, sandbox_id: str) -> None:
+    started = await env.shell(
+        sandbox_id,
+        f"cat > /tmp/site.py <<'PY'\n{SITE}PY\n"
+        "setsid python3 /tmp/site.py </dev/null >/dev/null 2>&1 &\n"
+        "for i in $(seq 100); do [ -e /tmp/listening ] && exit 0; sleep 0.05; done; exit 1",
+    )
+    assert started.status.exit_code == 0, started
+
+
+async def probe_site(env: Any, sandbox_id: str, address: str) -> str:
+    """What the site's two ports answer, as seen from ``sandbox_id``; "--" for nothing."""
+    script = (
+        f'probe() {{ timeout 1 bash -c "exec 3<>/dev/tcp/{address}/$1 && head -c2 <&3" '
+        "2>/dev/null || echo --; }\n"
+        "probe 8080 >/tmp/p0 & probe 8081 >/tmp/p1 & wait\necho $(cat /tmp/p0) $(cat /tmp/p1)"
+    )
+    result = await env.shell(sandbox_id, script)
+    assert result.status.exit_code == 0, result
+    return str(result.stdout.decode().strip())
+
+
+async def test_network_a_sandbox_reaches_another_only_through_a_peer_rule_while_it_lasts(
+    env_factory: Any, network: Network
+) -> None:
+    env = await env_factory(runtime=network.runtime)
+    site = await env.ready(
+        image="host", network_policy=env_pb2.NetworkPolicy(ingress_ports=[8080, 8082])
+    )
+    address = site.network_address
+    assert address == network.runtime.networks._read(site.id).sandbox_address
+    await serve_site(env, site.id)
+    # A rule with no ports gets every port the site accepts on (8080, 8082), never 8081.
+    browser = await env.ready(image="host", network_policy=peer_rule(site.id, expire_in_s=4))
+    expires = time.time() + 4
+    assert browser.network_address == ""  # it accepts nothing: no address to publish
+    wide = env_pb2.NetworkPolicy(
+        egress=[env_pb2.EgressRule(destination="0.0.0.0/0"), env_pb2.EgressRule(destination=POOL)]
+    )
+    stranger = await env.ready(image="host", network_policy=wide)
+    assert time.time() < expires - 1.5, "the sandboxes took too long to start for this test"
+    assert await probe_site(env, browser.id, address) == "S0 --"
+    # An address rule covering the site, however wide, allows nothing into it.
+    assert await probe_site(env, stranger.id, address) == "-- --"
+    # The site answers its peer but opens nothing itself, not even back to it.
+    mine = network.runtime.networks._read(browser.id).sandbox_address
+    back = await env.shell(site.id, f"timeout 1 bash -c '</dev/tcp/{mine}/22'; echo $?")
+    assert back.stdout.strip() == b"124"
+    await asyncio.sleep(expires - time.time() + 0.2)
+    assert await probe_site(env, browser.id, address) == "-- --"
+
+
+async def test_network_an_allowance_outliving_its_peer_reaches_no_later_sandbox(
+    env_factory: Any, tmp_path: Path
+) -> None:
+    # Two links in the pool: the site's successor must get the site's address.
+    async with running_network(tmp_path, pool="10.214.16.0/30") as network:
+        env = await env_factory(runtime=network.runtime)
+        accepts = env_pb2.NetworkPolicy(ingress_ports=[8080])
+        site = await env.ready(image="host", network_policy=accepts)
+        browser = await env.ready(image="host", network_policy=peer_rule(site.id, 8080))
+        await serve_site(env, site.id)
+        assert await probe_site(env, browser.id, site.network_address) == "S0 --"
+        await env.stub.DeleteSandbox(
+            api.DeleteSandboxRequest(sandbox_id=site.id), metadata=env.md()
+        )
+        successor = await env.ready(image="host", network_policy=accepts)
+        assert successor.network_address == site.network_address
+        await serve_site(env, successor.id)
+        assert await probe_site(env, browser.id, successor.network_address) == "-- --"
+        for sandbox in (browser, successor):
+            await env.stub.DeleteSandbox(
+                api.DeleteSandboxRequest(sandbox_id=sandbox.id), metadata=env.md()
+            )
+
+
+async def test_network_peer_rules_are_refused_with_what_to_fix(
+    env_factory: Any, network: Network
+) -> None:
+    env = await env_factory(runtime=network.runtime)
+    site = await env.ready(image="host", network_policy=env_pb2.NetworkPolicy(ingress_ports=[8080]))
+    plain = await env.ready(image="host")
+    await serve_site(env, site.id)
+    browser = await env.ready(image="host", network_policy=peer_rule(site.id, 8080))
+    beta = dataclasses.replace(env, token=BETA_TOKEN)
+
+    async def refused(call: Any) -> tuple[grpc.StatusCode, str]:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await call
+        return caught.value.code(), caught.value.details() or ""
+
+    def update(who: Any, sandbox_id: str, policy: env_pb2.NetworkPolicy) -> Any:
+        request = api.UpdateNetworkPolicyRequest(sandbox_id=sandbox_id, network_policy=policy)
+        return who.stub.UpdateNetworkPolicy(request, metadata=who.md())
+
+    def create(who: Any, policy: env_pb2.NetworkPolicy) -> Any:
+        spec = env_pb2.SandboxSpec(image="host", network_policy=policy)
+        return who.stub.CreateSandbox(api.CreateSandboxRequest(spec=spec), metadata=who.md())
+
+    code, text = await refused(create(env, peer_rule("sbx-000000000000")))
+    assert code == grpc.StatusCode.NOT_FOUND and "sbx-000000000000" in text
+    # Another tenant's sandbox is as unknown as one that never existed.
+    code, _ = await refused(create(beta, peer_rule(site.id, 8080)))
+    assert code == grpc.StatusCode.NOT_FOUND
+    code, text = await refused(update(env, browser.id, peer_rule(site.id, 8081)))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "ports 8080, none of 8081" in text
+    code, text = await refused(update(env, browser.id, peer_rule(plain.id)))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "no ingress_ports" in text
+    code, text = await refused(update(env, browser.id, peer_rule(browser.id)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "itself" in text
+    code, text = await refused(update(env, browser.id, peer_rule("")))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "names no sandbox id" in text
+    changed = env_pb2.NetworkPolicy(ingress_ports=[9000])
+    code, text = await refused(update(env, site.id, changed))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "fixed at create (8080)" in text
+    code, text = await refused(create(env, env_pb2.NetworkPolicy(ingress_ports=[0])))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "ingress_ports" in text
+    # None of that lost the allowance in place, nor the site's ports.
+    assert await probe_site(env, browser.id, site.network_address) == "S0 --"
+    kept = await update(env, site.id, env_pb2.NetworkPolicy())
+    assert list(kept.sandbox.spec.network_policy.ingress_ports) == [8080]
+    assert await probe_site(env, browser.id, site.network_address) == "S0 --"

@@ -206,6 +206,66 @@ async def test_network_policy_lifecycle(runtime_for: Any, double: Any) -> None:
     assert double.get("pods", NAMESPACE, "open") is None
 
 
+async def test_a_peer_rule_opens_the_peer_pod_to_this_one_until_it_expires(
+    runtime_for: Any, double: Any
+) -> None:
+    runtime = await runtime_for()
+    site = await runtime.create(sandbox("site", ingress_ports=(8080, 8082)))
+    pod = double.get("pods", NAMESPACE, "site")
+    assert site.network_address == pod["status"]["podIP"]
+    plain = await runtime.create(sandbox("plain"))
+    assert plain.network_address == ""
+    soon = time.time() + 1.0
+    await runtime.create(
+        sandbox(
+            "browser",
+            egress=(
+                EgressRule(site.network_address, ports=(8080,), peer="site", expire_unix_s=soon),
+            ),
+        )
+    )
+    egress = double.get("networkpolicies", NAMESPACE, "browser-egress")["spec"]["egress"]
+    assert egress == [
+        {
+            "to": [{"podSelector": {"matchLabels": {"orchard.dev/sandbox-id": "site"}}}],
+            "ports": [{"protocol": "TCP", "port": 8080}, {"protocol": "UDP", "port": 8080}],
+        }
+    ]
+    ingress = double.get("networkpolicies", NAMESPACE, "browser-to-site")
+    assert ingress["spec"]["podSelector"] == {"matchLabels": {"orchard.dev/sandbox-id": "site"}}
+    assert ingress["spec"]["ingress"] == [
+        {
+            "from": [{"podSelector": {"matchLabels": {"orchard.dev/sandbox-id": "browser"}}}],
+            "ports": [{"protocol": "TCP", "port": 8080}, {"protocol": "UDP", "port": 8080}],
+        }
+    ]
+    assert ingress["metadata"]["ownerReferences"][0]["uid"] == pod["metadata"]["uid"]
+    assert "orchard.dev/sandbox-id" not in ingress["metadata"]["labels"]
+    # Both sides close at the rule's expiry.
+    await until(lambda: double.get("networkpolicies", NAMESPACE, "browser-to-site") is None)
+    assert double.get("networkpolicies", NAMESPACE, "browser-egress") is None
+    # A new rule opens it again; the peer's deletion takes its side along (it owns it).
+    await runtime.update_egress(
+        "browser", [EgressRule(site.network_address, ports=(8082,), protocol="tcp", peer="site")]
+    )
+    ingress = double.get("networkpolicies", NAMESPACE, "browser-to-site")
+    assert ingress["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 8082}]
+    await runtime.delete("site")
+    assert double.get("networkpolicies", NAMESPACE, "browser-to-site") is None
+    # Deleting the source removes what it opened elsewhere, and reconcile counts none of it
+    # as a sandbox.
+    await runtime.create(sandbox("site2", ingress_ports=(8080,)))
+    await runtime.update_egress(
+        "browser", [EgressRule("10.0.0.9", ports=(8080,), protocol="tcp", peer="site2")]
+    )
+    assert double.get("networkpolicies", NAMESPACE, "browser-to-site2") is not None
+    assert sorted(await runtime.list_sandboxes()) == ["browser", "plain", "site2"]
+    await runtime.delete("browser")
+    assert double.get("networkpolicies", NAMESPACE, "browser-to-site2") is None
+    for name in ("plain", "site2"):
+        await runtime.delete(name)
+
+
 async def test_a_restarted_runtime_schedules_expiries_again(runtime_for: Any, double: Any) -> None:
     first = await runtime_for()
     rules = (EgressRule("10.0.0.1"), EgressRule("10.0.0.2", expire_unix_s=time.time() + 1.0))

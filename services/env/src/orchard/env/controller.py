@@ -47,6 +47,7 @@ from orchard.env.creation import CreationWorker, egress_rules, new_sandbox_id
 from orchard.env.exec_router import ExecRouter
 from orchard.env.metrics import EnvMetrics
 from orchard.env.owners import OwnerRegistry
+from orchard.env.peers import resolve_peer_rules
 from orchard.env.reasons import EnvReason
 from orchard.env.reconciler import Reconciler
 from orchard.env.record_store import RecordStore, not_found, store_unavailable
@@ -54,7 +55,7 @@ from orchard.env.records import SANDBOXES, OwnerRecord, SandboxRecord, creating_
 from orchard.env.runtime.base import Runtime, RuntimeFailure, RuntimeNotSupported
 from orchard.env.sealing import SpecSealer
 from orchard.env.v1 import env_pb2
-from orchard.env.validation import ImagePolicy
+from orchard.env.validation import ImagePolicy, invalid
 
 __all__ = ["SandboxController", "egress_rules", "new_sandbox_id"]
 
@@ -193,7 +194,17 @@ class SandboxController:
         """Write a new PENDING record and start it, or queue it when admission is full.
 
         With ``spec.owner_id`` the record lives under the owner's lease (NOT_FOUND when the
-        owner is unknown, another tenant's or expired)."""
+        owner is unknown, another tenant's or expired). Egress rules naming another sandbox
+        are checked now (NOT_FOUND, FAILED_PRECONDITION) and resolved again at the start."""
+        # The new sandbox has no id yet: "" names none, so only its targets are checked.
+        await resolve_peer_rules(
+            self.records,
+            tenant,
+            "",
+            egress_rules(spec.network_policy),
+            field="spec.network_policy",
+            strict=True,
+        )
         return await self.creation.create(tenant, spec, ttl_s, request_id)
 
     async def fork(
@@ -338,8 +349,24 @@ class SandboxController:
         """
         record = await self.get(tenant, sandbox_id, expire_time=False)
         self._require_ready_for_policy(record)
+        accepted = record.sandbox.spec.network_policy.ingress_ports
+        if policy.ingress_ports and list(policy.ingress_ports) != list(accepted):
+            raise invalid(
+                "network_policy.ingress_ports",
+                f"are fixed at create ({', '.join(map(str, accepted)) or 'none'}); leave them "
+                "empty or repeat them",
+            )
+        policy = env_pb2.NetworkPolicy(egress=policy.egress, ingress_ports=accepted)
+        egress = await resolve_peer_rules(
+            self.records,
+            tenant,
+            sandbox_id,
+            egress_rules(policy),
+            field="network_policy",
+            strict=True,
+        )
         try:
-            await self.runtime.update_egress(sandbox_id, egress_rules(policy))
+            await self.runtime.update_egress(sandbox_id, egress)
         except RuntimeNotSupported as exc:
             raise OrchardError(Reason.UNIMPLEMENTED, str(exc)) from None
         except RuntimeFailure as exc:

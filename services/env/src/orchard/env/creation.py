@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -55,6 +56,7 @@ from orchard.env.config import EnvConfig
 from orchard.env.exec_router import ExecRouter
 from orchard.env.metrics import EnvMetrics
 from orchard.env.owners import OwnerRegistry, owner_not_found
+from orchard.env.peers import peer_of, resolve_peer_rules
 from orchard.env.reasons import EnvReason
 from orchard.env.record_store import RecordStore, not_found, store_unavailable
 from orchard.env.records import (
@@ -488,6 +490,7 @@ class CreationWorker:
             env=env,
             working_dir=spec.working_dir or "/",
             egress=egress_rules(spec.network_policy),
+            ingress_ports=tuple(spec.network_policy.ingress_ports),
             labels=dict(spec.labels),
             owner=spec.owner_id,
             raw_sockets=spec.privileges.raw_sockets,
@@ -508,6 +511,11 @@ class CreationWorker:
                     await self.runtime.delete(sid)
                 try:
                     spec = self.runtime_spec(record.sandbox)
+                    if any(peer_of(rule.destination) for rule in spec.egress):
+                        egress = await resolve_peer_rules(
+                            self.records, tenant, sid, spec.egress, field="spec", strict=False
+                        )
+                        spec = dataclasses.replace(spec, egress=egress)
                     source = record.sandbox.forked_from
                     made = await (
                         self.runtime.fork(source, spec) if source else self.runtime.create(spec)
@@ -571,6 +579,7 @@ class CreationWorker:
             r.sandbox.state = READY
             r.sandbox.ready_time.CopyFrom(_now())
             r.sandbox.agent_version = version
+            r.sandbox.network_address = made.network_address
             r.agent_address = made.agent_address
             return True
 

@@ -30,6 +30,9 @@ _REFERENCE = re.compile(
     r"(?:@sha256:[0-9a-f]{64})?$"
 )
 _PATH_IMAGES = ("rootfs:", "oci-archive:", "docker-archive:")
+PEER_PREFIX = "sandbox:"  # an egress destination naming another sandbox (orchard.env.peers)
+_PEER_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+MAX_INGRESS_PORTS = 64
 
 
 def invalid(field: str, problem: str) -> OrchardError:
@@ -165,13 +168,19 @@ def validate_egress(policy: env_pb2.NetworkPolicy, field: str) -> None:
         destination = rule.destination
         if not destination:
             raise invalid(f"{where}.destination", "required")
-        try:
-            ipaddress.ip_network(destination, strict=False)
-        except ValueError:
-            if not _HOSTNAME.match(destination):
-                raise invalid(
-                    f"{where}.destination", f"{destination!r} is not a host name, IP or CIDR"
-                ) from None
+        if destination.startswith(PEER_PREFIX):
+            peer = destination[len(PEER_PREFIX) :]
+            if not _PEER_ID.fullmatch(peer):
+                raise invalid(f"{where}.destination", f"{destination[:80]!r} names no sandbox id")
+        else:
+            try:
+                ipaddress.ip_network(destination, strict=False)
+            except ValueError:
+                if not _HOSTNAME.match(destination):
+                    raise invalid(
+                        f"{where}.destination",
+                        f"{destination!r} is not a host name, IP, CIDR or sandbox:<id>",
+                    ) from None
         for port in rule.ports:
             if not 1 <= port <= 65535:
                 raise invalid(f"{where}.ports", f"{port} is not a port (1-65535)")
@@ -183,6 +192,14 @@ def validate_egress(policy: env_pb2.NetworkPolicy, field: str) -> None:
                 f"{where}.expire_time",
                 f"({stamp.seconds} s, {stamp.nanos} ns) is not a timestamp of the years 1-9999",
             )
+    ports = list(policy.ingress_ports)
+    for port in ports:
+        if not 1 <= port <= 65535:
+            raise invalid(f"{field}.ingress_ports", f"{port} is not a port (1-65535)")
+    if len(set(ports)) != len(ports):
+        raise invalid(f"{field}.ingress_ports", "each port at most once")
+    if len(ports) > MAX_INGRESS_PORTS:
+        raise invalid(f"{field}.ingress_ports", f"at most {MAX_INGRESS_PORTS} ports")
 
 
 def validate_spec(spec: env_pb2.SandboxSpec, limits: LimitsConfig) -> int:

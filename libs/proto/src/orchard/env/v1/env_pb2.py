@@ -27,7 +27,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from orchard.types.v1 import resources_pb2 as orchard_dot_types_dot_v1_dot_resources__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18orchard/env/v1/env.proto\x12\x0eorchard.env.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a orchard/types/v1/resources.proto\"\x8d\x01\n\nEgressRule\x12\x13\n\x0b\x64\x65stination\x18\x01 \x01(\t\x12\r\n\x05ports\x18\x02 \x03(\r\x12*\n\x08protocol\x18\x03 \x01(\x0e\x32\x18.orchard.env.v1.Protocol\x12/\n\x0b\x65xpire_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\";\n\rNetworkPolicy\x12*\n\x06\x65gress\x18\x01 \x03(\x0b\x32\x1a.orchard.env.v1.EgressRule\"\xde\x03\n\x0bSandboxSpec\x12\r\n\x05image\x18\x01 \x01(\t\x12\x37\n\x06labels\x18\x02 \x03(\x0b\x32\'.orchard.env.v1.SandboxSpec.LabelsEntry\x12.\n\tresources\x18\x03 \x01(\x0b\x32\x1b.orchard.types.v1.Resources\x12\x35\n\x0enetwork_policy\x18\x04 \x01(\x0b\x32\x1d.orchard.env.v1.NetworkPolicy\x12\x34\n\x11heartbeat_timeout\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x31\n\x03\x65nv\x18\x06 \x03(\x0b\x32$.orchard.env.v1.SandboxSpec.EnvEntry\x12\x13\n\x0bworking_dir\x18\x07 \x01(\t\x12\x10\n\x08owner_id\x18\x08 \x01(\t\x12\x35\n\nprivileges\x18\t \x01(\x0b\x32!.orchard.env.v1.SandboxPrivileges\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"A\n\x11SandboxPrivileges\x12\x13\n\x0braw_sockets\x18\x01 \x01(\x08\x12\x17\n\x0fuser_namespaces\x18\x02 \x01(\x08\"1\n\x0eSandboxFailure\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x95\x03\n\x07Sandbox\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12)\n\x04spec\x18\x03 \x01(\x0b\x32\x1b.orchard.env.v1.SandboxSpec\x12+\n\x05state\x18\x04 \x01(\x0e\x32\x1c.orchard.env.v1.SandboxState\x12/\n\x07\x66\x61ilure\x18\x05 \x01(\x0b\x32\x1e.orchard.env.v1.SandboxFailure\x12\x0f\n\x07runtime\x18\x06 \x01(\t\x12/\n\x0b\x63reate_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nready_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x65xpire_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x15\n\ragent_version\x18\n \x01(\t\x12\x16\n\x0equeue_position\x18\x0b \x01(\x05\x12\x13\n\x0b\x66orked_from\x18\x0c \x01(\t\"\xec\x01\n\x05Owner\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x31\n\x06labels\x18\x03 \x03(\x0b\x32!.orchard.env.v1.Owner.LabelsEntry\x12\x34\n\x11heartbeat_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12/\n\x0b\x65xpire_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\x97\x01\n\x0cSandboxState\x12\x1d\n\x19SANDBOX_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15SANDBOX_STATE_PENDING\x10\x01\x12\x17\n\x13SANDBOX_STATE_READY\x10\x02\x12\x18\n\x14SANDBOX_STATE_FAILED\x10\x03\x12\x1a\n\x16SANDBOX_STATE_DELETING\x10\x04*H\n\x08Protocol\x12\x18\n\x14PROTOCOL_UNSPECIFIED\x10\x00\x12\x10\n\x0cPROTOCOL_TCP\x10\x01\x12\x10\n\x0cPROTOCOL_UDP\x10\x02\x42\x16\n\x12\x64\x65v.orchard.env.v1P\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18orchard/env/v1/env.proto\x12\x0eorchard.env.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a orchard/types/v1/resources.proto\"\x8d\x01\n\nEgressRule\x12\x13\n\x0b\x64\x65stination\x18\x01 \x01(\t\x12\r\n\x05ports\x18\x02 \x03(\r\x12*\n\x08protocol\x18\x03 \x01(\x0e\x32\x18.orchard.env.v1.Protocol\x12/\n\x0b\x65xpire_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"R\n\rNetworkPolicy\x12*\n\x06\x65gress\x18\x01 \x03(\x0b\x32\x1a.orchard.env.v1.EgressRule\x12\x15\n\ringress_ports\x18\x02 \x03(\r\"\xde\x03\n\x0bSandboxSpec\x12\r\n\x05image\x18\x01 \x01(\t\x12\x37\n\x06labels\x18\x02 \x03(\x0b\x32\'.orchard.env.v1.SandboxSpec.LabelsEntry\x12.\n\tresources\x18\x03 \x01(\x0b\x32\x1b.orchard.types.v1.Resources\x12\x35\n\x0enetwork_policy\x18\x04 \x01(\x0b\x32\x1d.orchard.env.v1.NetworkPolicy\x12\x34\n\x11heartbeat_timeout\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x31\n\x03\x65nv\x18\x06 \x03(\x0b\x32$.orchard.env.v1.SandboxSpec.EnvEntry\x12\x13\n\x0bworking_dir\x18\x07 \x01(\t\x12\x10\n\x08owner_id\x18\x08 \x01(\t\x12\x35\n\nprivileges\x18\t \x01(\x0b\x32!.orchard.env.v1.SandboxPrivileges\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"A\n\x11SandboxPrivileges\x12\x13\n\x0braw_sockets\x18\x01 \x01(\x08\x12\x17\n\x0fuser_namespaces\x18\x02 \x01(\x08\"1\n\x0eSandboxFailure\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xae\x03\n\x07Sandbox\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12)\n\x04spec\x18\x03 \x01(\x0b\x32\x1b.orchard.env.v1.SandboxSpec\x12+\n\x05state\x18\x04 \x01(\x0e\x32\x1c.orchard.env.v1.SandboxState\x12/\n\x07\x66\x61ilure\x18\x05 \x01(\x0b\x32\x1e.orchard.env.v1.SandboxFailure\x12\x0f\n\x07runtime\x18\x06 \x01(\t\x12/\n\x0b\x63reate_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nready_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x65xpire_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x15\n\ragent_version\x18\n \x01(\t\x12\x16\n\x0equeue_position\x18\x0b \x01(\x05\x12\x13\n\x0b\x66orked_from\x18\x0c \x01(\t\x12\x17\n\x0fnetwork_address\x18\r \x01(\t\"\xec\x01\n\x05Owner\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x31\n\x06labels\x18\x03 \x03(\x0b\x32!.orchard.env.v1.Owner.LabelsEntry\x12\x34\n\x11heartbeat_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12/\n\x0b\x65xpire_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\x97\x01\n\x0cSandboxState\x12\x1d\n\x19SANDBOX_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15SANDBOX_STATE_PENDING\x10\x01\x12\x17\n\x13SANDBOX_STATE_READY\x10\x02\x12\x18\n\x14SANDBOX_STATE_FAILED\x10\x03\x12\x1a\n\x16SANDBOX_STATE_DELETING\x10\x04*H\n\x08Protocol\x12\x18\n\x14PROTOCOL_UNSPECIFIED\x10\x00\x12\x10\n\x0cPROTOCOL_TCP\x10\x01\x12\x10\n\x0cPROTOCOL_UDP\x10\x02\x42\x16\n\x12\x64\x65v.orchard.env.v1P\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,28 +41,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SANDBOXSPEC_ENVENTRY']._serialized_options = b'8\001'
   _globals['_OWNER_LABELSENTRY']._loaded_options = None
   _globals['_OWNER_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_SANDBOXSTATE']._serialized_start=1595
-  _globals['_SANDBOXSTATE']._serialized_end=1746
-  _globals['_PROTOCOL']._serialized_start=1748
-  _globals['_PROTOCOL']._serialized_end=1820
+  _globals['_SANDBOXSTATE']._serialized_start=1643
+  _globals['_SANDBOXSTATE']._serialized_end=1794
+  _globals['_PROTOCOL']._serialized_start=1796
+  _globals['_PROTOCOL']._serialized_end=1868
   _globals['_EGRESSRULE']._serialized_start=144
   _globals['_EGRESSRULE']._serialized_end=285
   _globals['_NETWORKPOLICY']._serialized_start=287
-  _globals['_NETWORKPOLICY']._serialized_end=346
-  _globals['_SANDBOXSPEC']._serialized_start=349
-  _globals['_SANDBOXSPEC']._serialized_end=827
-  _globals['_SANDBOXSPEC_LABELSENTRY']._serialized_start=738
-  _globals['_SANDBOXSPEC_LABELSENTRY']._serialized_end=783
-  _globals['_SANDBOXSPEC_ENVENTRY']._serialized_start=785
-  _globals['_SANDBOXSPEC_ENVENTRY']._serialized_end=827
-  _globals['_SANDBOXPRIVILEGES']._serialized_start=829
-  _globals['_SANDBOXPRIVILEGES']._serialized_end=894
-  _globals['_SANDBOXFAILURE']._serialized_start=896
-  _globals['_SANDBOXFAILURE']._serialized_end=945
-  _globals['_SANDBOX']._serialized_start=948
-  _globals['_SANDBOX']._serialized_end=1353
-  _globals['_OWNER']._serialized_start=1356
-  _globals['_OWNER']._serialized_end=1592
-  _globals['_OWNER_LABELSENTRY']._serialized_start=738
-  _globals['_OWNER_LABELSENTRY']._serialized_end=783
+  _globals['_NETWORKPOLICY']._serialized_end=369
+  _globals['_SANDBOXSPEC']._serialized_start=372
+  _globals['_SANDBOXSPEC']._serialized_end=850
+  _globals['_SANDBOXSPEC_LABELSENTRY']._serialized_start=761
+  _globals['_SANDBOXSPEC_LABELSENTRY']._serialized_end=806
+  _globals['_SANDBOXSPEC_ENVENTRY']._serialized_start=808
+  _globals['_SANDBOXSPEC_ENVENTRY']._serialized_end=850
+  _globals['_SANDBOXPRIVILEGES']._serialized_start=852
+  _globals['_SANDBOXPRIVILEGES']._serialized_end=917
+  _globals['_SANDBOXFAILURE']._serialized_start=919
+  _globals['_SANDBOXFAILURE']._serialized_end=968
+  _globals['_SANDBOX']._serialized_start=971
+  _globals['_SANDBOX']._serialized_end=1401
+  _globals['_OWNER']._serialized_start=1404
+  _globals['_OWNER']._serialized_end=1640
+  _globals['_OWNER_LABELSENTRY']._serialized_start=761
+  _globals['_OWNER_LABELSENTRY']._serialized_end=806
 # @@protoc_insertion_point(module_scope)

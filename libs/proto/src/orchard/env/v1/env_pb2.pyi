@@ -89,14 +89,18 @@ class EgressRule(_message.Message):
     PROTOCOL_FIELD_NUMBER: _builtins.int
     EXPIRE_TIME_FIELD_NUMBER: _builtins.int
     destination: _builtins.str
-    """A host name (resolved when the rule is applied), an IP address, or a CIDR block
-    (e.g. "10.0.0.0/8").
+    """A host name (resolved when the rule is applied), an IP address, a CIDR block
+    (e.g. "10.0.0.0/8"), or "sandbox:<id>": another sandbox of the same tenant that accepts
+    connections on the rule's ports (its policy's `ingress_ports`). Other sandboxes are reached
+    only this way: an address or block that covers one allows nothing into it.
     """
     protocol: Global___Protocol.ValueType
     """The protocol allowed; unspecified allows both TCP and UDP."""
     @_builtins.property
     def ports(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Destination ports allowed; empty allows every port."""
+        """Destination ports allowed; empty allows every port (for "sandbox:<id>", every port the
+        named sandbox accepts on).
+        """
 
     @_builtins.property
     def expire_time(self) -> _timestamp_pb2.Timestamp:
@@ -127,18 +131,28 @@ class NetworkPolicy(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     EGRESS_FIELD_NUMBER: _builtins.int
+    INGRESS_PORTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def egress(self) -> _containers.RepeatedCompositeFieldContainer[Global___EgressRule]:
         """Destinations the sandbox may open connections to."""
+
+    @_builtins.property
+    def ingress_ports(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Ports on which this sandbox accepts connections from sandboxes of its tenant whose egress
+        names it ("sandbox:<id>"), while their rule lasts; nothing else reaches it. A sandbox with
+        any gets an address on the sandbox network (`Sandbox.network_address`). Fixed at create:
+        UpdateNetworkPolicy keeps them (it may repeat them, but not change them).
+        """
 
     def __init__(
         self,
         *,
         egress: _abc.Iterable[Global___EgressRule] | None = ...,
+        ingress_ports: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["egress", b"egress"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["egress", b"egress", "ingress_ports", b"ingress_ports"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -345,6 +359,7 @@ class Sandbox(_message.Message):
     AGENT_VERSION_FIELD_NUMBER: _builtins.int
     QUEUE_POSITION_FIELD_NUMBER: _builtins.int
     FORKED_FROM_FIELD_NUMBER: _builtins.int
+    NETWORK_ADDRESS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Unique id assigned by the service (output only), e.g. "sbx-8f3c2a1d9e7b"."""
     tenant: _builtins.str
@@ -361,6 +376,10 @@ class Sandbox(_message.Message):
     """
     forked_from: _builtins.str
     """The sandbox it was forked from, for forks (output only)."""
+    network_address: _builtins.str
+    """Its address on the sandbox network, where sandboxes allowed to reach it connect (an IP, no
+    port), once READY; empty when its policy has no `ingress_ports` (output only).
+    """
     @_builtins.property
     def spec(self) -> Global___SandboxSpec:
         """What was asked for."""
@@ -396,10 +415,11 @@ class Sandbox(_message.Message):
         agent_version: _builtins.str = ...,
         queue_position: _builtins.int = ...,
         forked_from: _builtins.str = ...,
+        network_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "expire_time", b"expire_time", "failure", b"failure", "ready_time", b"ready_time", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "create_time", b"create_time", "expire_time", b"expire_time", "failure", b"failure", "forked_from", b"forked_from", "id", b"id", "queue_position", b"queue_position", "ready_time", b"ready_time", "runtime", b"runtime", "spec", b"spec", "state", b"state", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "create_time", b"create_time", "expire_time", b"expire_time", "failure", b"failure", "forked_from", b"forked_from", "id", b"id", "network_address", b"network_address", "queue_position", b"queue_position", "ready_time", b"ready_time", "runtime", b"runtime", "spec", b"spec", "state", b"state", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -152,8 +152,10 @@ class EnvServiceServicer:
         (PENDING, with `queue_position`); a full queue is RESOURCE_EXHAUSTED with a retry hint.
         Errors: INVALID_ARGUMENT (bad image reference, labels, resources, policy or timeout),
         PERMISSION_DENIED (an image the operator does not allow this tenant: IMAGE_NOT_ALLOWED),
-        NOT_FOUND (`owner_id` unknown), RESOURCE_EXHAUSTED (quota, or the admission queue is full),
-        UNAVAILABLE (state store unreachable).
+        NOT_FOUND (`owner_id` unknown, or a sandbox an egress rule names), FAILED_PRECONDITION (a
+        sandbox an egress rule names is not READY or accepts none of its ports),
+        RESOURCE_EXHAUSTED (quota, or the admission queue is full), UNAVAILABLE (state store
+        unreachable).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -288,9 +290,13 @@ class EnvServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UpdateNetworkPolicy(self, request, context):
-        """Replaces a sandbox's network policy; the runtime applies it before the call returns.
-        Errors: NOT_FOUND, INVALID_ARGUMENT (bad rule), FAILED_PRECONDITION (sandbox FAILED or
-        DELETING).
+        """Replaces a sandbox's egress rules; the runtime applies them before the call returns (its
+        `ingress_ports` stay as created). A "sandbox:<id>" rule is resolved now, to that sandbox's
+        address and the ports it accepts on.
+        Errors: NOT_FOUND (the sandbox, or a sandbox a rule names, is unknown or another tenant's),
+        INVALID_ARGUMENT (bad rule, or `ingress_ports` other than the sandbox's),
+        FAILED_PRECONDITION (sandbox not READY; a named sandbox not READY or accepting none of the
+        rule's ports).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -49,8 +49,10 @@ class EnvServiceStub:
     (PENDING, with `queue_position`); a full queue is RESOURCE_EXHAUSTED with a retry hint.
     Errors: INVALID_ARGUMENT (bad image reference, labels, resources, policy or timeout),
     PERMISSION_DENIED (an image the operator does not allow this tenant: IMAGE_NOT_ALLOWED),
-    NOT_FOUND (`owner_id` unknown), RESOURCE_EXHAUSTED (quota, or the admission queue is full),
-    UNAVAILABLE (state store unreachable).
+    NOT_FOUND (`owner_id` unknown, or a sandbox an egress rule names), FAILED_PRECONDITION (a
+    sandbox an egress rule names is not READY or accepts none of its ports),
+    RESOURCE_EXHAUSTED (quota, or the admission queue is full), UNAVAILABLE (state store
+    unreachable).
     """
     WaitSandbox: _grpc.UnaryUnaryMultiCallable[_env_service_pb2.WaitSandboxRequest, _env_service_pb2.WaitSandboxResponse]
     """Waits until the sandbox is READY or FAILED and returns it; returns at once when it already
@@ -120,9 +122,13 @@ class EnvServiceStub:
     Errors: UNAVAILABLE (state store unreachable; retry).
     """
     UpdateNetworkPolicy: _grpc.UnaryUnaryMultiCallable[_env_service_pb2.UpdateNetworkPolicyRequest, _env_service_pb2.UpdateNetworkPolicyResponse]
-    """Replaces a sandbox's network policy; the runtime applies it before the call returns.
-    Errors: NOT_FOUND, INVALID_ARGUMENT (bad rule), FAILED_PRECONDITION (sandbox FAILED or
-    DELETING).
+    """Replaces a sandbox's egress rules; the runtime applies them before the call returns (its
+    `ingress_ports` stay as created). A "sandbox:<id>" rule is resolved now, to that sandbox's
+    address and the ports it accepts on.
+    Errors: NOT_FOUND (the sandbox, or a sandbox a rule names, is unknown or another tenant's),
+    INVALID_ARGUMENT (bad rule, or `ingress_ports` other than the sandbox's),
+    FAILED_PRECONDITION (sandbox not READY; a named sandbox not READY or accepting none of the
+    rule's ports).
     """
     OpenAgentRoute: _grpc.UnaryUnaryMultiCallable[_env_service_pb2.OpenAgentRouteRequest, _env_service_pb2.OpenAgentRouteResponse]
     """Opens the direct route to a READY sandbox's agent: where a client can reach it and a
@@ -158,8 +164,10 @@ class EnvServiceAsyncStub(EnvServiceStub):
     (PENDING, with `queue_position`); a full queue is RESOURCE_EXHAUSTED with a retry hint.
     Errors: INVALID_ARGUMENT (bad image reference, labels, resources, policy or timeout),
     PERMISSION_DENIED (an image the operator does not allow this tenant: IMAGE_NOT_ALLOWED),
-    NOT_FOUND (`owner_id` unknown), RESOURCE_EXHAUSTED (quota, or the admission queue is full),
-    UNAVAILABLE (state store unreachable).
+    NOT_FOUND (`owner_id` unknown, or a sandbox an egress rule names), FAILED_PRECONDITION (a
+    sandbox an egress rule names is not READY or accepts none of its ports),
+    RESOURCE_EXHAUSTED (quota, or the admission queue is full), UNAVAILABLE (state store
+    unreachable).
     """
     WaitSandbox: _aio.UnaryUnaryMultiCallable[_env_service_pb2.WaitSandboxRequest, _env_service_pb2.WaitSandboxResponse]  # type: ignore[assignment]
     """Waits until the sandbox is READY or FAILED and returns it; returns at once when it already
@@ -229,9 +237,13 @@ class EnvServiceAsyncStub(EnvServiceStub):
     Errors: UNAVAILABLE (state store unreachable; retry).
     """
     UpdateNetworkPolicy: _aio.UnaryUnaryMultiCallable[_env_service_pb2.UpdateNetworkPolicyRequest, _env_service_pb2.UpdateNetworkPolicyResponse]  # type: ignore[assignment]
-    """Replaces a sandbox's network policy; the runtime applies it before the call returns.
-    Errors: NOT_FOUND, INVALID_ARGUMENT (bad rule), FAILED_PRECONDITION (sandbox FAILED or
-    DELETING).
+    """Replaces a sandbox's egress rules; the runtime applies them before the call returns (its
+    `ingress_ports` stay as created). A "sandbox:<id>" rule is resolved now, to that sandbox's
+    address and the ports it accepts on.
+    Errors: NOT_FOUND (the sandbox, or a sandbox a rule names, is unknown or another tenant's),
+    INVALID_ARGUMENT (bad rule, or `ingress_ports` other than the sandbox's),
+    FAILED_PRECONDITION (sandbox not READY; a named sandbox not READY or accepting none of the
+    rule's ports).
     """
     OpenAgentRoute: _aio.UnaryUnaryMultiCallable[_env_service_pb2.OpenAgentRouteRequest, _env_service_pb2.OpenAgentRouteResponse]  # type: ignore[assignment]
     """Opens the direct route to a READY sandbox's agent: where a client can reach it and a
@@ -270,8 +282,10 @@ class EnvServiceServicer(metaclass=_abc_1.ABCMeta):
         (PENDING, with `queue_position`); a full queue is RESOURCE_EXHAUSTED with a retry hint.
         Errors: INVALID_ARGUMENT (bad image reference, labels, resources, policy or timeout),
         PERMISSION_DENIED (an image the operator does not allow this tenant: IMAGE_NOT_ALLOWED),
-        NOT_FOUND (`owner_id` unknown), RESOURCE_EXHAUSTED (quota, or the admission queue is full),
-        UNAVAILABLE (state store unreachable).
+        NOT_FOUND (`owner_id` unknown, or a sandbox an egress rule names), FAILED_PRECONDITION (a
+        sandbox an egress rule names is not READY or accepts none of its ports),
+        RESOURCE_EXHAUSTED (quota, or the admission queue is full), UNAVAILABLE (state store
+        unreachable).
         """
 
     @_abc_1.abstractmethod
@@ -437,9 +451,13 @@ class EnvServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _env_service_pb2.UpdateNetworkPolicyRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_env_service_pb2.UpdateNetworkPolicyResponse, _abc.Awaitable[_env_service_pb2.UpdateNetworkPolicyResponse]]:
-        """Replaces a sandbox's network policy; the runtime applies it before the call returns.
-        Errors: NOT_FOUND, INVALID_ARGUMENT (bad rule), FAILED_PRECONDITION (sandbox FAILED or
-        DELETING).
+        """Replaces a sandbox's egress rules; the runtime applies them before the call returns (its
+        `ingress_ports` stay as created). A "sandbox:<id>" rule is resolved now, to that sandbox's
+        address and the ports it accepts on.
+        Errors: NOT_FOUND (the sandbox, or a sandbox a rule names, is unknown or another tenant's),
+        INVALID_ARGUMENT (bad rule, or `ingress_ports` other than the sandbox's),
+        FAILED_PRECONDITION (sandbox not READY; a named sandbox not READY or accepting none of the
+        rule's ports).
         """
 
     @_abc_1.abstractmethod

@@ -91,12 +91,17 @@ class RuntimeResources:
 
 @dataclass(frozen=True)
 class EgressRule:
-    """One allowed destination: a host name, an IP or a CIDR, optional ports, an expiry."""
+    """One allowed destination: a host name, an IP or a CIDR, optional ports, an expiry; or
+    another sandbox of the same runtime (``peer``), resolved by the service to its address
+    and the ports it accepts on."""
 
     destination: str
     ports: tuple[int, ...] = ()
     protocol: str = ""  # "", "tcp" or "udp"
     expire_unix_s: float | None = None
+    peer: str = ""
+    """The id of the sandbox this rule reaches; ``destination`` is then its
+    ``network_address`` and ``ports`` some of its ingress ports (never empty)."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,9 @@ class RuntimeSandboxSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     working_dir: str = "/"
     egress: Sequence[EgressRule] = ()
+    ingress_ports: tuple[int, ...] = ()
+    """Ports on which sandboxes with a peer rule naming this one may connect to it; any gives it
+    an address (``RuntimeSandbox.network_address``)."""
     labels: Mapping[str, str] = field(default_factory=dict)
     owner: str = ""
     """The owner (EnvService.CreateOwner) whose lease keeps the sandbox alive; empty: the sandbox
@@ -130,6 +138,7 @@ class RuntimeSandbox:
     sandbox_id: str
     agent_address: str  # a gRPC target: "unix:/path" locally, "10.1.2.3:7070" on Kubernetes
     agent_version: str = ""
+    network_address: str = ""  # where peers reach it; "" unless the spec has ingress ports
 
 
 class SandboxStatus(enum.Enum):

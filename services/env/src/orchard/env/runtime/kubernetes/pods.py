@@ -379,6 +379,7 @@ class PodView:
     resource_version: str
     phase: str
     pod_ip: str
+    uid: str
     ready: bool
     deleting: bool
     failure: PodFailure | None
@@ -395,6 +396,7 @@ class PodView:
             resource_version=str(metadata.get("resourceVersion", "")),
             phase=str(status.get("phase") or "Pending"),
             pod_ip=str(status.get("podIP") or ""),
+            uid=str(metadata.get("uid") or ""),
             ready=ready,
             deleting=bool(metadata.get("deletionTimestamp")),
             failure=_failure(status, conditions),

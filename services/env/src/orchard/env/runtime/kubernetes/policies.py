@@ -8,6 +8,13 @@ NetworkPolicy selects addresses, not names, plus DNS to the cluster's resolver s
 sandbox can look the name up too). Rules past their expiry are left out; the runtime rewrites
 the policy at the next expiry and deletes it when nothing is left. The rules as requested
 travel in an annotation, so a restarted service can schedule the expiries again.
+
+A rule naming another sandbox (``EgressRule.peer``) is an egress entry to that sandbox's Pod
+(``podSelector`` on its id), plus a policy of its own on the other side, ``<id>-to-<peer>``,
+that lets this sandbox's Pod in on those ports: the chart's default denies every ingress but
+the env service's. That policy carries ``orchard.dev/peer-source: <id>`` (not the sandbox-id
+label: it is not the sandbox's own policy), is owned by the peer's Pod (so it goes with it),
+and is rewritten or deleted with the rule.
 """
 
 from __future__ import annotations
@@ -22,18 +29,28 @@ from typing import Any
 
 from orchard.env.runtime.base import EgressRule, FailureReason, RuntimeFailure
 from orchard.env.runtime.kubernetes.config import KubernetesRuntimeConfig
-from orchard.env.runtime.kubernetes.pods import LABEL_SANDBOX, sandbox_labels
+from orchard.env.runtime.kubernetes.pods import (
+    LABEL_DEPLOYMENT,
+    LABEL_MANAGED_BY,
+    LABEL_SANDBOX,
+    MANAGED_BY,
+    sandbox_labels,
+)
 
 __all__ = [
     "ANNOTATION_EGRESS",
+    "LABEL_PEER_SOURCE",
     "live_rules",
     "next_expiry",
+    "peer_policies",
+    "peer_policy_name",
     "policy_manifest",
     "policy_name",
     "rules_from_policy",
 ]
 
 ANNOTATION_EGRESS = "orchard.dev/egress"
+LABEL_PEER_SOURCE = "orchard.dev/peer-source"
 _SUFFIX = "-egress"
 _DNS_PEER = {
     "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
@@ -91,9 +108,13 @@ async def policy_manifest(
     entries: list[dict[str, Any]] = []
     named = False
     for rule in rules:
-        cidrs, by_name = await _networks(sandbox_id, rule.destination)
-        named = named or by_name
-        entry: dict[str, Any] = {"to": [{"ipBlock": {"cidr": cidr}} for cidr in cidrs]}
+        entry: dict[str, Any]
+        if rule.peer:
+            entry = {"to": [{"podSelector": {"matchLabels": {LABEL_SANDBOX: rule.peer}}}]}
+        else:
+            cidrs, by_name = await _networks(sandbox_id, rule.destination)
+            named = named or by_name
+            entry = {"to": [{"ipBlock": {"cidr": cidr}} for cidr in cidrs]}
         protocols = [rule.protocol.upper()] if rule.protocol else ["TCP", "UDP"]
         if rule.ports:
             entry["ports"] = [
@@ -117,6 +138,7 @@ async def policy_manifest(
             "ports": list(r.ports),
             "protocol": r.protocol,
             "expire_unix_s": r.expire_unix_s,
+            **({"peer": r.peer} if r.peer else {}),
         }
         for r in egress
     ]
@@ -148,8 +170,62 @@ def rules_from_policy(policy: Mapping[str, Any]) -> list[EgressRule]:
                 ports=tuple(int(p) for p in item.get("ports") or ()),
                 protocol=str(item.get("protocol") or ""),
                 expire_unix_s=item.get("expire_unix_s"),
+                peer=str(item.get("peer") or ""),
             )
             for item in recorded
         ]
     except (ValueError, KeyError, TypeError):
         return []
+
+
+def peer_policy_name(source_id: str, peer_id: str) -> str:
+    return f"{source_id}-to-{peer_id}"
+
+
+def peer_policies(
+    config: KubernetesRuntimeConfig,
+    source_id: str,
+    egress: Sequence[EgressRule],
+    peer_pods: Mapping[str, str],
+    now: float | None = None,
+) -> dict[str, dict[str, Any]]:
+    """By name, the ingress policies that let ``source_id``'s Pod into the Pods its live peer
+    rules name; ``peer_pods`` maps each peer to its Pod's uid (a peer without one is left out:
+    its Pod is gone, and a policy it does not own would outlive it)."""
+    ports: dict[str, set[tuple[str, int]]] = {}
+    for rule in live_rules(egress, now):
+        if rule.peer and peer_pods.get(rule.peer):
+            protocols = [rule.protocol.upper()] if rule.protocol else ["TCP", "UDP"]
+            wanted = ports.setdefault(rule.peer, set())
+            wanted.update((protocol, port) for protocol in protocols for port in rule.ports)
+    return {
+        peer_policy_name(source_id, peer): {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {
+                "name": peer_policy_name(source_id, peer),
+                "namespace": config.namespace,
+                "labels": {
+                    LABEL_MANAGED_BY: MANAGED_BY,
+                    LABEL_DEPLOYMENT: config.deployment,
+                    LABEL_PEER_SOURCE: source_id,
+                },
+                "ownerReferences": [
+                    {"apiVersion": "v1", "kind": "Pod", "name": peer, "uid": peer_pods[peer]}
+                ],
+            },
+            "spec": {
+                "podSelector": {"matchLabels": {LABEL_SANDBOX: peer}},
+                "policyTypes": ["Ingress"],
+                "ingress": [
+                    {
+                        "from": [{"podSelector": {"matchLabels": {LABEL_SANDBOX: source_id}}}],
+                        "ports": [
+                            {"protocol": protocol, "port": port} for protocol, port in sorted(pairs)
+                        ],
+                    }
+                ],
+            },
+        }
+        for peer, pairs in sorted(ports.items())
+    }

@@ -74,8 +74,10 @@ from orchard.env.runtime.kubernetes.pods import (
     sandbox_selector,
 )
 from orchard.env.runtime.kubernetes.policies import (
+    LABEL_PEER_SOURCE,
     live_rules,
     next_expiry,
+    peer_policies,
     policy_manifest,
     policy_name,
     rules_from_policy,
@@ -117,6 +119,7 @@ class KubernetesRuntime(Runtime):
         self._pods: SandboxPodWatch | None = None
         self._node_images: NodeImageIndex | None = None
         self._policies: set[str] = set()  # sandbox ids with a policy
+        self._peer_sources: set[str] = set()  # sandbox ids that may have peer policies
         self._egress: dict[str, tuple[EgressRule, ...]] = {}
         self._expiry_timers: dict[str, asyncio.TimerHandle] = {}
         self._background: set[asyncio.Task[None]] = set()
@@ -308,7 +311,12 @@ class KubernetesRuntime(Runtime):
                 f"the agent of sandbox {sandbox_id} did not prove it holds the sandbox's key: "
                 f"is {self.config.inagent_image!r} an agent older than this service?",
             )
-        return RuntimeSandbox(sandbox_id, address, agent_version=version)
+        return RuntimeSandbox(
+            sandbox_id,
+            address,
+            agent_version=version,
+            network_address=view.pod_ip if spec.ingress_ports else "",
+        )
 
     async def agent_key(self, sandbox_id: str) -> bytes | None:
         """The key in the sandbox's Secret (read once per replica); None without one."""
@@ -357,6 +365,7 @@ class KubernetesRuntime(Runtime):
                 )
             )
             await self._delete_policy(sandbox_id)
+            await self._write_peer_policies(sandbox_id, ())
             await self._delete_object(
                 self._core_api().delete_namespaced_secret(
                     key_secret_name(sandbox_id),
@@ -621,9 +630,11 @@ class KubernetesRuntime(Runtime):
         )
         found = {}
         for item in data.get("items") or ():
-            sandbox_id = ((item.get("metadata") or {}).get("labels") or {}).get(LABEL_SANDBOX)
-            if sandbox_id:
+            labels = (item.get("metadata") or {}).get("labels") or {}
+            if sandbox_id := labels.get(LABEL_SANDBOX):
                 found[sandbox_id] = item
+            elif source := labels.get(LABEL_PEER_SOURCE):
+                self._peer_sources.add(source)
         self._policies = set(found)
         if schedule:
             for sandbox_id, item in found.items():
@@ -638,6 +649,7 @@ class KubernetesRuntime(Runtime):
         if manifest is None:
             self._egress.pop(sandbox_id, None)
             await self._delete_policy(sandbox_id)
+            await self._write_peer_policies(sandbox_id, ())
             return
         net = self._net_api()
         name = policy_name(sandbox_id)
@@ -669,7 +681,69 @@ class KubernetesRuntime(Runtime):
                 self._policies.add(sandbox_id)
         except KubeApiError as exc:
             raise _create_failure(exc, f"NetworkPolicy {name}") from None
+        await self._write_peer_policies(sandbox_id, egress)
         self._schedule_expiry(sandbox_id, egress)
+
+    async def _write_peer_policies(self, sandbox_id: str, egress: Sequence[EgressRule]) -> None:
+        """Make the peers' ingress policies for this sandbox what its live rules say."""
+        pods = self._watch()
+        uids = {}
+        for rule in egress:
+            view = pods.view(rule.peer) if rule.peer else None
+            if view is not None and not view.deleting:
+                uids[rule.peer] = view.uid
+        wanted = peer_policies(self.config, sandbox_id, egress, uids)
+        if not wanted and sandbox_id not in self._peer_sources:
+            return
+        self._peer_sources.add(sandbox_id)
+        net = self._net_api()
+        for name in await self._peer_policy_names(sandbox_id) - set(wanted):
+            await self._delete_object(
+                net.delete_namespaced_network_policy(
+                    name,
+                    self.config.namespace,
+                    _preload_content=False,
+                    _request_timeout=self.config.request_timeout_s,
+                )
+            )
+        for name, manifest in wanted.items():
+            try:
+                try:
+                    await call_api(
+                        net.create_namespaced_network_policy(
+                            self.config.namespace,
+                            manifest,  # type: ignore[arg-type]
+                            _preload_content=False,
+                            _request_timeout=self.config.request_timeout_s,
+                        )
+                    )
+                except KubeApiError as exc:
+                    if exc.code != 409:
+                        raise
+                    await call_api(
+                        net.replace_namespaced_network_policy(
+                            name,
+                            self.config.namespace,
+                            manifest,  # type: ignore[arg-type]
+                            _preload_content=False,
+                            _request_timeout=self.config.request_timeout_s,
+                        )
+                    )
+            except KubeApiError as exc:
+                raise _create_failure(exc, f"NetworkPolicy {name}") from None
+        if not wanted:
+            self._peer_sources.discard(sandbox_id)
+
+    async def _peer_policy_names(self, sandbox_id: str) -> set[str]:
+        data = await call_api(
+            self._net_api().list_namespaced_network_policy(
+                self.config.namespace,
+                label_selector=f"{sandbox_selector(self.config)},{LABEL_PEER_SOURCE}={sandbox_id}",
+                _preload_content=False,
+                _request_timeout=self.config.request_timeout_s,
+            )
+        )
+        return {str((item.get("metadata") or {}).get("name")) for item in data.get("items") or ()}
 
     async def _delete_policy(self, sandbox_id: str) -> None:
         await self._delete_object(

@@ -51,7 +51,7 @@ from orchard.env.runtime.base import (
 from orchard.env.runtime.local import nft
 from orchard.env.runtime.local.config import LocalNetwork
 
-__all__ = ["SandboxLink", "SandboxNetworks", "resolve_rules"]
+__all__ = ["SandboxLink", "SandboxNetworks", "resolve_peers", "resolve_rules"]
 
 log = logging.getLogger(__name__)
 
@@ -78,19 +78,49 @@ def link_name(table: str, sandbox_id: str) -> str:
     return LINK_PREFIX + digest[:12]
 
 
+def _timeout_ms(rule: EgressRule, now: float) -> int | None:
+    """Milliseconds the rule has left; None when it never expires; <= 0 when it has."""
+    if rule.expire_unix_s is None:
+        return None
+    return math.floor((rule.expire_unix_s - now) * 1000)
+
+
+def resolve_peers(
+    table: str, egress: Sequence[EgressRule], now: float | None = None
+) -> list[nft.PeerAllowance]:
+    """The rules that name another sandbox, as peer allowances; expired ones left out."""
+    now = time.time() if now is None else now
+    peers = []
+    for rule in egress:
+        timeout_ms = _timeout_ms(rule, now)
+        if not rule.peer or (timeout_ms is not None and timeout_ms <= 0) or not rule.ports:
+            continue
+        peers.append(
+            nft.PeerAllowance(
+                link_name(table, rule.peer),
+                ipaddress.IPv4Address(rule.destination),
+                (rule.protocol,) if rule.protocol else ("tcp", "udp"),
+                tuple(sorted(set(rule.ports))),
+                timeout_ms,
+            )
+        )
+    return peers
+
+
 async def resolve_rules(
     sandbox_id: str, egress: Sequence[EgressRule], now: float | None = None
 ) -> list[nft.Allowance]:
-    """Rules as nftables allowances: host names resolved, expired rules left out."""
+    """Rules as nftables allowances: host names resolved, expired rules and peer rules (see
+    `resolve_peers`) left out."""
     now = time.time() if now is None else now
     loop = asyncio.get_running_loop()
     allowances = []
     for rule in egress:
-        timeout_ms = None
-        if rule.expire_unix_s is not None:
-            timeout_ms = math.floor((rule.expire_unix_s - now) * 1000)
-            if timeout_ms <= 0:
-                continue
+        if rule.peer:
+            continue
+        timeout_ms = _timeout_ms(rule, now)
+        if timeout_ms is not None and timeout_ms <= 0:
+            continue
         try:
             network = ipaddress.ip_network(rule.destination, strict=False)
         except ValueError:
@@ -137,12 +167,17 @@ class SandboxNetworks:
     def has_link(self, sandbox_id: str) -> bool:
         return self._record_path(sandbox_id).exists()
 
-    async def apply(self, sandbox_id: str, pid: int, egress: Sequence[EgressRule]) -> None:
-        """Make the sandbox (PID 1 at host ``pid``) allowed ``egress`` and nothing else."""
+    async def apply(
+        self, sandbox_id: str, pid: int, egress: Sequence[EgressRule], *, accepts: bool = False
+    ) -> str:
+        """Make the sandbox (PID 1 at host ``pid``) allowed ``egress`` and nothing else; one
+        that ``accepts`` peers gets its link even without rules. Returns its address on its
+        link, "" when it has none."""
         record = self._read(sandbox_id)
-        if record is None and not egress:
-            return  # default deny: no link at all
+        if record is None and not egress and not accepts:
+            return ""  # default deny: no link at all
         allowances = await resolve_rules(sandbox_id, egress)
+        peers = resolve_peers(self.table, egress)
         if record is None:
             record = self._allocate(sandbox_id)
         if len(allowances) > record.rule_sets:
@@ -155,6 +190,7 @@ class SandboxNetworks:
             ipaddress.IPv4Address(record.sandbox_address),
             allowances,
             old_sets=record.rule_sets,
+            peers=peers,
         )
         if not self._table_ready:
             script = f"{nft.skeleton(self.table)}\n{script}"
@@ -164,6 +200,7 @@ class SandboxNetworks:
             await self._plumb(record, pid)
         if record.rule_sets != len(allowances):
             self._write(replace(record, rule_sets=len(allowances)))
+        return record.sandbox_address
 
     async def remove(self, sandbox_id: str) -> None:
         """Release the sandbox's link, rules and address; idempotent."""

@@ -4,16 +4,26 @@ One table (family ``inet``, so IPv6 meets the same drops) that this runtime owns
 
     set sandbox_links     host ends of sandbox links (veth names)
     map from_sandbox      host end -> jump to that sandbox's chain
-    chain forward/input   (base) into a sandbox: replies only; from a sandbox: its chain
+    chain forward/input   (base) from a sandbox: its chain; into a sandbox from elsewhere:
+                          replies only
     chain output          (base) the host opens nothing into a sandbox: replies only
     chain postrouting     (base, nat) what leaves a sandbox for elsewhere is masqueraded
-    chain sandbox-<id>    its own address only, then one accept per rule, then drop
+    chain sandbox-<id>    its own address only; to another sandbox: replies to what that one
+                          opened, or a peer allowance; then one accept per rule, then drop
+    set peers-<id>        its peer allowances: (peer's link . address . protocol . port),
+                          each with the rule's expiry as an element timeout
     set allow-<id>-<n>    rule n's (address . protocol . port) elements, each with the
                           rule's expiry as an element timeout: the kernel ends it on time
 
 Every packet a sandbox sends passes its chain (no "established: accept" on the way out), so a
 replaced or expired allowance also stops connections already open. Each rule has its own set
 because a set with interval elements refuses overlapping ones, and two rules may overlap.
+
+One sandbox reaches another only through a peer allowance, which names the other's link as
+well as its address: an address rule (even 0.0.0.0/0) allows nothing into a sandbox, and an
+allowance outliving its peer cannot reach a later sandbox given the same address, since link
+names come from sandbox ids. Which peers accept which ports the service checks before it
+writes the allowance.
 
 Every script is one transaction: it applies whole or not at all.
 """
@@ -30,6 +40,7 @@ from dataclasses import dataclass
 __all__ = [
     "Allowance",
     "NftError",
+    "PeerAllowance",
     "chain_name",
     "count_sandbox_sets",
     "list_sandbox_chains",
@@ -42,6 +53,7 @@ __all__ = [
 
 CHAIN_PREFIX = "sandbox-"
 _SET_TYPE = "ipv4_addr . inet_proto . inet_service"
+_PEER_SET_TYPE = "ifname . ipv4_addr . inet_proto . inet_service"
 
 
 class NftError(Exception):
@@ -64,6 +76,25 @@ class Allowance:
             for network in self.networks
             for protocol in self.protocols
             for low, high in self.port_ranges
+        )
+
+
+@dataclass(frozen=True)
+class PeerAllowance:
+    """One peer rule, resolved: the other sandbox's link and address, protocols and ports."""
+
+    link: str
+    address: ipaddress.IPv4Address
+    protocols: tuple[str, ...]
+    ports: tuple[int, ...]  # never empty: the ports the peer accepts on
+    timeout_ms: int | None = None
+
+    def elements(self) -> str:
+        timeout = f" timeout {self.timeout_ms}ms" if self.timeout_ms is not None else ""
+        return ", ".join(
+            f'"{self.link}" . {self.address} . {protocol} . {port}{timeout}'
+            for protocol in self.protocols
+            for port in self.ports
         )
 
 
@@ -93,6 +124,10 @@ def _set_name(sandbox_id: str, index: int) -> str:
     return f"allow-{sandbox_id}-{index}"
 
 
+def _peer_set_name(sandbox_id: str) -> str:
+    return f"peers-{sandbox_id}"
+
+
 def skeleton(table: str) -> str:
     """The table and its base chains; idempotent (the base chains are flushed and refilled)."""
     t = f"inet {table}"
@@ -107,9 +142,11 @@ def skeleton(table: str) -> str:
             f"add chain {t} postrouting "
             "{ type nat hook postrouting priority srcnat; policy accept; }",
             *(f"flush chain {t} {name}" for name in ("forward", "input", "output", "postrouting")),
-            f"add rule {t} forward oifname @sandbox_links ct state established,related accept",
-            f"add rule {t} forward oifname @sandbox_links drop",
+            # From a sandbox, even an established connection passes its chain (expiry holds).
+            f"add rule {t} forward oifname @sandbox_links iifname != @sandbox_links "
+            "ct state established,related accept",
             f"add rule {t} forward iifname vmap @from_sandbox",
+            f"add rule {t} forward oifname @sandbox_links drop",
             f"add rule {t} input iifname vmap @from_sandbox",
             f"add rule {t} output oifname @sandbox_links ct state established,related accept",
             f"add rule {t} output oifname @sandbox_links drop",
@@ -126,13 +163,24 @@ def replace_sandbox(
     allowances: Sequence[Allowance],
     *,
     old_sets: int,
+    peers: Sequence[PeerAllowance] = (),
 ) -> str:
     """The sandbox's chain and sets, replacing whatever it had (``old_sets`` of them)."""
     t = f"inet {table}"
     chain = chain_name(sandbox_id)
+    peer_set = _peer_set_name(sandbox_id)
     lines = [f"add chain {t} {chain}", f"flush chain {t} {chain}"]
     lines += _drop_sets(t, sandbox_id, range(len(allowances), old_sets))
-    lines.append(f"add rule {t} {chain} ip saddr != {address} drop")  # no spoofed sources
+    lines += [
+        f"add set {t} {peer_set} {{ type {_PEER_SET_TYPE}; flags timeout; }}",
+        f"flush set {t} {peer_set}",
+        *(f"add element {t} {peer_set} {{ {peer.elements()} }}" for peer in peers),
+        f"add rule {t} {chain} ip saddr != {address} drop",  # no spoofed sources
+        # Answers to connections a peer opened into this sandbox.
+        f"add rule {t} {chain} oifname @sandbox_links ct direction reply accept",
+        f"add rule {t} {chain} oifname . ip daddr . meta l4proto . th dport @{peer_set} accept",
+        f"add rule {t} {chain} oifname @sandbox_links drop",
+    ]
     for index, allowance in enumerate(allowances):
         name = _set_name(sandbox_id, index)
         lines += [
@@ -164,6 +212,8 @@ def remove_sandbox(table: str, sandbox_id: str, link: str, old_sets: int) -> str
             f'delete element {t} sandbox_links {{ "{link}" }}',
             f"flush chain {t} {chain}",
             *_drop_sets(t, sandbox_id, range(old_sets)),
+            f"add set {t} {_peer_set_name(sandbox_id)} {{ type {_PEER_SET_TYPE}; flags timeout; }}",
+            f"delete set {t} {_peer_set_name(sandbox_id)}",
             f"delete chain {t} {chain}",
         ]
     )

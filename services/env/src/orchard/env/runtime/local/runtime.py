@@ -357,8 +357,11 @@ class LocalRuntime(Runtime):
         try:
             self._pidfds[sandbox_id] = started.pidfd
             self.store.write(state.with_process(started.pid, started.start_time))
-            # While the agent starts: a sandbox with egress rules gets its link and rules.
-            await self.networks.apply(sandbox_id, started.pid, spec.egress)
+            # While the agent starts: a sandbox with egress rules or ingress ports gets its
+            # link and rules.
+            address = await self.networks.apply(
+                sandbox_id, started.pid, spec.egress, accepts=bool(spec.ingress_ports)
+            )
             await started.wait_ready(self.config.start_timeout_s)
         except RuntimeFailure as failure:
             if failure.reason is FailureReason.AGENT_EXITED and cgroups.oom_kills(
@@ -377,7 +380,12 @@ class LocalRuntime(Runtime):
         finally:
             started.close()
         self._watch(sandbox_id, started.pidfd)
-        return RuntimeSandbox(sandbox_id, f"unix:{paths.run}/{SOCKET_NAME}", self._agent_version)
+        return RuntimeSandbox(
+            sandbox_id,
+            f"unix:{paths.run}/{SOCKET_NAME}",
+            self._agent_version,
+            network_address=address if spec.ingress_ports else "",
+        )
 
     async def _start_fresh(
         self,
