@@ -19,8 +19,10 @@ from typing import Any
 import pytest
 
 from orchard.sdk import (
+    EgressRule,
     ExecExit,
     ExecStdout,
+    FailedPrecondition,
     FileNotFound,
     InvalidArgument,
     PatchFailed,
@@ -269,6 +271,50 @@ def test_sandbox_round_trip(client: SandboxClient, tmp_path: Path) -> None:
         assert [i.id for i in client.list("suite=sdk-real")] == [sb.id]
     with pytest.raises(SandboxNotFound):
         client.get(sb.id)
+
+
+# http.server's own bind asks DNS for the name of 0.0.0.0, which a sandbox cannot reach.
+SERVE = """
+import functools, http.server, socketserver
+class Server(http.server.ThreadingHTTPServer):
+    def server_bind(self):
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = "site", 8080
+handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory="/srv")
+server = Server(("0.0.0.0", 8080), handler)
+open("/srv/listening", "w").close()
+server.serve_forever()
+"""
+
+
+def test_one_sandbox_reaches_another_through_the_sdk(client: SandboxClient) -> None:
+    fetch = (
+        "import sys, urllib.request\n"
+        "try:\n"
+        "    print(urllib.request.urlopen(sys.argv[1], timeout=2).read().decode())\n"
+        "except OSError:\n"
+        "    print('unreachable')\n"
+    )
+    with client.create(image="host", ingress_ports=[8080], heartbeat_timeout=30) as site:
+        assert site.info.ingress_ports == (8080,) and site.info.network_address
+        site.write_file("/srv/index.html", "the site\n")
+        site.write_file("/srv/serve.py", SERVE)
+        site.exec(
+            "setsid python3 /srv/serve.py </dev/null >/dev/null 2>&1 & "
+            "for i in $(seq 100); do [ -e /srv/listening ] && exit 0; sleep 0.05; done; exit 1"
+        ).check()
+        url = f"http://{site.info.network_address}:8080/index.html"
+        rule = EgressRule.to_sandbox(site.id, 8080, expire_at=time.time() + 120)
+        with client.create(image="host", egress=[rule], heartbeat_timeout=30) as browser:
+            assert browser.info.egress == (rule,)
+            browser.write_file("/tmp/fetch.py", fetch)
+            got = browser.exec(["python3", "/tmp/fetch.py", url]).check()
+            assert got.stdout == b"the site\n\n"
+            assert browser.update_egress([]).egress == ()
+            gone = browser.exec(["python3", "/tmp/fetch.py", url]).check()
+            assert gone.stdout == b"unreachable\n"
+        with pytest.raises(FailedPrecondition):
+            client.create(image="host", egress=[EgressRule.to_sandbox(site.id, 9999)])
 
 
 def test_heartbeats_keep_a_sandbox_alive(client: SandboxClient) -> None:

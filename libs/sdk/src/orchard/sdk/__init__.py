@@ -43,6 +43,7 @@ from orchard.sdk.errors import (
 from orchard.sdk.retry import RetryPolicy
 from orchard.sdk.sync import Sandbox, SandboxClient
 from orchard.sdk.types import (
+    EgressRule,
     ExecEvent,
     ExecExit,
     ExecResult,
@@ -66,6 +67,7 @@ __all__ = [
     "ConfigurationError",
     "ConnectionSettings",
     "DeadlineExceeded",
+    "EgressRule",
     "ExecEvent",
     "ExecExit",
     "ExecResult",

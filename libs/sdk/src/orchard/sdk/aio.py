@@ -43,6 +43,7 @@ from orchard.sdk.agent_route import REFUSED_BEFORE_RUNNING, AgentRoutes
 from orchard.sdk.connection import ConnectionSettings, resolve_connection
 from orchard.sdk.retry import RetryPolicy
 from orchard.sdk.types import (
+    EgressRule,
     ExecEvent,
     ExecExit,
     ExecResult,
@@ -244,6 +245,8 @@ class AsyncSandboxClient:
         env: Mapping[str, str] | None = None,
         working_dir: str = "",
         owner_id: str = "",
+        egress: Sequence[EgressRule] = (),
+        ingress_ports: Sequence[int] = (),
         wait: bool = True,
         wait_timeout: float | None = _DEFAULT_WAIT_TIMEOUT_S,
         keep_alive: bool = True,
@@ -265,9 +268,13 @@ class AsyncSandboxClient:
         the handle is open. ``wait``: wait for READY (up to ``wait_timeout`` seconds, None for
         no limit); when waiting fails the sandbox is deleted and the error raised
         (:class:`~orchard.sdk.errors.SandboxFailed`, ``DeadlineExceeded``, ...).
+        ``egress``: what it may reach (default: nothing); ``ingress_ports``: the ports on which
+        sandboxes holding ``EgressRule.to_sandbox(<its id>)`` may reach it, at
+        ``info.network_address`` (fixed for its life).
 
-        Raises ``InvalidArgument`` (bad image, labels, resources), ``ResourceExhausted``
-        (quota or full admission queue; see ``retry_after``), ``Unauthenticated``.
+        Raises ``InvalidArgument`` (bad image, labels, resources, rules), ``ResourceExhausted``
+        (quota or full admission queue; see ``retry_after``), ``Unauthenticated``,
+        ``SandboxNotFound`` or ``FailedPrecondition`` for a sandbox a rule names.
         """
         spec = env_pb2.SandboxSpec(
             image=image,
@@ -276,6 +283,9 @@ class AsyncSandboxClient:
             env=dict(env or {}),
             working_dir=working_dir,
             owner_id=owner_id,
+            network_policy=env_pb2.NetworkPolicy(
+                egress=[rule.to_proto() for rule in egress], ingress_ports=ingress_ports
+            ),
         )
         if heartbeat_timeout is not None:
             spec.heartbeat_timeout.CopyFrom(duration(heartbeat_timeout))
@@ -453,6 +463,18 @@ class AsyncSandbox:
             raise errors.SandboxFailed(
                 self.id, self.info.failure_reason or "UNKNOWN", self.info.failure_message
             )
+        return self.info
+
+    async def update_egress(self, egress: Sequence[EgressRule]) -> SandboxInfo:
+        """Replace what the sandbox may reach (applied when this returns; its ingress ports
+        stay). Raises ``SandboxNotFound`` (it, or a sandbox a rule names), ``InvalidArgument``,
+        ``FailedPrecondition`` (not READY; a named sandbox not READY or not accepting)."""
+        request = env_service_pb2.UpdateNetworkPolicyRequest(
+            sandbox_id=self.id,
+            network_policy=env_pb2.NetworkPolicy(egress=[rule.to_proto() for rule in egress]),
+        )
+        response = await self.client._unary("UpdateNetworkPolicy", request, retry=True)
+        self.info = SandboxInfo.from_proto(response.sandbox)
         return self.info
 
     async def heartbeat(self) -> float:

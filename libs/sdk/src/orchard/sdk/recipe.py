@@ -283,6 +283,21 @@ class Sft(Stage):
     warmup_steps: int = Field(default=10, ge=0)
     zero_stage: Literal[0, 1, 2, 3] = 0
     per_turn_samples: bool = False
+    validation_fraction: float = Field(
+        default=0.2,
+        ge=0,
+        lt=1,
+        description="Share of the SFT tasks held out as a validation set (whole tasks, drawn "
+        "with the run's seed): the trainer evaluates their loss after each epoch and the stage "
+        "hands on the epoch with the lowest one. 0 turns validation off (the last epoch is "
+        "handed on).",
+    )
+    patience: int = Field(
+        default=0,
+        ge=0,
+        description="Early stopping: end SFT after this many epochs in a row without a lower "
+        "validation loss; 0: run every epoch (the best one is still the one handed on).",
+    )
 
 
 _BAR_ONLY = ("stop_rule", "member_choice")

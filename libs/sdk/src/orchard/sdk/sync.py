@@ -26,6 +26,7 @@ from orchard.sdk.aio import AsyncSandbox, AsyncSandboxClient, TransferProgress
 from orchard.sdk.connection import ConnectionSettings
 from orchard.sdk.retry import RetryPolicy
 from orchard.sdk.types import (
+    EgressRule,
     ExecEvent,
     ExecResult,
     FileInfo,
@@ -115,6 +116,8 @@ class SandboxClient:
         env: Mapping[str, str] | None = None,
         working_dir: str = "",
         owner_id: str = "",
+        egress: Sequence[EgressRule] = (),
+        ingress_ports: Sequence[int] = (),
         wait: bool = True,
         wait_timeout: float | None = 600.0,
         keep_alive: bool = True,
@@ -134,6 +137,8 @@ class SandboxClient:
             env=env,
             working_dir=working_dir,
             owner_id=owner_id,
+            egress=egress,
+            ingress_ports=ingress_ports,
             wait=wait,
             wait_timeout=wait_timeout,
             keep_alive=keep_alive,
@@ -238,6 +243,10 @@ class Sandbox:
     def wait(self, timeout: float | None = 600.0) -> SandboxInfo:
         """Wait until READY; raises ``SandboxFailed`` or ``DeadlineExceeded``."""
         return self._loop.run(self._handle.wait(timeout))
+
+    def update_egress(self, egress: Sequence[EgressRule]) -> SandboxInfo:
+        """Replace what the sandbox may reach; see ``AsyncSandbox.update_egress``."""
+        return self._loop.run(self._handle.update_egress(egress))
 
     def heartbeat(self) -> float:
         """Renew the lease now; returns the new expiry as a Unix time."""

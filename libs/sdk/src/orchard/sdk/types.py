@@ -19,6 +19,7 @@ from orchard.sdk.errors import CommandFailed
 from orchard.types.v1 import exec_pb2, files_pb2, resources_pb2
 
 __all__ = [
+    "EgressRule",
     "ExecEvent",
     "ExecExit",
     "ExecResult",
@@ -101,6 +102,52 @@ class Resources:
 
 
 @dataclass(frozen=True)
+class EgressRule:
+    """One destination a sandbox may open connections to; everything else stays denied.
+
+    ``destination``: a host name, an IP, a CIDR block, or ``EgressRule.to_sandbox(id)``:
+    another sandbox of the caller's, which must accept on the ports (its ``ingress_ports``).
+    ``ports`` empty: every port (of that sandbox: every port it accepts on). ``protocol``
+    "": TCP and UDP. ``expire_at``: a Unix time when the allowance ends; None: the sandbox's
+    life.
+    """
+
+    destination: str
+    ports: tuple[int, ...] = ()
+    protocol: Literal["", "tcp", "udp"] = ""
+    expire_at: float | None = None
+
+    @classmethod
+    def to_sandbox(cls, sandbox_id: str, *ports: int, expire_at: float | None = None) -> EgressRule:
+        """An allowance to reach another sandbox (see ``NetworkPolicy.ingress_ports``)."""
+        return cls(f"sandbox:{sandbox_id}", tuple(ports), "", expire_at)
+
+    def to_proto(self) -> env_pb2.EgressRule:
+        protocols = {"": env_pb2.PROTOCOL_UNSPECIFIED, "tcp": env_pb2.PROTOCOL_TCP}
+        message = env_pb2.EgressRule(
+            destination=self.destination,
+            ports=self.ports,
+            protocol=protocols.get(self.protocol, env_pb2.PROTOCOL_UDP),
+        )
+        if self.expire_at is not None:
+            message.expire_time.FromNanoseconds(int(self.expire_at * 1e9))
+        return message
+
+    @classmethod
+    def from_proto(cls, message: env_pb2.EgressRule) -> EgressRule:
+        names: dict[int, Literal["", "tcp", "udp"]] = {
+            env_pb2.PROTOCOL_TCP: "tcp",
+            env_pb2.PROTOCOL_UDP: "udp",
+        }
+        return cls(
+            message.destination,
+            tuple(message.ports),
+            names.get(message.protocol, ""),
+            message.expire_time.ToNanoseconds() / 1e9 if message.HasField("expire_time") else None,
+        )
+
+
+@dataclass(frozen=True)
 class SandboxInfo:
     """A snapshot of one sandbox as the service last described it."""
 
@@ -124,6 +171,12 @@ class SandboxInfo:
     queue_position: int = 0
     owner_id: str = ""
     forked_from: str = ""
+    egress: tuple[EgressRule, ...] = ()
+    """What it may reach (its network policy's rules)."""
+    ingress_ports: tuple[int, ...] = ()
+    """Ports on which sandboxes allowed to reach it (``EgressRule.to_sandbox``) connect."""
+    network_address: str = ""
+    """Where such sandboxes reach it; "" when it has no ``ingress_ports``."""
 
     @classmethod
     def from_proto(cls, message: env_pb2.Sandbox) -> SandboxInfo:
@@ -150,6 +203,9 @@ class SandboxInfo:
             queue_position=message.queue_position,
             owner_id=spec.owner_id,
             forked_from=message.forked_from,
+            egress=tuple(EgressRule.from_proto(r) for r in spec.network_policy.egress),
+            ingress_ports=tuple(spec.network_policy.ingress_ports),
+            network_address=message.network_address,
         )
 
     def to_json(self) -> dict[str, Any]:
