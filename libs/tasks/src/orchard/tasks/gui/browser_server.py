@@ -5,6 +5,13 @@ Run it inside a browser sandbox::
 
     python -m orchard.tasks.gui.browser_server                       # MCP over stdio
     python -m orchard.tasks.gui.browser_server --listen 0.0.0.0:8931  # streamable HTTP at /mcp
+    python -m orchard.tasks.gui.browser_server --listen unix:/run/browser.sock
+
+Over HTTP it also answers ``POST /call`` with a JSON body ``{"tool": ..., "arguments": {...}}``:
+the observation as JSON (`Observation.to_dict`, screenshot included), for a client that speaks
+no MCP (the one-line client ``orchard-browser-call`` of a browser sandbox). A browser sandbox
+serves on a Unix socket, which no web page can reach: a page's scripts can send requests to any
+TCP port of the sandbox's loopback, a socket file they cannot name.
 
 Every tool's result is the observation: an image (the PNG screenshot of the active tab) and a
 text summary (the action's result, notes such as dialogs and popups, the viewport and the tabs),
@@ -17,7 +24,9 @@ failed call (bad arguments, timeout, crash) is a tool error (``isError``) whose 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import signal
 import socket
 from collections.abc import Sequence
@@ -28,12 +37,15 @@ import mcp_types as types
 import uvicorn  # a dependency of mcp's HTTP transport
 from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from .actions import TOOLS
 from .browser import BrowserConfig, BrowserSession
 from .observation import Observation
 
-__all__ = ["build_server", "main", "observation_result"]
+__all__ = ["build_server", "call_route", "main", "observation_result"]
 
 _log = logging.getLogger("orchard.tasks.gui.browser_server")
 
@@ -101,12 +113,57 @@ async def _serve_stdio(config: BrowserConfig) -> None:
             tg.cancel_scope.cancel()
 
 
-async def _serve_http(config: BrowserConfig, host: str, port: int) -> None:
-    # Bind first, so port 0 (any free port) is known before the log line that names it.
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+def call_route(browser: BrowserSession) -> Route:
+    """``POST /call``: one tool call as JSON in, the observation as JSON out (400 for a body
+    that is not a JSON object naming a tool; the tool's own failures are observations)."""
+
+    async def call(request: Request) -> Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return JSONResponse({"error": "the body is not JSON"}, status_code=400)
+        if not isinstance(body, dict) or not isinstance(body.get("tool"), str):
+            return JSONResponse(
+                {"error": 'send {"tool": <name>, "arguments": {...}}'}, status_code=400
+            )
+        arguments = body.get("arguments") or {}
+        if not isinstance(arguments, dict):
+            return JSONResponse({"error": "arguments must be an object"}, status_code=400)
+        observation = await browser.call(body["tool"], arguments)
+        return JSONResponse(observation.to_dict(screenshot=True))
+
+    return Route("/call", call, methods=["POST"])
+
+
+def _bind(listen: str) -> socket.socket:
+    """A bound socket for ``HOST:PORT`` or ``unix:PATH`` (a stale socket file is replaced)."""
+    if listen.startswith("unix:"):
+        path = listen[len("unix:") :]
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(path)
+        os.chmod(path, 0o600)  # its owner and root only
+        sock.listen(64)  # calls made while the browser starts wait for it
+        return sock
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit():
+        raise ValueError(f"--listen {listen!r}: give HOST:PORT (127.0.0.1:8931) or unix:PATH")
+    # Bound first, so port 0 (any free port) is known before the log line that names it.
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    sock.bind((host, int(port)))
+    sock.listen(64)
+    return sock
+
+
+def _where(sock: socket.socket) -> str:
+    bound = sock.getsockname()
+    return f"unix:{bound}" if sock.family == socket.AF_UNIX else f"http://{bound[0]}:{bound[1]}"
+
+
+async def _serve_http(config: BrowserConfig, sock: socket.socket) -> None:
     server: uvicorn.Server | None = None
 
     def stop(signum: int, frame: object) -> None:
@@ -119,10 +176,11 @@ async def _serve_http(config: BrowserConfig, host: str, port: int) -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     async with BrowserSession(config) as browser:
+        host = "127.0.0.1" if sock.family == socket.AF_UNIX else str(sock.getsockname()[0])
         app = build_server(browser).streamable_http_app(host=host)
+        app.router.routes.append(call_route(browser))
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        bound = sock.getsockname()
-        _log.info("browser tool server at http://%s:%d/mcp", bound[0], bound[1])
+        _log.info("browser tool server at %s (MCP at /mcp, JSON at /call)", _where(sock))
         await server.serve(sockets=[sock])
 
 
@@ -133,8 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--listen",
-        metavar="HOST:PORT",
-        help="serve MCP streamable HTTP at http://HOST:PORT/mcp (default: MCP over stdio)",
+        metavar="HOST:PORT|unix:PATH",
+        help="serve MCP streamable HTTP at /mcp and JSON calls at /call, on a TCP port or a "
+        "Unix socket (default: MCP over stdio)",
     )
     parser.add_argument("--chromium", default=BrowserConfig.executable_path, help="the binary")
     parser.add_argument("--width", type=int, default=BrowserConfig.viewport_width)
@@ -160,11 +219,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.listen is None:
         anyio.run(_serve_stdio, config)
         return 0
-    host, _, port = args.listen.rpartition(":")
-    host = host.strip("[]")
-    if not host or not port.isdigit():
-        parser.error(f"--listen {args.listen!r}: give HOST:PORT, e.g. 127.0.0.1:8931")
-    anyio.run(_serve_http, config, host, int(port))
+    try:
+        sock = _bind(args.listen)
+    except ValueError as exc:
+        parser.error(str(exc))
+    except OSError as exc:
+        parser.error(f"--listen {args.listen!r}: {exc.strerror or exc}")
+    anyio.run(_serve_http, config, sock)
     return 0
 
 
