@@ -247,6 +247,8 @@ class AsyncSandboxClient:
         owner_id: str = "",
         egress: Sequence[EgressRule] = (),
         ingress_ports: Sequence[int] = (),
+        user_namespaces: bool = False,
+        raw_sockets: bool = False,
         wait: bool = True,
         wait_timeout: float | None = _DEFAULT_WAIT_TIMEOUT_S,
         keep_alive: bool = True,
@@ -270,7 +272,10 @@ class AsyncSandboxClient:
         (:class:`~orchard.sdk.errors.SandboxFailed`, ``DeadlineExceeded``, ...).
         ``egress``: what it may reach (default: nothing); ``ingress_ports``: the ports on which
         sandboxes holding ``EgressRule.to_sandbox(<its id>)`` may reach it, at
-        ``info.network_address`` (fixed for its life).
+        ``info.network_address`` (fixed for its life). ``user_namespaces``, ``raw_sockets``:
+        privileges its commands get beyond the default, when the operator allows them the
+        caller's tenant (``PermissionDenied`` otherwise), e.g. a browser's own sandbox needs
+        user namespaces.
 
         Raises ``InvalidArgument`` (bad image, labels, resources, rules), ``ResourceExhausted``
         (quota or full admission queue; see ``retry_after``), ``Unauthenticated``,
@@ -285,6 +290,9 @@ class AsyncSandboxClient:
             owner_id=owner_id,
             network_policy=env_pb2.NetworkPolicy(
                 egress=[rule.to_proto() for rule in egress], ingress_ports=ingress_ports
+            ),
+            privileges=env_pb2.SandboxPrivileges(
+                raw_sockets=raw_sockets, user_namespaces=user_namespaces
             ),
         )
         if heartbeat_timeout is not None:
