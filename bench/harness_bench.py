@@ -98,20 +98,7 @@ class PssSampler:
     def _loop(self) -> None:
         while not self._stop.is_set():
             started = time.time()
-            totals: dict[str, int] = {}
-            for pid in os.listdir("/proc"):
-                if not pid.isdigit():
-                    continue
-                try:
-                    cgroup = Path(f"/proc/{pid}/cgroup").read_text()
-                    found = SANDBOX_ID.search(cgroup)
-                    if found is None:
-                        continue
-                    pss = _pss_kib(Path(f"/proc/{pid}/smaps_rollup").read_text())
-                except OSError:  # the process ended meanwhile
-                    continue
-                totals[found.group(0)] = totals.get(found.group(0), 0) + pss
-            for sandbox, kib in totals.items():
+            for sandbox, kib in sandbox_pss_kib().items():
                 self.samples.setdefault(sandbox, []).append((started, kib))
             self._stop.wait(max(0.0, SAMPLE_S - (time.time() - started)))
 
@@ -119,6 +106,25 @@ class PssSampler:
         """The largest sample of `sandbox` within [start, end] (epoch seconds), in MiB."""
         inside = [kib for t, kib in self.samples.get(sandbox, []) if start <= t <= end]
         return max(inside) / 1024 if inside else None
+
+
+def sandbox_pss_kib() -> dict[str, int]:
+    """Now, by sandbox id: the PSS of its processes summed (KiB), read on the host (inside, a
+    sandbox's root cannot read the smaps of processes running as another user)."""
+    totals: dict[str, int] = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cgroup = Path(f"/proc/{pid}/cgroup").read_text()
+            found = SANDBOX_ID.search(cgroup)
+            if found is None:
+                continue
+            pss = _pss_kib(Path(f"/proc/{pid}/smaps_rollup").read_text())
+        except OSError:  # the process ended meanwhile
+            continue
+        totals[found.group(0)] = totals.get(found.group(0), 0) + pss
+    return totals
 
 
 def _pss_kib(smaps_rollup: str) -> int:

@@ -49,7 +49,7 @@ def test_content_is_seeded() -> None:
 
 def test_every_site_answers_and_starts_empty() -> None:
     with SiteServer(seed=1) as server:
-        assert set(SITES) == {"shop", "forms", "playground"}
+        assert set(SITES) == {"shop", "forms", "playground", "booking", "wiki", "portal"}
         for name in SITES:
             assert "<title>" in get(server.url(name))
         assert server.state("shop") == {"cart": [], "orders": [], "searches": []}

@@ -38,6 +38,7 @@ from playwright.async_api import TimeoutError as PlaywrightTimeoutError
 
 from .actions import MAX_WAIT_SECONDS, ToolArgumentError, validate_arguments
 from .observation import DialogRecord, ErrorKind, Observation, TabInfo
+from .page_text import DEFAULT_MAX_CHARS, PageText, read_page
 
 __all__ = ["OFFLINE_CHROMIUM_ARGS", "BrowserConfig", "BrowserSession", "BrowserUnavailableError"]
 
@@ -89,15 +90,29 @@ class BrowserConfig:
     """Most tabs open at once; ``new_tab`` past it is refused."""
     extra_args: tuple[str, ...] = ()
     """More Chromium flags, after `OFFLINE_CHROMIUM_ARGS`."""
+    page_text: bool = True
+    """Whether every observation carries the active page as text (`Observation.page_text`);
+    reading it takes about 10 to 40 ms a call, a fraction of the screenshot's 40 to 120 ms."""
+    page_text_max_chars: int = DEFAULT_MAX_CHARS
+    """Longest page text; a longer page is cut, saying so."""
+    page_text_timeout_s: float = 2.0
+    """Longest reading the page text may take (a page busy in a script never answers)."""
 
     def __post_init__(self) -> None:
         if self.viewport_width < 100 or self.viewport_height < 100:
             raise ValueError("the viewport must be at least 100x100 pixels")
-        for name in ("action_timeout_s", "settle_timeout_s", "screenshot_timeout_s"):
+        for name in (
+            "action_timeout_s",
+            "settle_timeout_s",
+            "screenshot_timeout_s",
+            "page_text_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.max_tabs < 1:
             raise ValueError("max_tabs must be at least 1")
+        if self.page_text_max_chars < 200:
+            raise ValueError("page_text_max_chars must be at least 200")
 
     @property
     def sandbox_on(self) -> bool:
@@ -309,6 +324,13 @@ class BrowserSession:
             if b"--type=" not in cmdline:
                 return pid
         return None
+
+    async def read_page_text(self) -> PageText:
+        """The active tab as text (`PageText`; `PageText.render` bounds it), whatever the
+        config says. For teachers and tests; an agent gets it in `Observation.page_text`."""
+        return await asyncio.wait_for(
+            read_page(self.active_page), timeout=self.config.page_text_timeout_s
+        )
 
     async def locate(self, selector: str) -> tuple[float, float] | None:
         """Centre of the first element matching a CSS selector on the active tab, in viewport
@@ -754,6 +776,7 @@ class BrowserSession:
         self._note_background_popups()
         tabs: list[TabInfo] = []
         screenshot: bytes | None = None
+        page_text: str | None = None
         if self._alive and self._tabs:
             for index, page in enumerate(self._tabs):
                 try:
@@ -771,6 +794,9 @@ class BrowserSession:
                     "no screenshot: the page did not paint in "
                     f"{self.config.screenshot_timeout_s:g} s (it may be busy or hung)"
                 )
+            # A page that did not paint will not run the reading script either.
+            if self.config.page_text and screenshot is not None:
+                page_text = await self._page_text()
         events, self._events = tuple(self._events), []
         dialogs, self._dialogs = tuple(self._dialogs), []
         return Observation(
@@ -786,7 +812,23 @@ class BrowserSession:
             done=done,
             response=response,
             elapsed_s=time.monotonic() - started,
+            page_text=page_text,
         )
+
+    async def _page_text(self) -> str | None:
+        try:
+            snapshot = await asyncio.wait_for(
+                read_page(self.active_page), timeout=self.config.page_text_timeout_s
+            )
+        except (TimeoutError, PlaywrightError) as exc:
+            reason = (
+                "it did not answer in time"
+                if isinstance(exc, TimeoutError)
+                else "it was navigating"
+            )
+            self._events.append(f"no page text: {reason} (look again)")
+            return None
+        return snapshot.render(self.config.page_text_max_chars)
 
     # -- one method per tool, for Python callers ----------------------------------------------
 

@@ -7,6 +7,8 @@ shows read-only at the same path)::
     bin/orchard-browser   the launcher: the image's python3 with lib/ and site/ on its path
     bin/orchard-browser-call  one JSON call to a running server's Unix socket (standard
                           library only: ``python3 -S`` starts it in a few milliseconds)
+    bin/orchard-sites     the offline websites' server (``python -m orchard.tasks.gui.sites``;
+                          standard library only), for a site sandbox of the same image
     lib/orchard/tasks/gui the GUI package (this one)
     site/                 playwright, mcp and what they need, from this environment
     python-version        the Python minor version site/ was built for
@@ -24,11 +26,12 @@ from pathlib import Path
 
 from orchard.tasks.bundling import PYTHON_VERSION, distribution_files, requirement_closure
 
-__all__ = ["CALLER", "IMAGE_BROWSER_DIR", "LAUNCHER", "build_browser_dir", "main"]
+__all__ = ["CALLER", "IMAGE_BROWSER_DIR", "LAUNCHER", "SITES", "build_browser_dir", "main"]
 
 IMAGE_BROWSER_DIR = "/opt/orchard-browser"
 LAUNCHER = "bin/orchard-browser"
 CALLER = "bin/orchard-browser-call"
+SITES = "bin/orchard-sites"
 _GUI = Path(__file__).parent
 _STAMP = "python-version"
 
@@ -55,6 +58,7 @@ _CALLER = '''#!/usr/bin/env python3
 Unix socket; prints the observation (JSON). Exit 0 whenever the server answered (a failed
 action is an observation with "ok": false), 2 when it did not (dead, or no such socket)."""
 import http.client
+import json
 import socket
 import sys
 
@@ -74,7 +78,12 @@ class UnixConnection(http.client.HTTPConnection):
 def main(argv):
     if len(argv) not in (2, 3):
         sys.exit("usage: orchard-browser-call SOCKET TOOL [ARGUMENTS_JSON]")
-    body = '{"tool": "%s", "arguments": %s}' % (argv[1], argv[2] if len(argv) == 3 else "{}")
+    try:
+        arguments = json.loads(argv[2]) if len(argv) == 3 else {}
+    except ValueError as exc:
+        print("orchard-browser-call: ARGUMENTS_JSON is not JSON: %s" % exc, file=sys.stderr)
+        return 2
+    body = json.dumps({"tool": argv[1], "arguments": arguments})
     connection = UnixConnection(argv[0], timeout=120)
     try:
         connection.request("POST", "/call", body.encode(), {"Content-Type": "application/json"})
@@ -87,6 +96,19 @@ def main(argv):
     sys.stdout.buffer.write(data)
     return 0 if response.status == 200 else 2
 
+
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+_SITES = '''#!/usr/bin/env python3
+"""The offline websites: `orchard-sites --help`."""
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "lib"))
+from orchard.tasks.gui.sites.server import main
 
 sys.exit(main(sys.argv[1:]))
 '''
@@ -106,7 +128,7 @@ def build_browser_dir(target: Path) -> Path:
         relative = source.relative_to(_GUI)
         _copy(source, staging / "lib" / "orchard" / "tasks" / "gui" / relative, 0o644)
     (staging / _STAMP).write_text(f"{PYTHON_VERSION}\n")
-    for name, text in ((LAUNCHER, _LAUNCHER), (CALLER, _CALLER)):
+    for name, text in ((LAUNCHER, _LAUNCHER), (CALLER, _CALLER), (SITES, _SITES)):
         script = staging / name
         script.parent.mkdir(parents=True, exist_ok=True)
         script.write_text(text)

@@ -204,6 +204,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--dialogs", choices=("accept", "dismiss"), default="accept", help="how to answer dialogs"
     )
+    parser.add_argument(
+        "--chromium-sandbox",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="Chromium's own sandbox (auto: on unless running as root, which cannot use it; it "
+        "needs user namespaces)",
+    )
     args = parser.parse_args(argv)
     try:
         config = BrowserConfig(
@@ -212,6 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             viewport_height=args.height,
             action_timeout_s=args.action_timeout,
             dialog_answer=args.dialogs,
+            sandbox={"auto": None, "on": True, "off": False}[args.chromium_sandbox],
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -1,5 +1,6 @@
 """What the browser returns after every tool call: the latest screenshot, the viewport size, the
-tabs, and what happened (the action's result, dialogs, popups, errors)."""
+tabs, what happened (the action's result, dialogs, popups, errors) and, when the browser is
+asked for it, the active page as text (`orchard.tasks.gui.page_text`)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ class Observation:
     done: bool = False
     response: str | None = None  # the agent's answer, from ``done``
     elapsed_s: float = 0.0
+    # The active page as text (elements, names, centres); None when not asked for or unreadable.
+    page_text: str | None = None
 
     @property
     def active_tab(self) -> int:
@@ -77,6 +80,8 @@ class Observation:
             lines.append(f"{mark}[{tab.index}] {tab.title or '(no title)'} - {tab.url}")
         if self.screenshot is None:
             lines.append("no screenshot this time")
+        if self.page_text is not None:
+            lines += ["page text:", self.page_text]
         return "\n".join(lines)
 
     def to_dict(self, *, screenshot: bool = True) -> dict[str, Any]:
@@ -99,7 +104,36 @@ class Observation:
             "done": self.done,
             "response": self.response,
             "elapsed_s": round(self.elapsed_s, 4),
+            "page_text": self.page_text,
         }
         if screenshot:
             out["screenshot_png_base64"] = self.screenshot_base64()
         return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Observation:
+        """The observation `to_dict` gave (as a browser sandbox's tool server sends it);
+        KeyError or ValueError for one that is not."""
+        encoded = data.get("screenshot_png_base64")
+        viewport = data["viewport"]
+        return cls(
+            tool=str(data["tool"]),
+            ok=bool(data["ok"]),
+            message=str(data["message"]),
+            screenshot=base64.b64decode(encoded, validate=True) if encoded else None,
+            viewport=(int(viewport["width"]), int(viewport["height"])),
+            tabs=tuple(
+                TabInfo(int(t["index"]), str(t["url"]), str(t["title"]), bool(t["active"]))
+                for t in data["tabs"]
+            ),
+            error=data.get("error"),
+            events=tuple(str(e) for e in data.get("events") or ()),
+            dialogs=tuple(
+                DialogRecord(str(d["type"]), str(d["message"]), str(d["answer"]))
+                for d in data.get("dialogs") or ()
+            ),
+            done=bool(data.get("done")),
+            response=None if data.get("response") is None else str(data["response"]),
+            elapsed_s=float(data.get("elapsed_s") or 0.0),
+            page_text=None if data.get("page_text") is None else str(data["page_text"]),
+        )

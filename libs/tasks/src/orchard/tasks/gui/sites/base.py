@@ -1,16 +1,19 @@
-"""What every offline site is made of: a `Site` (routes over server-side state), the request and
-response it sees, and the shared page layout. Standard library only."""
+"""What every offline site is made of: a `Site` (routes over server-side state started from a
+JSON *world*), the request and response it sees, and the shared page layout. Standard library
+only."""
 
 from __future__ import annotations
 
+import copy
 import html
 import json
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 from urllib.parse import urlencode
 
-__all__ = ["Request", "Response", "Site", "esc", "layout"]
+__all__ = ["Request", "Response", "Site", "WorldError", "esc", "layout"]
 
 
 def esc(value: object) -> str:
@@ -101,23 +104,53 @@ def layout(site_title: str, title: str, body: str, nav: list[tuple[str, str]]) -
     )
 
 
+class WorldError(ValueError):
+    """A world a site cannot start from; the message names the site and what is wrong."""
+
+
 class Site:
-    """One web application with its state kept in the server. Subclasses set ``name`` and
-    ``title`` and implement `reset`, `state` and `handle`; the server serializes calls to one
-    site with `lock`, so handlers need no locking of their own."""
+    """One web application with its state kept in the server, started from a *world*: the
+    JSON content a task seeds it with (products, rooms, articles, ...). Subclasses set
+    ``name`` and ``title`` and implement `make_world`, `load`, `state` and `handle`; the server
+    serializes calls to one site with `lock`, so handlers need no locking of their own."""
 
     name: ClassVar[str] = ""
     title: ClassVar[str] = ""
     description: ClassVar[str] = ""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, world: Mapping[str, Any] | None = None) -> None:
         self.seed = seed
         self.lock = threading.Lock()
-        self.reset()
+        self.world: dict[str, Any] = {}
+        self.reset(world)
 
-    def reset(self) -> None:
-        """Back to the seeded starting state."""
+    @classmethod
+    def make_world(cls, seed: int) -> dict[str, Any]:
+        """The content a seed gives when no task seeds the site, as JSON."""
         raise NotImplementedError
+
+    def load(self, world: dict[str, Any]) -> None:
+        """Starts the site over from ``world`` (a private copy). Raises KeyError, TypeError or
+        ValueError when the world is malformed; `reset` reports those as `WorldError`."""
+        raise NotImplementedError
+
+    def reset(self, world: Mapping[str, Any] | None = None) -> None:
+        """Back to the starting state: of ``world`` when given (the site's world from then on),
+        else of the world it has. A malformed world raises `WorldError` and changes nothing."""
+        if world is None:
+            if not self.world:
+                self.world = self.make_world(self.seed)
+            self.load(copy.deepcopy(self.world))
+            return
+        try:
+            # A JSON round trip: the world is plain data, as when it arrives over HTTP.
+            candidate = json.loads(json.dumps(dict(world)))
+            self.load(copy.deepcopy(candidate))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            if self.world:
+                self.load(copy.deepcopy(self.world))
+            raise WorldError(f"site {self.name}: the world is malformed: {exc!r}") from exc
+        self.world = candidate
 
     def state(self) -> dict[str, Any]:
         """What a task's check reads: everything the visitor changed, as JSON."""

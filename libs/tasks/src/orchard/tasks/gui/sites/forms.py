@@ -1,6 +1,6 @@
 """A multi-step form: a membership application in three steps (contact details, plan and
-options, review with consent) that is submitted at the end. State: the draft so far and the
-applications submitted."""
+options, review with consent) that is submitted at the end. World: ``{"countries": [...],
+"reference_prefix": "LIB-07"}``. State: the draft so far and the applications submitted."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from .base import Request, Response, Site, esc
 
-__all__ = ["PLANS", "ApplicationFormSite"]
+__all__ = ["PLANS", "ApplicationFormSite", "make_countries"]
 
 PLANS = ("basic", "plus", "pro")
 _COUNTRIES = (
@@ -31,14 +31,28 @@ _COUNTRIES = (
 )
 
 
+def make_countries(seed: int | str, count: int = 10) -> list[str]:
+    """The countries the form offers for a seed, sorted."""
+    return sorted(random.Random(f"forms/{seed}").sample(_COUNTRIES, count))
+
+
 class ApplicationFormSite(Site):
     name = "forms"
     title = "Riverside Library Membership"
     description = "a three-step application form with validation and a review step"
 
-    def reset(self) -> None:
-        rng = random.Random(f"forms/{self.seed}")
-        self.countries = sorted(rng.sample(_COUNTRIES, 10))
+    @classmethod
+    def make_world(cls, seed: int) -> dict[str, Any]:
+        return {
+            "countries": make_countries(seed),
+            "reference_prefix": f"LIB-{seed % 100:02d}",
+        }
+
+    def load(self, world: dict[str, Any]) -> None:
+        self.countries = [str(c) for c in world["countries"]]
+        if not self.countries:
+            raise ValueError("the form needs at least one country")
+        self.reference_prefix = str(world["reference_prefix"])
         self.draft: dict[str, Any] = {}
         self.step_done = 0
         self.submissions: list[dict[str, Any]] = []
@@ -101,7 +115,7 @@ class ApplicationFormSite(Site):
         self.step_done = max(self.step_done, step)
         if step < 3:
             return Response.redirect(self.href(f"/step/{step + 1}"))
-        reference = f"LIB-{self.seed % 100:02d}{len(self.submissions) + 1:03d}"
+        reference = f"{self.reference_prefix}{len(self.submissions) + 1:03d}"
         self.submissions.append({"reference": reference, **self.draft})
         self.draft, self.step_done = {}, 0
         return Response.redirect(self.href("/done"))

@@ -1,7 +1,8 @@
 """A page of widgets, one per kind of action: a button, a search box, a long page, a tooltip, a
 slider to drag, dialogs, links that open tabs, a page that never answers and one that closes
-itself. Warm-up tasks and the checks of a browser sandbox use it. State: button presses,
-searches, and the events the page's scripts report (hover, drag, dialogs, scrolling)."""
+itself. Warm-up tasks and the checks of a browser sandbox use it. World: ``{"help_code":
+"ORCHID-7"}`` (what the help page shows). State: button presses, searches, and the events the
+page's scripts report (hover, drag, dialogs, scrolling)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ __all__ = ["PlaygroundSite"]
 _SCRIPT = """
 <script>
 function report(kind, value) {
+  // Reading the answer ends the request, so the browser sees the page settle at once.
   return fetch(BASE + '/api/event', {method: 'POST', headers: {'Content-Type': 'application/json'},
-    body: JSON.stringify({kind: kind, value: value})});
+    body: JSON.stringify({kind: kind, value: value})}).then((r) => r.text());
 }
 document.getElementById('help').addEventListener('mouseenter', () => report('hover', 'help'));
 const track = document.getElementById('track'), knob = document.getElementById('knob');
@@ -52,7 +54,12 @@ class PlaygroundSite(Site):
     title = "Widget Playground"
     description = "one widget per kind of action, dialogs, tabs and a page that never loads"
 
-    def reset(self) -> None:
+    @classmethod
+    def make_world(cls, seed: int) -> dict[str, Any]:
+        return {"help_code": "ORCHID-7"}
+
+    def load(self, world: dict[str, Any]) -> None:
+        self.help_code = str(world["help_code"])
         self.presses = 0
         self.searches: list[str] = []
         self.events: list[dict[str, Any]] = []
@@ -83,7 +90,7 @@ class PlaygroundSite(Site):
         if path == "/second" and method == "GET":
             return self.page("Second page", "<h1>Second page</h1><p>Nothing else here.</p>")
         if path == "/help" and method == "GET":
-            body = "<h1>Help</h1><p>The help code is <b id='code'>ORCHID-7</b>.</p>"
+            body = f"<h1>Help</h1><p>The help code is <b id='code'>{esc(self.help_code)}</b>.</p>"
             return self.page("Help", body)
         if path == "/closing" and method == "GET":
             body = (
@@ -113,7 +120,8 @@ padding:4px 8px;border-radius:4px;white-space:nowrap">A page of widgets</span></
 <p>Level: <b id="level">0</b></p>
 <div id="track"
  style="position:relative;width:400px;height:30px;background:#ddd;border-radius:15px">
-<div id="knob" style="position:absolute;left:0;top:0;width:30px;height:30px;border-radius:15px;
+<div id="knob" role="slider" aria-label="Level slider" aria-valuemin="0" aria-valuemax="100"
+ style="position:absolute;left:0;top:0;width:30px;height:30px;border-radius:15px;
 background:#2f5d50;touch-action:none"></div></div>
 <p><button id="alert" type="button">Alert</button>
 <button id="confirm" type="button">Confirm</button>

@@ -1,5 +1,8 @@
 """The HTTP server of the offline sites: each chosen site under ``/<name>/``, its state for
-checks at ``/_orchard/state/<name>`` (``POST /_orchard/reset/<name>`` starts it over).
+checks at ``/_orchard/state/<name>``. ``POST /_orchard/reset/<name>`` starts a site over: from
+the JSON world in the body when there is one (a task's products, rooms, articles), else from
+the world it has; ``GET /_orchard/world/<name>`` returns that world. One server with one site
+seeded by a task's world serves exactly that task.
 
 Standard library only (``http.server``), one thread per connection, so a page that never
 answers (``/playground/hang``) blocks only its own connection. With a state token set, the
@@ -10,29 +13,37 @@ an agent cannot read or reset what its check reads.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hmac
 import json
 import logging
 import signal
+import socket
 import threading
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from .base import Request, Response, Site, esc, layout
+from .base import Request, Response, Site, WorldError, esc, layout
+from .booking import BookingSite
 from .forms import ApplicationFormSite
 from .playground import PlaygroundSite
+from .portal import PortalSite
 from .shop import ShopSite
+from .wiki import WikiSite
 
-__all__ = ["SITES", "SiteServer", "fetch_state", "main"]
+__all__ = ["SITES", "SiteServer", "fetch_state", "main", "reset_site"]
 
 SITES: dict[str, type[Site]] = {
-    cls.name: cls for cls in (ShopSite, ApplicationFormSite, PlaygroundSite)
+    cls.name: cls
+    for cls in (ShopSite, ApplicationFormSite, PlaygroundSite, BookingSite, WikiSite, PortalSite)
 }
 _MAX_BODY = 1 << 20
+# How often the serving loop looks for `stop`: a server per task is started and stopped often.
+_POLL_S = 0.05
 _log = logging.getLogger("orchard.tasks.gui.sites")
 
 
@@ -43,7 +54,28 @@ class _HTTPServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], owner: SiteServer) -> None:
         self.owner = owner
+        self._connections: set[socket.socket] = set()
+        self._connections_lock = threading.Lock()
         super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._connections_lock:
+            self._connections.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._connections_lock:
+            self._connections.discard(request)
+        super().shutdown_request(request)
+
+    def close_connections(self) -> None:
+        """Ends the connections browsers keep open between requests, so their threads end
+        with the server instead of waiting for the browser to hang up."""
+        with self._connections_lock:
+            connections = list(self._connections)
+        for connection in connections:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -78,7 +110,9 @@ class _Handler(BaseHTTPRequestHandler):
         parts = url.path.split("/", 2)
         name = parts[1] if len(parts) > 1 else ""
         if name == "_orchard":
-            response = owner.admin(method, url.path, self.headers.get("Authorization", ""))
+            response = owner.admin(
+                method, url.path, self.headers.get("Authorization", ""), body_json
+            )
         elif name in owner.sites:
             site = owner.sites[name]
             inner = "/" + (parts[2] if len(parts) > 2 else "")
@@ -117,7 +151,10 @@ class SiteServer:
         host: str = "127.0.0.1",
         port: int = 0,
         state_token: str | None = None,
+        worlds: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
+        """``worlds`` seeds sites (by name) with a task's content instead of the seed's; a
+        malformed one raises `WorldError`, a world for a site not served ValueError."""
         unknown = sorted(set(sites) - set(SITES))
         if unknown:
             raise ValueError(
@@ -125,7 +162,11 @@ class SiteServer:
             )
         if not sites:
             raise ValueError("choose at least one site")
-        self.sites: dict[str, Site] = {name: SITES[name](seed) for name in sites}
+        worlds = worlds or {}
+        stray = sorted(set(worlds) - set(sites))
+        if stray:
+            raise ValueError(f"world(s) for site(s) not served: {', '.join(stray)}")
+        self.sites: dict[str, Site] = {name: SITES[name](seed, worlds.get(name)) for name in sites}
         self.seed = seed
         self.state_token = state_token
         self.stopping = threading.Event()
@@ -151,16 +192,29 @@ class SiteServer:
         with self.sites[site].lock:
             return self.sites[site].state()
 
-    def reset(self, site: str | None = None) -> None:
+    def reset(self, site: str | None = None, world: Mapping[str, Any] | None = None) -> None:
+        """Starts one site (or every site) over; ``world`` (one site only) replaces its world,
+        and a malformed one raises `WorldError` leaving the site as it was."""
+        if world is not None and site is None:
+            raise ValueError("a world seeds one site: name it")
         for name in [site] if site else list(self.sites):
             with self.sites[name].lock:
-                self.sites[name].reset()
+                self.sites[name].reset(world)
+
+    def world(self, site: str) -> dict[str, Any]:
+        """The world a site starts from (a copy)."""
+        with self.sites[site].lock:
+            world: dict[str, Any] = json.loads(json.dumps(self.sites[site].world))
+        return world
 
     def start(self) -> None:
         """Serves in a background thread."""
         self._serving = True
         self._thread = threading.Thread(
-            target=self._http.serve_forever, name="orchard-gui-sites", daemon=True
+            target=self._http.serve_forever,
+            args=(_POLL_S,),
+            name="orchard-gui-sites",
+            daemon=True,
         )
         self._thread.start()
 
@@ -168,7 +222,7 @@ class SiteServer:
         """Serves in the calling thread until `stop` (from another thread or a signal)."""
         self._serving = True
         try:
-            self._http.serve_forever()
+            self._http.serve_forever(_POLL_S)
         finally:
             self._serving = False
 
@@ -181,6 +235,7 @@ class SiteServer:
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
+        self._http.close_connections()
         self._http.server_close()
 
     def __enter__(self) -> SiteServer:
@@ -202,7 +257,7 @@ class SiteServer:
         )
         return Response.html(layout("Sites", "Sites", f"<h1>Sites</h1><ul>{items}</ul>", []))
 
-    def admin(self, method: str, path: str, authorization: str) -> Response:
+    def admin(self, method: str, path: str, authorization: str, body: Any = None) -> Response:
         if self.state_token is not None and not hmac.compare_digest(
             authorization.encode(), f"Bearer {self.state_token}".encode()
         ):
@@ -214,11 +269,22 @@ class SiteServer:
             )
         if action == "state" and method == "GET":
             return Response.json(self.state(name))
+        if action == "world" and method == "GET":
+            return Response.json(self.world(name))
         if action == "reset" and method == "POST":
-            self.reset(name)
+            if body is not None and not isinstance(body, dict):
+                return Response.json({"error": "the body must be a JSON object (a world)"}, 400)
+            try:
+                self.reset(name, body)
+            except WorldError as exc:
+                return Response.json({"error": str(exc)}, 400)
             return Response.json({"ok": True})
         return Response.json(
-            {"error": "use GET /_orchard/state/<site> or POST .../reset/<site>"}, 404
+            {
+                "error": "use GET /_orchard/state/<site>, GET /_orchard/world/<site> or "
+                "POST /_orchard/reset/<site> (body: a JSON world, optional)"
+            },
+            404,
         )
 
 
@@ -232,6 +298,28 @@ def fetch_state(
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
         state: dict[str, Any] = json.loads(response.read())
     return state
+
+
+def reset_site(
+    base_url: str,
+    site: str,
+    world: Mapping[str, Any] | None = None,
+    *,
+    token: str | None = None,
+    timeout_s: float = 10.0,
+) -> None:
+    """Starts a served site over, from ``world`` when given (a task's initial state).
+    Raises urllib.error.HTTPError (400 with the reason for a malformed world)."""
+    data = json.dumps(dict(world)).encode() if world is not None else b""
+    request = urllib.request.Request(
+        f"{base_url.rstrip('/')}/_orchard/reset/{site}", data=data, method="POST"
+    )
+    if world is not None:
+        request.add_header("Content-Type", "application/json")
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        response.read()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -248,6 +336,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--state-token-file",
         help="a file holding the token the /_orchard/ endpoints require (none: open)",
     )
+    parser.add_argument(
+        "--worlds-file",
+        help="a JSON file {site: world} that seeds those sites (a task's initial state)",
+    )
     args = parser.parse_args(argv)
     host, _, port = args.listen.rpartition(":")
     if not host or not port.isdigit():
@@ -256,9 +348,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.state_token_file:
         with open(args.state_token_file, encoding="utf-8") as f:
             token = f.read().strip()
+    worlds: dict[str, Any] = {}
+    if args.worlds_file:
+        try:
+            with open(args.worlds_file, encoding="utf-8") as f:
+                worlds = json.load(f)
+        except (OSError, ValueError) as exc:
+            parser.error(f"--worlds-file {args.worlds_file}: {exc}")
+        if not isinstance(worlds, dict):
+            parser.error(f"--worlds-file {args.worlds_file}: give a JSON object {{site: world}}")
     names = [n.strip() for n in args.sites.split(",") if n.strip()]
     try:
-        server = SiteServer(names, seed=args.seed, host=host, port=int(port), state_token=token)
+        server = SiteServer(
+            names, seed=args.seed, host=host, port=int(port), state_token=token, worlds=worlds
+        )
     except ValueError as exc:
         parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

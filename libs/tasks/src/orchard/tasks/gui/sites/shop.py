@@ -1,11 +1,13 @@
-"""A shop: a seeded catalog with search and categories, product pages, a cart and a checkout
-that places an order. State: the cart, the orders placed and the searches made."""
+"""A shop: a catalog with search and categories, product pages, a cart and a checkout that
+places an order. World: ``{"products": [{id, name, category, price_cents, description}]}``
+(`make_catalog` for a seed). State: the cart, the orders placed and the searches made."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import asdict, dataclass
 from typing import Any
+from urllib.parse import quote
 
 from .base import Request, Response, Site, esc
 
@@ -45,7 +47,7 @@ class Product:
     description: str
 
 
-def make_catalog(seed: int, count: int = 24) -> list[Product]:
+def make_catalog(seed: int | str, count: int = 24) -> list[Product]:
     """The shop's products for a seed: distinct names, prices between 3 and 150."""
     rng = random.Random(f"shop/{seed}")
     names: set[str] = set()
@@ -71,9 +73,22 @@ class ShopSite(Site):
     title = "Orchard Outfitters"
     description = "a shop: search, product pages, cart and checkout"
 
-    def reset(self) -> None:
-        self.catalog = make_catalog(self.seed)
+    @classmethod
+    def make_world(cls, seed: int) -> dict[str, Any]:
+        return {"products": product_dicts(seed)}
+
+    def load(self, world: dict[str, Any]) -> None:
+        self.catalog = [Product(**p) for p in world["products"]]
+        if not self.catalog:
+            raise ValueError("a shop needs at least one product")
+        for product in self.catalog:
+            if not isinstance(product.price_cents, int) or product.price_cents < 0:
+                raise ValueError(f"product {product.id}: price_cents must be a whole number")
         self.by_id = {p.id: p for p in self.catalog}
+        if len(self.by_id) != len(self.catalog):
+            raise ValueError("product ids must be distinct")
+        # Categories in the order the catalog first names them: the same page for the same world.
+        self.categories = list(dict.fromkeys(p.category for p in self.catalog))
         self.cart: dict[str, int] = {}
         self.orders: list[dict[str, Any]] = []
         self.searches: list[str] = []
@@ -123,12 +138,15 @@ class ShopSite(Site):
         if category:
             items = [p for p in items if p.category == category]
         cats = " ".join(
-            f'<a href="{self.href("/")}?category={esc(c)}">{esc(c)}</a>' for c in _CATEGORIES
+            f'<a href="{self.href("/")}?category={esc(quote(c))}">{esc(c)}</a>'
+            for c in self.categories
         )
         cards = "".join(
-            f'<div class="card product" data-id="{p.id}"><h3>{esc(p.name)}</h3>'
+            f'<div class="card product" data-id="{p.id}"><h3>'
+            f'<a href="{self.href("/product/" + p.id)}">{esc(p.name)}</a></h3>'
             f"<p>{esc(p.category)}</p><p class='price'>{money(p.price_cents)}</p>"
-            f'<a class="button" href="{self.href("/product/" + p.id)}">View</a></div>'
+            f'<a class="button" href="{self.href("/product/" + p.id)}" '
+            f'aria-label="View {esc(p.name)}">View</a></div>'
             for p in items
         )
         heading = f"Results for &ldquo;{esc(query)}&rdquo;" if query else "All products"
@@ -182,7 +200,8 @@ class ShopSite(Site):
             f"<td>{money(self.by_id[pid].price_cents * qty)}</td>"
             f'<td><form method="post" action="{self.href("/cart/remove")}">'
             f'<input type="hidden" name="id" value="{pid}">'
-            '<button class="secondary" type="submit">Remove</button></form></td></tr>'
+            '<button class="secondary" type="submit" '
+            f'aria-label="Remove {esc(self.by_id[pid].name)}">Remove</button></form></td></tr>'
             for pid, qty in self.cart.items()
         )
         body = (
@@ -277,6 +296,6 @@ class ShopSite(Site):
         return self.page(f"Order {order_id}", body)
 
 
-def product_dicts(seed: int) -> list[dict[str, Any]]:
+def product_dicts(seed: int | str) -> list[dict[str, Any]]:
     """The catalog as JSON (for task generators)."""
     return [asdict(p) for p in make_catalog(seed)]
