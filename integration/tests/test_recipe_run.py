@@ -170,8 +170,16 @@ def test_sft_trains_on_curated_rows_and_publishes_a_version(
     assert shortest["rows_in"] - shortest["kept"] == sum(shortest["by_reason"].values())
 
     weights = sft["weights"]
-    # Trained by orchard-trainer: its job published the version under the run's model.
-    assert weights["version"] == f"{sft['job']}-step-{sft['steps']:06d}"
+    # Trained by orchard-trainer, which held a task out (one of five at the default 0.2) and
+    # kept the step with the lowest validation loss: that version is published under the
+    # run's model.
+    validation = sft["validation"]
+    assert len(validation["held_out_tasks"]) == 1 and validation["samples"] >= 1
+    best = min(validation["points"], key=lambda p: p["loss"])
+    assert (
+        validation["best_step"] == best["step"] and validation["points"][-1]["step"] == sft["steps"]
+    )
+    assert weights["version"] == f"{sft['job']}-step-{validation['best_step']:06d}"
 
     async def published() -> tuple[str, str, str]:
         # read through orchard-trainer's GetWeightVersion, as the recipe reads it
@@ -190,8 +198,10 @@ def test_sft_trains_on_curated_rows_and_publishes_a_version(
     # a URL in the stack's artifact store, never a path of the trainer's machine
     assert location.startswith(services.endpoints.artifacts + "/checkpoints/"), location
     assert (Path(location.removeprefix("file://")) / "config.json").is_file()
-    losses = [json.loads(line)["loss"] for line in (recipe.output_dir / "sft" / "run.jsonl").open()]
-    assert len(losses) == sft["steps"] and losses[0] == sft["first_loss"]
+    log = [json.loads(line) for line in (recipe.output_dir / "sft" / "run.jsonl").open()]
+    assert len(log) == sft["steps"] and log[0]["loss"] == sft["first_loss"]
+    evaluated = [(e["step"], e["validation_loss"]) for e in log if "validation_loss" in e]
+    assert evaluated == [(p["step"], p["loss"]) for p in validation["points"]]
 
 
 def test_rl_samples_the_student_in_rollout_jobs_with_captured_tokens(
@@ -247,6 +257,14 @@ def test_the_report_has_every_model_and_the_services_numbers(report: Path, recip
     assert data["services"]["execs"] > 0
     text = report.read_text()
     assert "Held-out resolve rate" in text and "sft loss" in text
+    # Both SFT curves, and which step was handed on.
+    curves = {c["name"]: c for c in data["curves"]}
+    assert {"sft loss", "sft validation loss"} <= set(curves)
+    sft = _done(recipe, "sft")
+    assert curves["sft validation loss"]["steps"] == [
+        p["step"] for p in sft["validation"]["points"]
+    ]
+    assert f"SFT handed on step {sft['validation']['best_step']} of {sft['steps']}" in text
     assert (report.parent / "resolve_rate.png").is_file()
 
 

@@ -22,6 +22,7 @@ from orchard.core.errors import error_info
 from orchard.core.etcd import EmbeddedEtcd
 from orchard.rollout.config import RolloutConfig
 from orchard.rollout.main import RolloutApplication
+from orchard.rollout.proxy.sessions import CaptureSession, rollout_draw_key
 from orchard.rollout.v1 import rollout_service_pb2 as api
 from orchard.rollout.v1 import rollout_service_pb2_grpc
 from orchard.sdk import SandboxClient
@@ -159,9 +160,14 @@ async def test_the_service_plays_a_job_s_script_and_its_trajectories_carry_the_r
 
     [group] = groups
     assert len(group.trajectories) == GROUP
-    draws = random.Random(SEED)
-    expected = sorted(1.0 if draws.random() < 0.5 else 0.0 for _ in range(GROUP))
-    assert sorted(t.reward.value for t in group.trajectories) == expected  # the seed decides
+    # The seed decides each rollout's path from the rollout (task and index) and its first call,
+    # whatever order the rollouts run in.
+    assert sorted(rollout_draw_key(t.rollout_id) for t in group.trajectories) == [
+        f"a1.{k}" for k in range(GROUP)
+    ]
+    for trajectory in group.trajectories:
+        draw = random.Random(CaptureSession(trajectory.rollout_id).call_seed(SEED, 0)).random()
+        assert trajectory.reward.value == (1.0 if draw < 0.5 else 0.0)
     for trajectory in group.trajectories:
         assert trajectory.reward.status == reward_pb2.REWARD_STATUS_SCORED
         # Captured like a model's rollout: turns in the built-in tokenizer, every call answered

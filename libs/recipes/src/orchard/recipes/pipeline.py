@@ -94,6 +94,7 @@ def run_recipe(
         )
     check_recipe(recipe, stack)
     run = RunDir.open(recipe)
+    run.claim_seed(seed)
     ctx = StageContext(
         recipe=recipe,
         run=run,
@@ -180,6 +181,27 @@ def _harness_evaluations(
     return tuple(sorted(rows, key=lambda row: (order.get(row.harness, len(order)), row.harness)))
 
 
+def _sft_validation_note(sft: dict[str, Any]) -> str | None:
+    """Which SFT step the run handed on and why: the lowest validation loss, on held-out tasks."""
+    validation = sft.get("validation")
+    if not validation:
+        return None
+    if "off" in validation:
+        return f"SFT ran without validation ({validation['off']}): its last step is handed on"
+    if not validation["points"]:
+        return None
+    tasks = len(validation["held_out_tasks"])
+    note = (
+        f"SFT handed on step {validation['best_step']} of {sft['steps']} (epoch "
+        f"{validation['best_epoch']:.3g}): the lowest validation loss, "
+        f"{validation['best_loss']:.4g}, on {tasks} held-out task(s) "
+        f"({validation['trajectories']} trajectories, {validation['samples']} samples)"
+    )
+    if validation["stopped_early"]:
+        note += f"; early stopping ended SFT after step {sft['steps']}"
+    return note
+
+
 def build_report(ctx: StageContext) -> RunReport:
     run = ctx.run
     evaluations = []
@@ -201,9 +223,11 @@ def build_report(ctx: StageContext) -> RunReport:
         )
     curves = []
     sft_log = _jsonl(run.root / "sft" / "run.jsonl")
-    curve = _curve("sft loss", [(float(r["step"]), float(r["loss"])) for r in sft_log])
-    if curve:
-        curves.append(curve)
+    for key, label in (("loss", "sft loss"), ("validation_loss", "sft validation loss")):
+        points = [(float(r["step"]), float(r[key])) for r in sft_log if key in r]
+        curve = _curve(label, points)
+        if curve:
+            curves.append(curve)
     rl = run.done("rl") or {}
     steps = rl.get("steps", [])
     for key, label in (("reward_mean", "rl reward mean"), ("loss", "rl loss")):
@@ -239,6 +263,9 @@ def build_report(ctx: StageContext) -> RunReport:
     )
     seconds = {s: float(d["seconds"]) for s in STAGES if (d := run.done(s)) and "seconds" in d}
     notes = list(ctx.notes)
+    sft_note = _sft_validation_note(run.done("sft") or {})
+    if sft_note:
+        notes.append(sft_note)
     if rl.get("note"):
         notes.append(rl["note"])
     if credit.get("note"):

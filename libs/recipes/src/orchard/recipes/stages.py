@@ -34,7 +34,7 @@ import shutil
 import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,14 +161,24 @@ def _budget_proto(budget: Budget) -> rollout_api.RolloutBudget:
 
 
 def _student_policy(
-    ctx: StageContext, version: str, temperature: float, max_tokens_per_call: int
+    ctx: StageContext, version: str, temperature: float, max_tokens_per_call: int, seed: int
 ) -> rollout_api.PolicySpec:
-    """The run's student at ``version`` of its registry model, on orchard-rollout's engine."""
+    """The run's student at ``version`` of its registry model, on orchard-rollout's engine,
+    its token draws seeded with ``seed`` (each rollout's calls draw from it, the rollout and
+    the call: `PolicySpec.seed`)."""
     return rollout_api.PolicySpec(
         weights=rollout_api.RegistryWeights(model=ctx.registry_model, version=version),
         temperature=temperature,
         max_tokens_per_call=max_tokens_per_call,
+        seed=seed,
     )
+
+
+def derived_seed(seed: int, *parts: object) -> int:
+    """A 63-bit seed for one use (a stage, a step) of a run seeded with ``seed``: the same
+    run draws the same, each use draws its own."""
+    key = "/".join(str(p) for p in (seed, *parts))
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") >> 1
 
 
 def _rollout_bar(ctx: StageContext, total: int, desc: str) -> tuple[tqdm[Any], Any]:
@@ -328,6 +338,9 @@ async def _collect(ctx: StageContext, out: Path) -> dict[str, Any]:
                 del row.turns[:]
             row.metadata["repository"] = repository.get(group.task_id, "")
             rows.append(row)
+    # In an order of their content, not of their finishing: the dataset, and so the SFT job's
+    # batches, are the same whichever rollout finished first.
+    rows.sort(key=lambda r: (r.task_id, r.harness, _content_key(r)))
     # The conversations as orchard-rollout gave them; the trainer renders them.
     conversations = out / "conversations.jsonl"
     _write_trajectories(conversations, rows)
@@ -658,12 +671,18 @@ SFT_STEPS_PER_CALL = 12
 """Optimizer steps per Step call of an SFT job: often enough for the progress bar."""
 
 
-def sft_spec(ctx: StageContext, dataset: str, steps: int) -> trainer_api.TrainingJobSpec:
+def sft_spec(
+    ctx: StageContext, dataset: str, steps: int, *, validate: bool = True
+) -> trainer_api.TrainingJobSpec:
     """The SFT job of ``steps`` optimizer steps on ``dataset`` (the URL of the dataset the
     trainer prepared: by URL, never a path), with the run's success threshold, the one its
-    PrepareDataset counted samples with. The model is the published base, filled in later."""
+    PrepareDataset counted samples with, and a seed drawn from the run's. With ``validate``
+    and a `validation_fraction`, the trainer holds that share of the dataset's tasks out (with
+    the job's seed) and evaluates their loss after every epoch, stopping after `patience`
+    epochs without a new best when that is set. The model is the published base, filled in
+    later."""
     stage = ctx.recipe.stages.sft
-    return trainer_api.TrainingJobSpec(
+    spec = trainer_api.TrainingJobSpec(
         mode=trainer_api.TRAINING_MODE_SFT,
         model="",
         zero_stage=stage.zero_stage,
@@ -675,7 +694,21 @@ def sft_spec(ctx: StageContext, dataset: str, steps: int) -> trainer_api.Trainin
         dataset=dataset,
         weight_model=ctx.registry_model,
         success_threshold=ctx.pass_mark,
+        seed=derived_seed(ctx.seed, "sft"),
     )
+    if validate and stage.validation_fraction > 0:
+        spec.validation.CopyFrom(
+            trainer_api.ValidationConfig(
+                fraction=stage.validation_fraction, patience=stage.patience
+            )
+        )
+    return spec
+
+
+def trainable_tasks(rows: Sequence[trajectory_pb2.Trajectory], mark: float) -> set[str]:
+    """The tasks of curated rows an SFT job trains on: those with a success (reward at or
+    above ``mark``) or a failure with credit rise segments."""
+    return {r.task_id for r in rows if _resolved(r, mark) or r.credit.rise_segments}
 
 
 def run_sft(ctx: StageContext) -> dict[str, Any]:
@@ -695,7 +728,12 @@ def run_sft(ctx: StageContext) -> dict[str, Any]:
         )
     steps = max(1, stage.epochs * samples // (stage.batch_size * stage.gradient_accumulation))
     out = ctx.run.stage("sft")
-    spec = sft_spec(ctx, str(curated["dataset"]), steps)
+    tasks = trainable_tasks(
+        _read_trajectories(ctx.run.root / "curate" / "sft.jsonl"), ctx.pass_mark
+    )
+    # Whole tasks are held out: it takes two, one to train on and one to validate on.
+    validate = stage.validation_fraction > 0 and len(tasks) >= 2
+    spec = sft_spec(ctx, str(curated["dataset"]), steps, validate=validate)
     log_path = out / "run.jsonl"
     log_path.unlink(missing_ok=True)
 
@@ -710,7 +748,8 @@ def run_sft(ctx: StageContext) -> dict[str, Any]:
                 while len(losses) < steps:
                     n = min(SFT_STEPS_PER_CALL, steps - len(losses))
                     last = len(losses) + n == steps
-                    response = await trainer.step(job.id, n, publish=last)
+                    # With validation the best checkpoint is published, not the last one.
+                    response = await trainer.step(job.id, n, publish=last and not validate)
                     for metrics in response.steps:
                         run_log.write(json.dumps(step_entry(metrics), sort_keys=True) + "\n")
                         losses.append(metrics.loss)
@@ -718,10 +757,25 @@ def run_sft(ctx: StageContext) -> dict[str, Any]:
                     bar.update(len(response.steps))
                     bar.set_postfix(loss=f"{losses[-1]:.4f}")
                     version = response.weight_version or version
+                    if len(response.steps) < n:
+                        break  # early stopping ended the job
+            summary: dict[str, Any] = {}
+            if validate:
+                ended = await trainer.get(job.id)
+                summary["validation"] = validation_summary(ended.validation)
+                best = await trainer.publish_checkpoint(job.id, ended.validation.best_step)
+                version = best.weight_version
         async with WeightVersions(ctx.stack.trainer) as weights:
             published = await weights.get(ctx.registry_model, version)
         if published is None:
             raise RuntimeError(f"orchard-trainer reported version {version!r}, not in the registry")
+        if not validate:
+            summary["validation"] = {
+                "off": "stages.sft.validation_fraction is 0"
+                if not stage.validation_fraction
+                else f"the curated rows hold {len(tasks)} task(s) to train on; holding whole "
+                "tasks out takes two"
+            }
         return {
             "job": job.id,
             "samples": samples,
@@ -729,9 +783,31 @@ def run_sft(ctx: StageContext) -> dict[str, Any]:
             "first_loss": losses[0] if losses else None,
             "last_loss": losses[-1] if losses else None,
             "weights": _weights_summary(published),
+            **summary,
         }
 
     return asyncio.run(go())
+
+
+def validation_summary(progress: trainer_api.ValidationProgress) -> dict[str, Any]:
+    """An SFT job's validation as ``done.json`` keeps it: every evaluation, the best one (the
+    checkpoint the stage hands on) and whether early stopping ended the job."""
+    points = [
+        {"step": int(p.step), "epoch": p.epoch, "loss": p.loss, "loss_tokens": int(p.loss_tokens)}
+        for p in progress.points
+    ]
+    best = next((p for p in points if p["step"] == progress.best_step), None)
+    return {
+        "held_out_tasks": list(progress.held_out_tasks),
+        "trajectories": int(progress.trajectories),
+        "samples": int(progress.samples),
+        "training_samples": int(progress.training_samples),
+        "points": points,
+        "best_step": int(progress.best_step),
+        "best_epoch": best["epoch"] if best else None,
+        "best_loss": progress.best_loss if best else None,
+        "stopped_early": progress.stopped_early,
+    }
 
 
 # -- evaluate ------------------------------------------------------------------------------------
@@ -765,7 +841,10 @@ async def _evaluate_model(
     n = attempts or stage.attempts_per_task
     harnesses = ctx.recipe.evaluated_harnesses if split == "evaluate" else ctx.recipe.harnesses
     budget = ctx.recipe.stages.rl.budget
-    policy = _student_policy(ctx, version, stage.temperature, budget.max_tokens_per_call)
+    # Every model draws with the same seed: the same rollouts share their random numbers, so
+    # the models' numbers differ by the models, not the draws.
+    seed = derived_seed(ctx.seed, "student", split)
+    policy = _student_policy(ctx, version, stage.temperature, budget.max_tokens_per_call, seed)
     spec = _job_spec(
         ctx, tasks, policy, _every_group(n, ctx.pass_mark), budget, harnesses=harnesses
     )
@@ -891,8 +970,7 @@ def rl_sampler(ctx: StageContext, step: int = 0) -> rollout_api.SamplerConfig:
 
 def _step_seed(seed: int, step: int) -> int:
     """A 63-bit seed for RL step ``step`` of a run seeded with ``seed``."""
-    digest = hashlib.sha256(f"{seed}/rl/{step}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1
+    return derived_seed(seed, "rl", step)
 
 
 async def _rl(
@@ -936,7 +1014,13 @@ async def _rl(
                 spec = _job_spec(
                     ctx,
                     [tasks[i] for i in chosen],
-                    _student_policy(ctx, current, 1.0, stage.budget.max_tokens_per_call),
+                    _student_policy(
+                        ctx,
+                        current,
+                        1.0,
+                        stage.budget.max_tokens_per_call,
+                        derived_seed(ctx.seed, "student", "rl", step),
+                    ),
                     rl_sampler(ctx, step),
                     stage.budget,
                 )
@@ -945,17 +1029,24 @@ async def _rl(
                 def progress(job: rollout_api.RolloutJob) -> None:
                     bar.set_postfix(rollouts=job.rollouts_done, groups=job.groups_emitted)
 
-                def enough(groups: list[trajectory_pb2.TrajectoryGroup]) -> bool:
-                    return len([g for g in groups if trains(g)]) >= stage.groups_per_step
+                pairs = [(t, h) for t in chosen for h in ctx.recipe.harnesses]
 
-                job, groups = await rollouts.run(
+                def enough(
+                    groups: list[trajectory_pb2.TrajectoryGroup],
+                    pairs: list[tuple[str, str]] = pairs,
+                ) -> bool:
+                    return in_pair_order(groups, pairs, trains, stage.groups_per_step)[1]
+
+                job, emitted = await rollouts.run(
                     spec,
                     f"{ctx.recipe.name}-rl-{step}-{uuid.uuid4().hex}",
                     progress=progress,
                     enough=enough,
                 )
-                # The service streams every group and says which carry no signal.
-                kept = [g for g in groups if trains(g)][: stage.groups_per_step]
+                # The service streams every group and says which carry no signal. What the
+                # step takes and reports does not depend on which groups finished first.
+                groups, _ = in_pair_order(emitted, pairs, trains, stage.groups_per_step, ended=True)
+                kept = [_sorted_members(g) for g in groups if trains(g)]
                 every_group += groups
                 _write_groups(groups_log, groups)
                 submitted = (
@@ -969,7 +1060,8 @@ async def _rl(
                     "sampled": current,
                     "groups_kept": len(kept),
                     "groups_dropped": sum(not trains(g) for g in groups),
-                    "rollouts": int(job.rollouts_done),
+                    "rollouts": sum(int(g.rollouts_run) for g in groups),
+                    "rollouts_run_by_job": int(job.rollouts_done),
                     "samples": submitted.trajectories_trainable,
                     "reward_mean": _mean(
                         [t.reward.value for g in groups for t in _main_line(g) if _scored(t)]
@@ -984,7 +1076,7 @@ async def _rl(
                         "members": len(_main_line(g)),
                         "rollouts": g.rollouts_run,
                         "positive_fraction": g.positive_fraction,
-                        "kept": g in kept,
+                        "kept": trains(g),
                     }
                     for g in groups
                 ]
@@ -1021,6 +1113,55 @@ async def _rl(
     return summary
 
 
+def in_pair_order(
+    emitted: Sequence[trajectory_pb2.TrajectoryGroup],
+    pairs: Sequence[tuple[str, str]],
+    trains: Callable[[trajectory_pb2.TrajectoryGroup], bool],
+    wanted: int,
+    *,
+    ended: bool = False,
+) -> tuple[list[trajectory_pb2.TrajectoryGroup], bool]:
+    """The groups an RL step takes, whatever order the rollout job emitted them in: those of
+    the step's (task, harness) pairs in the step's order, up to the `wanted`-th that `trains`;
+    and whether they are all in. While the job runs (`ended` false) a pair that has not
+    emitted its group yet holds up the ones after it; once the job `ended`, such a pair is
+    passed over."""
+    by_pair = {(g.task_id, g.harness): g for g in emitted}
+    taken: list[trajectory_pb2.TrajectoryGroup] = []
+    training = 0
+    for pair in pairs:
+        group = by_pair.get(pair)
+        if group is None:
+            if ended:
+                continue
+            return taken, False
+        taken.append(group)
+        training += trains(group)
+        if training == wanted:
+            return taken, True
+    return taken, False
+
+
+def _sorted_members(group: trajectory_pb2.TrajectoryGroup) -> trajectory_pb2.TrajectoryGroup:
+    """`group` with its trajectories in an order of their content, not of their finishing:
+    the trainer's batches then hold the same samples in the same order."""
+    out = trajectory_pb2.TrajectoryGroup()
+    out.CopyFrom(group)
+    members = sorted(out.trajectories, key=_content_key)
+    del out.trajectories[:]
+    out.trajectories.extend(members)
+    return out
+
+
+def _content_key(trajectory: trajectory_pb2.Trajectory) -> tuple[Any, ...]:
+    return (
+        trajectory.reward.value,
+        [[*turn.input_token_ids, -1, *turn.output_token_ids] for turn in trajectory.turns],
+        trajectory.conversation_json,
+        trajectory.id,
+    )
+
+
 def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
@@ -1046,6 +1187,7 @@ def run_rl(ctx: StageContext) -> dict[str, Any]:
         skip_stale=True,
         weight_model=ctx.registry_model,
         max_sequence_tokens=stage.max_sequence_tokens,
+        seed=derived_seed(ctx.seed, "rl"),
     )
     if stage.estimator == "ppo":
         spec.advantage_estimator = trainer_api.ADVANTAGE_ESTIMATOR_CRITIC

@@ -31,8 +31,9 @@ class TrainerError(ServiceError):
 
 
 def step_entry(metrics: api.StepMetrics) -> dict[str, Any]:
-    """One optimizer step's metrics as the run log writes them."""
-    return {
+    """One optimizer step's metrics as the run log writes them (with the validation loss
+    evaluated after it, when one was)."""
+    entry = {
         "step": int(metrics.step),
         "loss": float(metrics.loss),
         "lr": float(metrics.learning_rate),
@@ -40,6 +41,9 @@ def step_entry(metrics: api.StepMetrics) -> dict[str, Any]:
         "loss_tokens": int(metrics.loss_tokens),
         **{k: float(v) for k, v in sorted(metrics.extra.items())},
     }
+    if metrics.HasField("validation_loss"):
+        entry["validation_loss"] = float(metrics.validation_loss)
+    return entry
 
 
 @dataclass
@@ -90,6 +94,16 @@ class TrainerJobs(ServiceConnection):
         )
         job: api.TrainingJob = response.job
         return job
+
+    async def publish_checkpoint(self, job_id: str, step: int) -> api.Checkpoint:
+        """Publish the job's checkpoint at `step` as a weight version (PublishCheckpoint: the
+        version it already has when published before)."""
+        response = await self._call(
+            "PublishCheckpoint",
+            self._stub.PublishCheckpoint(api.PublishCheckpointRequest(job_id=job_id, step=step)),
+        )
+        checkpoint: api.Checkpoint = response.checkpoint
+        return checkpoint
 
     async def cancel(self, job_id: str) -> None:
         """Stop a job that has steps left (its checkpoints stay)."""

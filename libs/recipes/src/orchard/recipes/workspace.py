@@ -78,6 +78,21 @@ class RunDir:
             write_json(saved, current)
         return run
 
+    def claim_seed(self, seed: int) -> None:
+        """Record the run's seed (``seed.json``); raises `RecipeMismatch` when the folder
+        holds a run with another seed, whose stages' outputs would mix with this one's."""
+        saved = self.root / "seed.json"
+        if saved.exists():
+            previous = json.loads(saved.read_text(encoding="utf-8"))["seed"]
+            if previous != seed:
+                raise RecipeMismatch(
+                    f"{self.root} holds a run with seed {previous}, not {seed}: run it with "
+                    f"--seed {previous}, give another output_dir, or remove the folder to start "
+                    "over"
+                )
+        else:
+            write_json(saved, {"seed": seed})
+
     def stage(self, name: str) -> Path:
         path = self.root / name
         path.mkdir(parents=True, exist_ok=True)

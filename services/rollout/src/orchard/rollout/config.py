@@ -114,6 +114,12 @@ class PolicyConfig(ConfigModel):
     )
     temperature: float = Field(default=1.0, ge=0, le=2, description="Sampling temperature.")
     max_tokens_per_call: int = Field(default=1024, ge=1, description="Output budget of a call.")
+    seed: int | None = Field(
+        default=None,
+        description="Seed of the token draws (kinds local and vllm): a call that brings no seed "
+        "is sampled with one drawn from it, its rollout and its place in the rollout, so the "
+        "same rollouts draw the same tokens. None: fresh draws.",
+    )
 
     @field_validator("api_key_env")
     @classmethod

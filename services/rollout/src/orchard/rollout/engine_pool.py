@@ -239,7 +239,7 @@ class EnginePool:
         from orchard.rollout.proxy.server import CaptureProxy  # noqa: PLC0415
 
         proxy_config = self.config.proxy.model_copy(
-            update={"max_tokens_cap": policy.max_tokens_per_call}
+            update={"max_tokens_cap": policy.max_tokens_per_call, "sampling_seed": policy.seed}
         )
         proxy = CaptureProxy(engine, proxy_config)
         try:

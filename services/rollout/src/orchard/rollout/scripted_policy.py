@@ -196,16 +196,23 @@ class ScriptedPolicy:
         return None
 
     def next_step(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]],
+        seed: int | None = None,
     ) -> ScriptedStep:
         """The reply to a conversation (OpenAI chat messages), given the tools the request
-        offers (OpenAI function tools); its `tool` is an offered tool's name, or empty."""
+        offers (OpenAI function tools); its `tool` is an offered tool's name, or empty. A
+        conversation's path (solution or failure) is drawn on its first step: from `seed`
+        when given (the call's own, which the capture proxy draws per rollout), else from the
+        policy's generator."""
         plan = self.plan_for(messages)
         if plan is None:
             return ScriptedStep(self.script.unknown_task_reply)
         replies = _assistant_turns(messages)
         if not replies:
-            path = plan.solution if self.rng.random() < plan.solve_rate else plan.failure
+            draw = self.rng.random() if seed is None else random.Random(seed).random()
+            path = plan.solution if draw < plan.solve_rate else plan.failure
         else:
             path = plan.failure if replies[0].startswith(plan.failure[0].thought) else plan.solution
         if len(replies) >= len(path):

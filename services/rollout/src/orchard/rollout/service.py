@@ -139,6 +139,8 @@ class JobPolicyKey:
     """An endpoint the job's agent programs reach through a capture proxy of the job's own
     (`RelayEngine`): they speak their own dialects, the endpoint chat completions, and their
     calls are captured. Set when the job runs a program harness."""
+    seed: int | None = None
+    """Seed of the draws of each rollout's calls (`PolicySpec.seed`, a script's own seed)."""
 
     @property
     def name(self) -> str:
@@ -172,6 +174,7 @@ class JobPolicyKey:
             model=self.model,
             temperature=self.temperature,
             max_tokens_per_call=self.max_tokens_per_call,
+            seed=self.seed,
         )
 
 
@@ -190,6 +193,11 @@ def _job_policy(spec: api.PolicySpec, config: RolloutConfig) -> JobPolicyKey:
         raise _invalid("spec.policy_spec.max_tokens_per_call must not be negative")
     max_tokens = spec.max_tokens_per_call or 1024
     source = spec.WhichOneof("source")
+    if spec.HasField("seed") and source != "weights":
+        raise _invalid(
+            "spec.policy_spec.seed seeds the sampling of registry weights; a scripted policy "
+            "draws with spec.policy_spec.scripted.seed, and an endpoint samples on its own"
+        )
     if source == "scripted":
         return _scripted_policy(spec.scripted, config, temperature, max_tokens)
     if source == "endpoint":
@@ -229,6 +237,7 @@ def _job_policy(spec: api.PolicySpec, config: RolloutConfig) -> JobPolicyKey:
         version=spec.weights.version,
         temperature=temperature,
         max_tokens_per_call=max_tokens,
+        seed=spec.seed if spec.HasField("seed") else None,
     )
 
 
@@ -252,6 +261,7 @@ def _scripted_policy(
         temperature=temperature,
         max_tokens_per_call=max_tokens,
         script=script.SerializeToString(deterministic=True),
+        seed=script.seed if script.HasField("seed") else None,
     )
 
 

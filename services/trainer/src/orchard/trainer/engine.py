@@ -35,6 +35,7 @@ __all__ = [
     "Precision",
     "StepResult",
     "TrainingEngine",
+    "ValidationLoss",
     "bf16_available",
     "deepspeed_config",
 ]
@@ -149,10 +150,23 @@ class StepResult:
     seconds: float
     extra: dict[str, float] = field(default_factory=dict)
     """Loss statistics (entropy, clip fractions, importance weights...), averaged."""
+    validation: ValidationLoss | None = None
+    """The validation loss evaluated after this step (SFT jobs with a validation set)."""
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ValidationLoss:
+    """The SFT loss of a validation set under the current weights, over all ranks."""
+
+    loss: float
+    """Mean negative log-likelihood per loss token (NaN when no token counted)."""
+    loss_tokens: int
+    epoch: float = 0.0
+    """Passes over the training samples made when it was evaluated."""
 
 
 def sft_step_loss(logits: torch.Tensor, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -333,6 +347,36 @@ class TrainingEngine:
     def sft_step(self, micro_batches: Sequence[TokenBatch]) -> StepResult:
         """One SFT optimizer step: masked negative log-likelihood of the policy tokens."""
         return self.step(micro_batches, sft_step_loss)
+
+    def sft_validation(self, micro_batches: Sequence[TokenBatch]) -> ValidationLoss:
+        """The SFT loss of `micro_batches` (the whole validation set, the same on every rank)
+        under the current weights, without gradients and with dropout off: the same masked
+        negative log-likelihood as `sft_step`, averaged over every loss token. Each rank
+        evaluates every `world_size`-th micro-batch and the sums are reduced; ranks run the
+        same number of forward passes (ZeRO-3 gathers parameters in each), a rank short of
+        micro-batches running one that it does not count."""
+        if not micro_batches:
+            raise ValueError("no validation micro-batch to evaluate")
+        rounds = math.ceil(len(micro_batches) / self.world_size)
+        totals = torch.zeros(2, dtype=torch.float64)
+        was_training = self.engine.training
+        self.engine.eval()
+        try:
+            with torch.no_grad():
+                for k in range(rounds):
+                    index = k * self.world_size + self.rank
+                    counted = index < len(micro_batches)
+                    batch = self._to_device(micro_batches[index if counted else 0])
+                    loss, _ = sft_loss_and_logp(self.logits(batch), batch.targets, batch.loss_mask)
+                    tokens = int(batch.loss_mask.sum())
+                    if counted and tokens:
+                        totals += torch.tensor([float(loss) * tokens, float(tokens)])
+        finally:
+            self.engine.train(was_training)
+        if self.world_size > 1:
+            torch.distributed.all_reduce(totals)
+        nll, tokens = totals.tolist()
+        return ValidationLoss(loss=nll / tokens if tokens else math.nan, loss_tokens=round(tokens))
 
     def _grad_norm(self) -> float:
         norm = self.engine.get_global_grad_norm()

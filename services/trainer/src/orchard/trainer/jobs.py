@@ -13,8 +13,12 @@ Data (every rank holds the whole buffer and trains on its share of each step):
 
 - SFT: the samples of `spec.dataset` (read at start) and of every submitted group form one
   sample set; step `k` trains on micro-batches `k` of a seeded plan over it (epochs follow one
-  another, as in offline SFT; `microbatches.MicroBatchPlan` gives each rank its own), so a job
-  without any sample cannot step;
+  another, as in offline SFT; `microbatches.MicroBatchPlan` gives each rank its own, shuffled
+  with `spec.seed`), so a job without any sample cannot step. With `spec.validation` the ranks
+  also hold a validation set (its own dataset, or the tasks `plan_validation` held out of the
+  dataset, which this process splits off before the ranks read it) and evaluate its loss after
+  the steps it names; the runner's `validation.ValidationTracker` keeps the best one's
+  checkpoint and ends the job early when told;
 - RL: each submitted group becomes samples with group-relative advantages
   (`rl.build_rl_batch`), after the staleness bound of `spec.max_staleness` when it is set; a
   `Step` of `n` optimizer steps consumes the whole buffer (`rl.rl_update`, `n` updates on it)
@@ -27,10 +31,11 @@ Data (every rank holds the whole buffer and trains on its share of each step):
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,8 +50,9 @@ from orchard.trainer.checkpoints import (
     StoredCheckpoint,
 )
 from orchard.trainer.critic import CriticConfig
+from orchard.trainer.datasets import DatasetError, parse_trajectories, write_trajectories
 from orchard.trainer.engine import StepResult
-from orchard.trainer.masks import TrajectoryError
+from orchard.trainer.masks import TrajectoryError, build_sft_samples
 from orchard.trainer.policy import BUILTIN_SIZES
 from orchard.trainer.rank import (
     NotEnoughData,
@@ -55,10 +61,17 @@ from orchard.trainer.rank import (
     critic_config,
     engine_config,
     policy_loss_config,
+    sample_config,
 )
 from orchard.trainer.rl import StaleBatchError
 from orchard.trainer.telemetry import StepRecord, StepRecorder
 from orchard.trainer.v1 import trainer_service_pb2 as api
+from orchard.trainer.validation import (
+    ValidationSetError,
+    ValidationTracker,
+    hold_out_tasks,
+    split_by_task,
+)
 from orchard.trainer.workers import RankError, RankTransport, WorkerGroup, WorkerGroupConfig
 from orchard.types.v1 import trajectory_pb2
 
@@ -76,6 +89,7 @@ __all__ = [
     "check_artifacts",
     "checkpoint_version",
     "engine_config",
+    "plan_validation",
     "resolve_spec",
 ]
 
@@ -201,7 +215,82 @@ def resolve_spec(spec: api.TrainingJobSpec, *, max_ranks: int = 0) -> api.Traini
         if out.mode != api.TRAINING_MODE_SFT:
             raise SpecError("spec.dataset is for SFT jobs; RL jobs train on submitted groups")
         out.dataset = parse_url(out.dataset, what="spec.dataset").url
+    _resolve_validation(out)
     return out
+
+
+def _resolve_validation(out: api.TrainingJobSpec) -> None:
+    """Check `spec.validation` (SFT only; a dataset or a fraction, not both)."""
+    if not out.HasField("validation"):
+        return
+    v = out.validation
+    if out.mode != api.TRAINING_MODE_SFT:
+        raise SpecError(
+            "spec.validation is for SFT jobs; leave it unset for RL (RL picks versions by "
+            "their rollouts)"
+        )
+    if not (math.isfinite(v.fraction) and 0.0 <= v.fraction < 1.0):
+        raise SpecError(
+            f"spec.validation.fraction must be in [0, 1): the share of the dataset's tasks held "
+            f"out (0: none), got {v.fraction}"
+        )
+    if v.fraction > 0 and v.dataset:
+        raise SpecError(
+            "spec.validation takes a dataset or a fraction of spec.dataset's tasks, not both"
+        )
+    if v.fraction > 0 and not out.dataset:
+        raise SpecError(
+            "spec.validation.fraction holds tasks out of spec.dataset, and the job has none: "
+            "give spec.dataset, or a validation set in spec.validation.dataset"
+        )
+    if v.dataset:
+        v.dataset = parse_url(v.dataset, what="spec.validation.dataset").url
+    if v.interval_steps < 0:
+        raise SpecError(
+            f"spec.validation.interval_steps must be 0 (once per epoch) or more, got "
+            f"{v.interval_steps}"
+        )
+    if v.patience < 0:
+        raise SpecError(
+            f"spec.validation.patience must be 0 (no early stopping) or more, got {v.patience}"
+        )
+    if not (math.isfinite(v.min_delta) and v.min_delta >= 0):
+        raise SpecError(f"spec.validation.min_delta must be 0 or more, got {v.min_delta}")
+    if not v.dataset and v.fraction == 0:
+        if v.interval_steps or v.patience or v.min_delta:
+            raise SpecError(
+                "spec.validation has settings but no validation set: give "
+                "spec.validation.fraction (tasks held out of spec.dataset) or "
+                "spec.validation.dataset"
+            )
+        out.ClearField("validation")
+
+
+def plan_validation(spec: api.TrainingJobSpec, store: ArtifactStore) -> api.ValidationProgress:
+    """A resolved SFT spec's validation set before the job starts: the tasks
+    `validation.fraction` holds out of the dataset (read from the store), or a check that
+    `validation.dataset` gives samples. Raises `SpecError` for a set that cannot be (too few
+    tasks, no sample); reads the store, so it runs off the event loop."""
+    progress = api.ValidationProgress()
+    if not spec.HasField("validation"):
+        return progress
+    samples = sample_config(spec)
+    url = spec.validation.dataset or spec.dataset
+    try:
+        with store.open_read(url) as raw:
+            rows = list(parse_trajectories(io.TextIOWrapper(raw, encoding="utf-8"), url))
+        if spec.validation.fraction > 0:
+            progress.held_out_tasks.extend(
+                hold_out_tasks(rows, spec.validation.fraction, spec.seed, samples)
+            )
+        elif not build_sft_samples(rows, samples).samples:
+            raise SpecError(
+                f"spec.validation.dataset {url!r} gives no SFT sample: its rows have no loss "
+                "token (failed rows without rise segments, or cut by max_sequence_tokens)"
+            )
+    except (ValidationSetError, DatasetError, TrajectoryError) as exc:
+        raise SpecError(str(exc)) from None
+    return progress
 
 
 _ESTIMATORS = (api.ADVANTAGE_ESTIMATOR_GROUP_RELATIVE, api.ADVANTAGE_ESTIMATOR_CRITIC)
@@ -291,6 +380,8 @@ def check_artifacts(spec: api.TrainingJobSpec, store: ArtifactStore, cache: Path
         store.get_dir(spec.model, cache_dir=cache)  # a link in the folder out of the store
     if spec.dataset:
         store.require(spec.dataset, what="spec.dataset")
+    if spec.validation.dataset:
+        store.require(spec.validation.dataset, what="spec.validation.dataset")
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -322,10 +413,12 @@ class JobRunner:
         workers: WorkerGroupConfig | None = None,
         ray: RayWorkers | None = None,
         transport: RankTransport | None = None,
+        validation: api.ValidationProgress | None = None,
     ) -> None:
         """Start the job's ranks (slow: each loads the model and builds its engine); with
         `resume_from`, a checkpoint's URL, they restore its weights, optimizer, schedule and
-        step.
+        step. `validation` is what the job's record holds of its validation (`plan_validation`'s
+        held-out tasks, and the evaluations so far when resuming).
 
         `checkpoint_url` is this job's folder in the store (``<checkpoint_url>/<job id>``);
         `scratch` a local folder of this process: checkpoints are written there before they
@@ -348,12 +441,31 @@ class JobRunner:
         model = spec.model
         if not model.startswith("builtin:"):
             model = str(store.get_dir(model, cache_dir=self._cache))
-        dataset = None
+        dataset = validation_set = None
         scratch.mkdir(parents=True, exist_ok=True)
         if spec.dataset:
             dataset = scratch / "dataset.jsonl"
             with store.open_read(spec.dataset) as source, dataset.open("wb") as target:
                 shutil.copyfileobj(source, target)
+        self.validation: ValidationTracker | None = None
+        self.kept: list[StoredCheckpoint] = []
+        """Checkpoints of new best validation losses saved during steps, not yet recorded."""
+        if spec.HasField("validation"):
+            progress = api.ValidationProgress()
+            progress.CopyFrom(validation or api.ValidationProgress())
+            self.validation = ValidationTracker(spec.validation, progress)
+            validation_set = scratch / "validation.jsonl"
+            if spec.validation.dataset:
+                with (
+                    store.open_read(spec.validation.dataset) as source,
+                    validation_set.open("wb") as target,
+                ):
+                    shutil.copyfileobj(source, target)
+                with validation_set.open(encoding="utf-8") as lines:
+                    rows = parse_trajectories(lines, spec.validation.dataset)
+                    progress.trajectories = sum(1 for _ in rows)
+            elif dataset is not None:  # a fraction: resolve_spec asks for spec.dataset
+                progress.trajectories = _hold_out(dataset, validation_set, progress.held_out_tasks)
         resume = None
         if resume_from is not None:
             resume = str(store.get_dir(resume_from, cache_dir=self._cache))
@@ -368,6 +480,7 @@ class JobRunner:
             master_port=0,
             dataset=None if dataset is None else str(dataset),
             dataset_name=spec.dataset,
+            validation_dataset=None if validation_set is None else str(validation_set),
             resume_from=resume,
         )
         self.group: WorkerGroup | RayWorkerGroup
@@ -385,10 +498,14 @@ class JobRunner:
         except RankError as exc:
             raise JobStartError(f"rank {exc.rank} could not start: {exc}") from None
         finally:
-            if dataset is not None:
-                dataset.unlink(missing_ok=True)
+            for copy in (dataset, validation_set):
+                if copy is not None:
+                    copy.unlink(missing_ok=True)
         self.step = ready.step
         self.buffered = ready.buffered
+        if self.validation is not None:
+            self.validation.progress.samples = ready.validation_samples
+            self.validation.progress.training_samples = ready.buffered
         try:
             self._restore_run_log()
             self.run_log = StepRecorder(scratch / "run.jsonl")
@@ -403,6 +520,11 @@ class JobRunner:
     @property
     def steps_left(self) -> int:
         return self.spec.total_steps - self.step
+
+    @property
+    def stopped_early(self) -> bool:
+        """Early stopping ended the job: no steps are left to take."""
+        return self.validation is not None and self.validation.stopped_early
 
     def _call(self, command: str, **arguments: object) -> Any:
         try:
@@ -430,10 +552,11 @@ class JobRunner:
         results: list[StepResult] = []
         if self.mode == "sft":
             for _ in range(steps):
-                if self.cancelled:
+                if self.cancelled or self.stopped_early:
                     break
                 results.extend(self._call("run_steps", steps=1))
                 self._after(results[-1:], on_step)
+                self._track(results[-1])
             return results
         needed = steps * self.spec.gradient_accumulation * self.ranks
         if self.buffered < needed:
@@ -456,8 +579,22 @@ class JobRunner:
             if on_step is not None:
                 on_step(result)
 
+    def _track(self, result: StepResult) -> None:
+        """Record the step's evaluation; keep a checkpoint of a new best (`kept`)."""
+        loss = result.validation
+        if loss is None or self.validation is None:
+            return
+        if self.validation.record(result.step, loss.epoch, loss.loss, loss.loss_tokens):
+            self.kept.append(self.save({"validation_loss": repr(loss.loss)}))
+
+    def take_kept(self) -> list[StoredCheckpoint]:
+        """The best-loss checkpoints saved since the last call."""
+        kept, self.kept = self.kept, []
+        return kept
+
     def _record(self, result: StepResult) -> None:
-        record = StepRecord.of(self.job_id, self.mode, result)
+        extra = None if result.validation is None else {"validation_loss": result.validation.loss}
+        record = StepRecord.of(self.job_id, self.mode, result, extra)
         self.run_log.record(record)
         if self._metrics is not None:
             self._metrics.record(record)
@@ -504,6 +641,15 @@ class JobRunner:
         """Stop every rank (idempotent)."""
         self.group.close()
         self.run_log.close()
+
+
+def _hold_out(dataset: Path, validation: Path, tasks: Sequence[str]) -> int:
+    """Move the rows of `tasks` from the `dataset` file to the `validation` file; returns how
+    many moved."""
+    with dataset.open(encoding="utf-8") as lines:
+        train, held_out = split_by_task(parse_trajectories(lines, str(dataset)), tasks)
+    write_trajectories(dataset, train)
+    return write_trajectories(validation, held_out)
 
 
 def _fault(error: RankError) -> Exception:

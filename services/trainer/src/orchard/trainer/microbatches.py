@@ -64,6 +64,12 @@ class MicroBatchPlan:
         first = (step * self.world_size + rank) * self.gradient_accumulation
         return [self.micro_batch(first + i) for i in range(self.gradient_accumulation)]
 
+    @property
+    def steps_per_epoch(self) -> float:
+        """Optimizer steps that make one pass over the samples (a fraction when a pass ends
+        within a step)."""
+        return self.micro_batches_per_epoch / (self.world_size * self.gradient_accumulation)
+
     def epoch_of(self, step: int) -> float:
         """How many passes over the data have been made by the end of `step`."""
         done = (step + 1) * self.world_size * self.gradient_accumulation

@@ -7,7 +7,9 @@ CUDA), loads the policy, builds its DeepSpeed engine, restores a checkpoint when
 answers ``("ok", RankReady)``. From then on it runs commands, one at a time, every rank the
 same command: ``(name, arguments)`` in, ``("ok", value)`` or ``("error", RankFault)`` out.
 Every rank keeps the whole data buffer and trains on its own share of each step's
-micro-batches; the controller reads rank 0's answer.
+micro-batches; the controller reads rank 0's answer. An SFT job's validation set is kept whole
+by every rank too; after the steps `validation.evaluation_due` names, each rank evaluates its
+share of it (`TrainingEngine.sft_validation`) and the step's result carries the loss.
 
 An RL job with ADVANTAGE_ESTIMATOR_CRITIC holds a second engine, the value model
 (`critic.build_critic`: the policy's trunk, a zero value head; its own optimizer and schedule,
@@ -44,6 +46,7 @@ import torch
 from transformers import PreTrainedModel
 
 from orchard.core.success import DEFAULT_SUCCESS_THRESHOLD
+from orchard.trainer.batch import TokenBatch, collate
 from orchard.trainer.checkpoints import (
     CRITIC_DIR,
     CheckpointError,
@@ -66,6 +69,7 @@ from orchard.trainer.policy import Policy, load_policy
 from orchard.trainer.rl import RlBatch, RlConfig, StaleBatchError, StalePolicy, build_rl_batch
 from orchard.trainer.rl import rl_update as run_rl_update
 from orchard.trainer.v1 import trainer_service_pb2 as api
+from orchard.trainer.validation import evaluation_due
 from orchard.types.v1 import trajectory_pb2
 
 __all__ = [
@@ -102,7 +106,9 @@ class RankSetup:
     master_addr: str
     master_port: int
     dataset: str | None = None
-    """A local JSON Lines copy of the spec's dataset (SFT)."""
+    """A local JSON Lines copy of the spec's dataset (SFT), without held-out tasks."""
+    validation_dataset: str | None = None
+    """A local JSON Lines copy of the validation set (SFT with `spec.validation`)."""
     dataset_name: str = ""
     """The dataset's URL, for messages."""
     resume_from: str | None = None
@@ -120,6 +126,8 @@ class RankReady:
     """Optimizer steps taken (after a resume, the checkpoint's)."""
     buffered: int
     """Samples buffered (an SFT dataset's)."""
+    validation_samples: int = 0
+    """Samples of the validation set."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +190,7 @@ def engine_config(spec: api.TrainingJobSpec) -> EngineConfig:
         learning_rate=spec.learning_rate,
         warmup_steps=spec.warmup_steps,
         total_steps=spec.total_steps,
+        seed=spec.seed,
     )
 
 
@@ -228,7 +237,7 @@ class RankTrainer:
         self.mode = "sft" if spec.mode == api.TRAINING_MODE_SFT else "rl"
         if setup.threads > 0:
             torch.set_num_threads(setup.threads)
-        self.policy: Policy = load_policy(setup.model)
+        self.policy: Policy = load_policy(setup.model, seed=spec.seed)
         if self.policy.tokenizer is None:
             raise ValueError(f"spec.model {spec.model!r} has no tokenizer")
         self.tokenizer = self.policy.tokenizer
@@ -247,6 +256,8 @@ class RankTrainer:
             with open(setup.dataset, encoding="utf-8") as lines:
                 rows = parse_trajectories(lines, setup.dataset_name or setup.dataset)
                 self.sft_samples.extend(build_sft_samples(rows, self.samples).samples)
+        self.validation_samples = 0
+        self.validation_batches = self._validation_batches(setup)
         group = ProcessGroupSpec(
             rank=setup.rank,
             world_size=setup.world_size,
@@ -303,8 +314,33 @@ class RankTrainer:
         reference.requires_grad_(False)
         return reference
 
+    def _validation_batches(self, setup: RankSetup) -> list[TokenBatch]:
+        """The validation set's samples in micro-batches of the job's size, in file order."""
+        if setup.validation_dataset is None:
+            return []
+        name = self.spec.validation.dataset or "the held-out tasks"
+        with open(setup.validation_dataset, encoding="utf-8") as lines:
+            samples = build_sft_samples(parse_trajectories(lines, name), self.samples).samples
+        if not samples:
+            raise ValueError(
+                f"spec.validation: the validation set ({name}) gives no SFT sample: its rows "
+                "have no loss token (failed rows without rise segments, or cut by "
+                "max_sequence_tokens)"
+            )
+        size = self.spec.micro_batch_size
+        self.validation_samples = len(samples)
+        return [
+            collate(samples[i : i + size], pad_id=self.policy.pad_id)
+            for i in range(0, len(samples), size)
+        ]
+
     def ready(self) -> RankReady:
-        return RankReady(os.getpid(), self.engine.global_step, len(self.sft_samples))
+        return RankReady(
+            os.getpid(),
+            self.engine.global_step,
+            len(self.sft_samples),
+            self.validation_samples,
+        )
 
     # -- commands (every rank runs each one) -----------------------------------------------
 
@@ -349,12 +385,16 @@ class RankTrainer:
                     gradient_accumulation=self.spec.gradient_accumulation,
                     world_size=world,
                     pad_id=self.policy.pad_id,
+                    seed=self.spec.seed,
                 )
             plan = self._plan
-            return [
-                self.engine.sft_step(plan.for_step(self.engine.global_step, self.engine.rank))
-                for _ in range(steps)
-            ]
+            results = []
+            for _ in range(steps):
+                result = self.engine.sft_step(
+                    plan.for_step(self.engine.global_step, self.engine.rank)
+                )
+                results.append(self._validated(result, plan))
+            return results
         needed = steps * self.spec.gradient_accumulation * world
         if len(self.rl_samples) < needed:
             raise NotEnoughData(
@@ -380,6 +420,19 @@ class RankTrainer:
                 reference=self.reference,
             )
         return self._ppo_steps(batch, steps, self.critic, self.critic_config)
+
+    def _validated(self, result: StepResult, plan: MicroBatchPlan) -> StepResult:
+        """`result` with the validation loss after it when an evaluation is due then."""
+        validation = self.spec.validation
+        if not self.validation_batches or not evaluation_due(
+            result.step,
+            total_steps=self.spec.total_steps,
+            interval_steps=validation.interval_steps,
+            steps_per_epoch=plan.steps_per_epoch,
+        ):
+            return result
+        loss = self.engine.sft_validation(self.validation_batches)
+        return replace(result, validation=replace(loss, epoch=plan.epoch_of(result.step - 1)))
 
     def save(self, version: str, metadata: dict[str, str]) -> CheckpointInfo:
         """Save the engine as ``<scratch>/saving/<version>`` (collective); rank 0's manifest."""

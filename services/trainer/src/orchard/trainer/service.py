@@ -54,6 +54,7 @@ from orchard.trainer.jobs import (
     SpecError,
     artifact_cache,
     check_artifacts,
+    plan_validation,
     resolve_spec,
 )
 from orchard.trainer.masks import TrajectoryError
@@ -96,7 +97,7 @@ def _now() -> timestamp_pb2.Timestamp:
 
 
 def _step_metrics(result: StepResult) -> api.StepMetrics:
-    return api.StepMetrics(
+    metrics = api.StepMetrics(
         step=result.step,
         loss=result.loss,
         learning_rate=result.learning_rate,
@@ -104,6 +105,9 @@ def _step_metrics(result: StepResult) -> api.StepMetrics:
         loss_tokens=result.loss_tokens,
         extra={**result.extra, "tokens_per_second": result.tokens_per_second},
     )
+    if result.validation is not None:
+        metrics.validation_loss = result.validation.loss
+    return metrics
 
 
 @dataclass
@@ -185,8 +189,14 @@ class JobManager:
         if state != State.TRAINING_JOB_STATE_RUNNING:
             hint = {
                 State.TRAINING_JOB_STATE_PENDING: "it is starting; retry in a moment",
-                State.TRAINING_JOB_STATE_SUCCEEDED: "it finished its total_steps; start a new "
-                "job (its last checkpoint can be the new job's model)",
+                State.TRAINING_JOB_STATE_SUCCEEDED: (
+                    "early stopping ended it at step "
+                    f"{record.job.last_step.step} (its best checkpoint is at step "
+                    f"{record.job.validation.best_step})"
+                    if record.job.validation.stopped_early
+                    else "it finished its total_steps"
+                )
+                + "; start a new job (a checkpoint of it can be the new job's model)",
                 State.TRAINING_JOB_STATE_FAILED: f"it failed: {record.job.error}",
                 State.TRAINING_JOB_STATE_CANCELLED: "it was cancelled; its checkpoints stay",
             }.get(state, "")
@@ -231,6 +241,9 @@ class JobManager:
                 workers=self.workers,
                 ray=self.ray,
                 transport=self.transport,
+                validation=(
+                    record.job.validation if record.job.spec.HasField("validation") else None
+                ),
             )
         except Exception as exc:
             log.exception("training job %s failed to start", record.id)
@@ -344,6 +357,7 @@ class JobManager:
             await asyncio.to_thread(
                 check_artifacts, resolved, self.artifacts, artifact_cache(self.scratch)
             )
+            validation = await asyncio.to_thread(plan_validation, resolved, self.artifacts)
         except SpecError as exc:
             raise _invalid(str(exc)) from None
         if request_id:
@@ -364,6 +378,8 @@ class JobManager:
                 create_time=_now(),
             )
         )
+        if resolved.HasField("validation"):
+            record.job.validation.CopyFrom(validation)
         record, created = await self.store.create(record, request_id)
         if not created:
             return record.job
@@ -514,10 +530,15 @@ class JobManager:
                 raise OrchardError(Reason.FAILED_PRECONDITION, str(exc)) from None
             except Exception as exc:
                 raise await self._fail(job_id, "a step", exc) from None
+            for kept in runner.take_kept():  # the best validation losses' checkpoints
+                self._keep(record, kept)
+            if runner.validation is not None:
+                record.job.validation.CopyFrom(runner.validation.progress)
             response.steps.extend(_step_metrics(r) for r in results)
             if results:
                 record.job.last_step.CopyFrom(_step_metrics(results[-1]))
-            finished = runner.steps_left == 0 and not runner.cancelled
+            done = runner.steps_left == 0 or runner.stopped_early
+            finished = done and not runner.cancelled
             if (publish or finished) and not runner.cancelled:
                 checkpoint = await self._save(record, runner, publish=publish)
                 response.weight_version = checkpoint.weight_version
@@ -542,18 +563,25 @@ class JobManager:
             raise OrchardError(
                 Reason.INTERNAL, f"job {record.id}: the checkpoint could not be saved: {exc}"
             ) from None
-        mode = self._mode(record)
+        checkpoint = self._keep(record, info, time.monotonic() - started)
+        if publish and not checkpoint.weight_version:
+            await self._publish(record, checkpoint, info)
+        await self.store.put(record)
+        return checkpoint
+
+    def _keep(
+        self, record: JobRecord, info: StoredCheckpoint, seconds: float | None = None
+    ) -> api.Checkpoint:
+        """The record's checkpoint at `info`'s step, added (in step order) when new."""
         checkpoint = record.checkpoint_at(info.step)
         if checkpoint is None:
-            self.metrics.checkpoints.labels(mode).inc()
-            self.metrics.checkpoint_seconds.observe(time.monotonic() - started)
+            self.metrics.checkpoints.labels(self._mode(record)).inc()
+            if seconds is not None:
+                self.metrics.checkpoint_seconds.observe(seconds)
             checkpoint = api.Checkpoint(step=info.step, uri=info.url)
             checkpoint.create_time.FromNanoseconds(int(info.created_at * 1e9))
             record.checkpoints.append(checkpoint)
             record.checkpoints.sort(key=lambda c: c.step)
-        if publish and not checkpoint.weight_version:
-            await self._publish(record, checkpoint, info)
-        await self.store.put(record)
         return checkpoint
 
     async def _publish(

@@ -39,6 +39,7 @@ GAUGES: tuple[tuple[str, str, str], ...] = (
     ("kl_mean", "kl_nats", "Mean k3 KL estimate to the reference policy."),
     ("reward_mean", "reward_mean_ratio", "Mean reward of the trajectories in the step."),
     ("value_loss", "value_loss_ratio", "Critic loss of the last step (PPO with a critic)."),
+    ("validation_loss", "validation_loss_ratio", "SFT validation loss, last evaluation."),
 )
 
 

@@ -506,7 +506,10 @@ class ScriptedPolicy(_message.Message):
     model: _builtins.str
     """Model name its replies carry; empty: "orchard-scripted-policy"."""
     seed: _builtins.int
-    """Seed of the draws, for repeatable jobs; unset: a fresh seed per job."""
+    """Seed of the draws, for repeatable jobs: a rollout's path is drawn from it, the rollout
+    (task and index) and its first call, so concurrent rollouts do not change each other's
+    draws; unset: a fresh seed per job.
+    """
     @_builtins.property
     def plans(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScriptedPlan]:
         """The plans; at least one."""
@@ -539,10 +542,19 @@ class PolicySpec(_message.Message):
     SCRIPTED_FIELD_NUMBER: _builtins.int
     TEMPERATURE_FIELD_NUMBER: _builtins.int
     MAX_TOKENS_PER_CALL_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """Sampling temperature in [0, 2]; 0 samples greedily. Unset: 1."""
     max_tokens_per_call: _builtins.int
     """Most tokens one call samples (0: the service's default, 1024)."""
+    seed: _builtins.int
+    """Seed of the policy's token draws (registry weights): each call that brings no seed of its
+    own is sampled with a seed drawn from this one, its rollout (task and index among the
+    task's rollouts, whatever job runs it) and its place among the rollout's calls, so the same
+    rollouts of a job with the same seed draw the same tokens, on the same machine and engine,
+    whatever runs beside them. Unset: fresh draws. Set with an endpoint or a scripted policy:
+    INVALID_ARGUMENT (a script draws with `ScriptedPolicy.seed`, the same way).
+    """
     @_builtins.property
     def weights(self) -> Global___RegistryWeights:
         """A weight version in the registry."""
@@ -572,15 +584,20 @@ class PolicySpec(_message.Message):
         scripted: Global___ScriptedPolicy | None = ...,
         temperature: _builtins.float | None = ...,
         max_tokens_per_call: _builtins.int = ...,
+        seed: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "endpoint", b"endpoint", "scripted", b"scripted", "source", b"source", "temperature", b"temperature", "weights", b"weights"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_temperature", b"_temperature", "endpoint", b"endpoint", "scripted", b"scripted", "seed", b"seed", "source", b"source", "temperature", b"temperature", "weights", b"weights"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "endpoint", b"endpoint", "max_tokens_per_call", b"max_tokens_per_call", "scripted", b"scripted", "source", b"source", "temperature", b"temperature", "weights", b"weights"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_temperature", b"_temperature", "endpoint", b"endpoint", "max_tokens_per_call", b"max_tokens_per_call", "scripted", b"scripted", "seed", b"seed", "source", b"source", "temperature", b"temperature", "weights", b"weights"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
+    _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
     _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
     _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
     _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["weights", "endpoint", "scripted"]  # noqa: Y015
     _WhichOneofArgType_source: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
     @_typing.overload

@@ -80,7 +80,7 @@ class RolloutServiceServicer:
         background. Side effects: a job record in the state store; sandboxes and model calls while
         it runs. A retry with the same `request_id` returns the same job.
         Errors: INVALID_ARGUMENT (no tasks, unknown harness or sampler, bad budgets, a bad or
-        oversized scripted policy), FAILED_PRECONDITION (a policy_spec where the service takes
+        oversized scripted policy, a policy seed with an endpoint or script), FAILED_PRECONDITION (a policy_spec where the service takes
         none, a reward service it has not configured), NOT_FOUND (unpublished weights).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

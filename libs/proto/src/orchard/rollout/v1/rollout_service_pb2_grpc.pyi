@@ -41,7 +41,7 @@ class RolloutServiceStub:
     background. Side effects: a job record in the state store; sandboxes and model calls while
     it runs. A retry with the same `request_id` returns the same job.
     Errors: INVALID_ARGUMENT (no tasks, unknown harness or sampler, bad budgets, a bad or
-    oversized scripted policy), FAILED_PRECONDITION (a policy_spec where the service takes
+    oversized scripted policy, a policy seed with an endpoint or script), FAILED_PRECONDITION (a policy_spec where the service takes
     none, a reward service it has not configured), NOT_FOUND (unpublished weights).
     """
     GetRolloutJob: _grpc.UnaryUnaryMultiCallable[_rollout_service_pb2.GetRolloutJobRequest, _rollout_service_pb2.GetRolloutJobResponse]
@@ -79,7 +79,7 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     background. Side effects: a job record in the state store; sandboxes and model calls while
     it runs. A retry with the same `request_id` returns the same job.
     Errors: INVALID_ARGUMENT (no tasks, unknown harness or sampler, bad budgets, a bad or
-    oversized scripted policy), FAILED_PRECONDITION (a policy_spec where the service takes
+    oversized scripted policy, a policy seed with an endpoint or script), FAILED_PRECONDITION (a policy_spec where the service takes
     none, a reward service it has not configured), NOT_FOUND (unpublished weights).
     """
     GetRolloutJob: _aio.UnaryUnaryMultiCallable[_rollout_service_pb2.GetRolloutJobRequest, _rollout_service_pb2.GetRolloutJobResponse]  # type: ignore[assignment]
@@ -120,7 +120,7 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         background. Side effects: a job record in the state store; sandboxes and model calls while
         it runs. A retry with the same `request_id` returns the same job.
         Errors: INVALID_ARGUMENT (no tasks, unknown harness or sampler, bad budgets, a bad or
-        oversized scripted policy), FAILED_PRECONDITION (a policy_spec where the service takes
+        oversized scripted policy, a policy seed with an endpoint or script), FAILED_PRECONDITION (a policy_spec where the service takes
         none, a reward service it has not configured), NOT_FOUND (unpublished weights).
         """
 

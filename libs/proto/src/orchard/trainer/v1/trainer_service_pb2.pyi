@@ -264,6 +264,8 @@ class TrainingJobSpec(_message.Message):
     ADVANTAGE_ESTIMATOR_FIELD_NUMBER: _builtins.int
     CRITIC_FIELD_NUMBER: _builtins.int
     SUCCESS_THRESHOLD_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    VALIDATION_FIELD_NUMBER: _builtins.int
     mode: Global___TrainingMode.ValueType
     """SFT or RL."""
     model: _builtins.str
@@ -317,6 +319,12 @@ class TrainingJobSpec(_message.Message):
     threshold the samplers, credit assignment, curation and evaluation use. In [0, 1] (else
     INVALID_ARGUMENT); unset: 0.5.
     """
+    seed: _builtins.int
+    """Seed of everything the job draws: the order of SFT samples in each epoch, which tasks
+    `validation.fraction` holds out, torch's generator in every rank (dropout and any other
+    draw in the model) and a built-in model's initial weights. The same spec, seed and data
+    on the same machine give the same steps; 0 is a seed like any other.
+    """
     @_builtins.property
     def policy_loss(self) -> Global___PolicyLossConfig:
         """RL loss settings."""
@@ -325,6 +333,13 @@ class TrainingJobSpec(_message.Message):
     def critic(self) -> Global___CriticConfig:
         """RL with ADVANTAGE_ESTIMATOR_CRITIC: the value model's settings (unset fields take their
         defaults, and the job's spec shows them). Set with another estimator: INVALID_ARGUMENT.
+        """
+
+    @_builtins.property
+    def validation(self) -> Global___ValidationConfig:
+        """SFT: a validation set held out from training, its loss evaluated as the job trains; the
+        checkpoint with the lowest validation loss is kept, and the job may stop early. Unset: no
+        validation. Set on an RL job: INVALID_ARGUMENT.
         """
 
     def __init__(
@@ -349,10 +364,12 @@ class TrainingJobSpec(_message.Message):
         advantage_estimator: Global___AdvantageEstimator.ValueType = ...,
         critic: Global___CriticConfig | None = ...,
         success_threshold: _builtins.float | None = ...,
+        seed: _builtins.int = ...,
+        validation: Global___ValidationConfig | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "_success_threshold", b"_success_threshold", "critic", b"critic", "max_staleness", b"max_staleness", "policy_loss", b"policy_loss", "success_threshold", b"success_threshold"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "_success_threshold", b"_success_threshold", "critic", b"critic", "max_staleness", b"max_staleness", "policy_loss", b"policy_loss", "success_threshold", b"success_threshold", "validation", b"validation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "_success_threshold", b"_success_threshold", "advantage_estimator", b"advantage_estimator", "critic", b"critic", "dataset", b"dataset", "drop_long", b"drop_long", "gradient_accumulation", b"gradient_accumulation", "learning_rate", b"learning_rate", "max_sequence_tokens", b"max_sequence_tokens", "max_staleness", b"max_staleness", "micro_batch_size", b"micro_batch_size", "mode", b"mode", "model", b"model", "policy_loss", b"policy_loss", "ranks", b"ranks", "skip_stale", b"skip_stale", "success_threshold", b"success_threshold", "total_steps", b"total_steps", "warmup_steps", b"warmup_steps", "weight_model", b"weight_model", "zero_stage", b"zero_stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "_success_threshold", b"_success_threshold", "advantage_estimator", b"advantage_estimator", "critic", b"critic", "dataset", b"dataset", "drop_long", b"drop_long", "gradient_accumulation", b"gradient_accumulation", "learning_rate", b"learning_rate", "max_sequence_tokens", b"max_sequence_tokens", "max_staleness", b"max_staleness", "micro_batch_size", b"micro_batch_size", "mode", b"mode", "model", b"model", "policy_loss", b"policy_loss", "ranks", b"ranks", "seed", b"seed", "skip_stale", b"skip_stale", "success_threshold", b"success_threshold", "total_steps", b"total_steps", "validation", b"validation", "warmup_steps", b"warmup_steps", "weight_model", b"weight_model", "zero_stage", b"zero_stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_staleness: _TypeAlias = _typing.Literal["max_staleness"]  # noqa: Y015
     _WhichOneofArgType__max_staleness: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness"]  # noqa: Y015
@@ -364,6 +381,67 @@ class TrainingJobSpec(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__success_threshold) -> _WhichOneofReturnType__success_threshold | None: ...
 
 Global___TrainingJobSpec: _TypeAlias = TrainingJobSpec  # noqa: Y015
+
+@_typing.final
+class ValidationConfig(_message.Message):
+    """How an SFT job validates. The validation loss is the training loss's per-token negative
+    log-likelihood with the same loss masks (the same success threshold, rise segments and
+    sequence limit), averaged over every loss token of the validation set, evaluated with
+    dropout off. Each evaluation that lowers the best loss by more than `min_delta` saves a
+    checkpoint (listed by ListCheckpoints, its step in `TrainingJob.validation.best_step`,
+    ready for PublishCheckpoint): epoch selection by validation loss.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATASET_FIELD_NUMBER: _builtins.int
+    FRACTION_FIELD_NUMBER: _builtins.int
+    INTERVAL_STEPS_FIELD_NUMBER: _builtins.int
+    PATIENCE_FIELD_NUMBER: _builtins.int
+    MIN_DELTA_FIELD_NUMBER: _builtins.int
+    dataset: _builtins.str
+    """The artifact URL of a JSON Lines file of orchard.types.v1.Trajectory messages to validate
+    on (never trained on), under the trainer's artifact store or an allowed prefix. Set with
+    `fraction`: INVALID_ARGUMENT.
+    """
+    fraction: _builtins.float
+    """The share of `TrainingJobSpec.dataset`'s tasks held out from training as the validation
+    set: round(fraction x tasks) tasks (at least one, and at least one left to train on),
+    drawn with the job's `seed`; every row of a held-out task is held out, so no task is on
+    both sides (a row without `task_id` is a task of its own). In [0, 1) (else
+    INVALID_ARGUMENT); 0 with no `dataset`: no validation. A fraction on a job without
+    `TrainingJobSpec.dataset`, or on a dataset of fewer than two tasks: INVALID_ARGUMENT.
+    """
+    interval_steps: _builtins.int
+    """Evaluate after every this many optimizer steps; 0: after each step that completes a pass
+    over the training samples (once per epoch). The job's last step is always evaluated.
+    Negative: INVALID_ARGUMENT.
+    """
+    patience: _builtins.int
+    """Early stopping: the job ends (SUCCEEDED, `TrainingJob.validation.stopped_early`) after
+    this many evaluations in a row without a new best; 0: it runs all its steps. Negative:
+    INVALID_ARGUMENT.
+    """
+    min_delta: _builtins.float
+    """How much an evaluation must lower the best loss to be a new best; 0 or more (else
+    INVALID_ARGUMENT); 0: any decrease.
+    """
+    def __init__(
+        self,
+        *,
+        dataset: _builtins.str = ...,
+        fraction: _builtins.float = ...,
+        interval_steps: _builtins.int = ...,
+        patience: _builtins.int = ...,
+        min_delta: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dataset", b"dataset", "fraction", b"fraction", "interval_steps", b"interval_steps", "min_delta", b"min_delta", "patience", b"patience"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ValidationConfig: _TypeAlias = ValidationConfig  # noqa: Y015
 
 @_typing.final
 class StepMetrics(_message.Message):
@@ -397,6 +475,7 @@ class StepMetrics(_message.Message):
     GRAD_NORM_FIELD_NUMBER: _builtins.int
     LOSS_TOKENS_FIELD_NUMBER: _builtins.int
     EXTRA_FIELD_NUMBER: _builtins.int
+    VALIDATION_LOSS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """Step number."""
     loss: _builtins.float
@@ -407,6 +486,10 @@ class StepMetrics(_message.Message):
     """Gradient norm before clipping."""
     loss_tokens: _builtins.int
     """Tokens that counted in the loss."""
+    validation_loss: _builtins.float
+    """The validation loss evaluated after this step (`TrainingJobSpec.validation`); unset on
+    steps without an evaluation.
+    """
     @_builtins.property
     def extra(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Other named metrics (clip fraction, KL, importance weight stats…). With a value model:
@@ -425,14 +508,109 @@ class StepMetrics(_message.Message):
         grad_norm: _builtins.float = ...,
         loss_tokens: _builtins.int = ...,
         extra: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        validation_loss: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_validation_loss", b"_validation_loss", "validation_loss", b"validation_loss"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_validation_loss", b"_validation_loss", "extra", b"extra", "grad_norm", b"grad_norm", "learning_rate", b"learning_rate", "loss", b"loss", "loss_tokens", b"loss_tokens", "step", b"step", "validation_loss", b"validation_loss"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__validation_loss: _TypeAlias = _typing.Literal["validation_loss"]  # noqa: Y015
+    _WhichOneofArgType__validation_loss: _TypeAlias = _typing.Literal["_validation_loss", b"_validation_loss"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__validation_loss) -> _WhichOneofReturnType__validation_loss | None: ...
+
+Global___StepMetrics: _TypeAlias = StepMetrics  # noqa: Y015
+
+@_typing.final
+class ValidationPoint(_message.Message):
+    """One evaluation of an SFT job's validation set."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    LOSS_FIELD_NUMBER: _builtins.int
+    LOSS_TOKENS_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    """The optimizer step it followed."""
+    epoch: _builtins.float
+    """Passes over the training samples made by then."""
+    loss: _builtins.float
+    """Mean negative log-likelihood per validation loss token."""
+    loss_tokens: _builtins.int
+    """Validation tokens that counted in it."""
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        epoch: _builtins.float = ...,
+        loss: _builtins.float = ...,
+        loss_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["extra", b"extra", "grad_norm", b"grad_norm", "learning_rate", b"learning_rate", "loss", b"loss", "loss_tokens", b"loss_tokens", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "loss", b"loss", "loss_tokens", b"loss_tokens", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___StepMetrics: _TypeAlias = StepMetrics  # noqa: Y015
+Global___ValidationPoint: _TypeAlias = ValidationPoint  # noqa: Y015
+
+@_typing.final
+class ValidationProgress(_message.Message):
+    """What an SFT job's validation found so far (output only)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POINTS_FIELD_NUMBER: _builtins.int
+    BEST_STEP_FIELD_NUMBER: _builtins.int
+    BEST_LOSS_FIELD_NUMBER: _builtins.int
+    STOPPED_EARLY_FIELD_NUMBER: _builtins.int
+    TRAJECTORIES_FIELD_NUMBER: _builtins.int
+    SAMPLES_FIELD_NUMBER: _builtins.int
+    HELD_OUT_TASKS_FIELD_NUMBER: _builtins.int
+    TRAINING_SAMPLES_FIELD_NUMBER: _builtins.int
+    best_step: _builtins.int
+    """The step with the lowest validation loss (0 before the first evaluation); the job saved
+    a checkpoint there.
+    """
+    best_loss: _builtins.float
+    """The lowest validation loss."""
+    stopped_early: _builtins.bool
+    """The job ended early: `ValidationConfig.patience` evaluations in a row brought no new best."""
+    trajectories: _builtins.int
+    """Rows of the validation set."""
+    samples: _builtins.int
+    """Validation samples cut from them (the same cut as training samples)."""
+    training_samples: _builtins.int
+    """Training samples left after holding them out."""
+    @_builtins.property
+    def points(self) -> _containers.RepeatedCompositeFieldContainer[Global___ValidationPoint]:
+        """Every evaluation, in step order."""
+
+    @_builtins.property
+    def held_out_tasks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The tasks held out by `ValidationConfig.fraction`, sorted (empty with a validation
+        `dataset`).
+        """
+
+    def __init__(
+        self,
+        *,
+        points: _abc.Iterable[Global___ValidationPoint] | None = ...,
+        best_step: _builtins.int = ...,
+        best_loss: _builtins.float = ...,
+        stopped_early: _builtins.bool = ...,
+        trajectories: _builtins.int = ...,
+        samples: _builtins.int = ...,
+        held_out_tasks: _abc.Iterable[_builtins.str] | None = ...,
+        training_samples: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["best_loss", b"best_loss", "best_step", b"best_step", "held_out_tasks", b"held_out_tasks", "points", b"points", "samples", b"samples", "stopped_early", b"stopped_early", "training_samples", b"training_samples", "trajectories", b"trajectories"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ValidationProgress: _TypeAlias = ValidationProgress  # noqa: Y015
 
 @_typing.final
 class TrainingJob(_message.Message):
@@ -447,6 +625,7 @@ class TrainingJob(_message.Message):
     WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     CREATE_TIME_FIELD_NUMBER: _builtins.int
+    VALIDATION_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Unique id (output only)."""
     state: Global___TrainingJobState.ValueType
@@ -467,6 +646,12 @@ class TrainingJob(_message.Message):
     def create_time(self) -> _timestamp_pb2.Timestamp:
         """When it was created (output only)."""
 
+    @_builtins.property
+    def validation(self) -> Global___ValidationProgress:
+        """SFT jobs with `spec.validation`: its evaluations, the best step and whether the job
+        stopped early (output only).
+        """
+
     def __init__(
         self,
         *,
@@ -477,10 +662,11 @@ class TrainingJob(_message.Message):
         weight_version: _builtins.str = ...,
         error: _builtins.str = ...,
         create_time: _timestamp_pb2.Timestamp | None = ...,
+        validation: Global___ValidationProgress | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "last_step", b"last_step", "spec", b"spec"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "last_step", b"last_step", "spec", b"spec", "validation", b"validation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "error", b"error", "id", b"id", "last_step", b"last_step", "spec", b"spec", "state", b"state", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "error", b"error", "id", b"id", "last_step", b"last_step", "spec", b"spec", "state", b"state", "validation", b"validation", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

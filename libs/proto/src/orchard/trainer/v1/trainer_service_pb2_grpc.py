@@ -111,9 +111,11 @@ class TrainerServiceServicer:
     """
 
     def CreateTrainingJob(self, request, context):
-        """Starts a training job. Side effects: a job record; a training process.
+        """Starts a training job. Side effects: a job record; a training process; with
+        `spec.validation.fraction`, the dataset is read to hold out its tasks.
         A retry with the same `request_id` returns the same job.
-        Errors: INVALID_ARGUMENT (bad hyperparameters, unknown built-in model, a model or dataset
+        Errors: INVALID_ARGUMENT (bad hyperparameters, unknown built-in model, bad validation
+        settings or a dataset too small to hold tasks out of, a model or dataset
         that is not an artifact URL: reason ARTIFACT_URL_INVALID), PERMISSION_DENIED (a model or
         dataset URL outside the service's artifact store and allowed prefixes:
         ARTIFACT_ACCESS_DENIED), NOT_FOUND (nothing at that URL, or a model folder without
@@ -158,8 +160,11 @@ class TrainerServiceServicer:
         """Runs optimizer steps on buffered data and returns their metrics; publishes a new weight
         version when asked. An RL job with a value model (ADVANTAGE_ESTIMATOR_CRITIC) also steps
         the value model: first its `value_pretrain_steps` on the job's first Step, then after each
-        policy step; the metrics carry its numbers. Errors: NOT_FOUND, FAILED_PRECONDITION (not
-        enough buffered data).
+        policy step; the metrics carry its numbers. An SFT job with `spec.validation` evaluates
+        its validation loss after the steps its settings name (`StepMetrics.validation_loss`),
+        saves a checkpoint at each new best and, when early stopping ends it, returns the steps
+        run so far and is SUCCEEDED. Errors: NOT_FOUND, FAILED_PRECONDITION (not enough buffered
+        data; the job is not running, e.g. it stopped early).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

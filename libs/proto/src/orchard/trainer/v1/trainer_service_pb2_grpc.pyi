@@ -37,9 +37,11 @@ class TrainerServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> TrainerServiceAsyncStub: ...
     CreateTrainingJob: _grpc.UnaryUnaryMultiCallable[_trainer_service_pb2.CreateTrainingJobRequest, _trainer_service_pb2.CreateTrainingJobResponse]
-    """Starts a training job. Side effects: a job record; a training process.
+    """Starts a training job. Side effects: a job record; a training process; with
+    `spec.validation.fraction`, the dataset is read to hold out its tasks.
     A retry with the same `request_id` returns the same job.
-    Errors: INVALID_ARGUMENT (bad hyperparameters, unknown built-in model, a model or dataset
+    Errors: INVALID_ARGUMENT (bad hyperparameters, unknown built-in model, bad validation
+    settings or a dataset too small to hold tasks out of, a model or dataset
     that is not an artifact URL: reason ARTIFACT_URL_INVALID), PERMISSION_DENIED (a model or
     dataset URL outside the service's artifact store and allowed prefixes:
     ARTIFACT_ACCESS_DENIED), NOT_FOUND (nothing at that URL, or a model folder without
@@ -62,8 +64,11 @@ class TrainerServiceStub:
     """Runs optimizer steps on buffered data and returns their metrics; publishes a new weight
     version when asked. An RL job with a value model (ADVANTAGE_ESTIMATOR_CRITIC) also steps
     the value model: first its `value_pretrain_steps` on the job's first Step, then after each
-    policy step; the metrics carry its numbers. Errors: NOT_FOUND, FAILED_PRECONDITION (not
-    enough buffered data).
+    policy step; the metrics carry its numbers. An SFT job with `spec.validation` evaluates
+    its validation loss after the steps its settings name (`StepMetrics.validation_loss`),
+    saves a checkpoint at each new best and, when early stopping ends it, returns the steps
+    run so far and is SUCCEEDED. Errors: NOT_FOUND, FAILED_PRECONDITION (not enough buffered
+    data; the job is not running, e.g. it stopped early).
     """
     ListCheckpoints: _grpc.UnaryUnaryMultiCallable[_trainer_service_pb2.ListCheckpointsRequest, _trainer_service_pb2.ListCheckpointsResponse]
     """Lists a job's checkpoints and published weight versions. Changes nothing.
@@ -125,9 +130,11 @@ class TrainerServiceAsyncStub(TrainerServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     CreateTrainingJob: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.CreateTrainingJobRequest, _trainer_service_pb2.CreateTrainingJobResponse]  # type: ignore[assignment]
-    """Starts a training job. Side effects: a job record; a training process.
+    """Starts a training job. Side effects: a job record; a training process; with
+    `spec.validation.fraction`, the dataset is read to hold out its tasks.
     A retry with the same `request_id` returns the same job.
-    Errors: INVALID_ARGUMENT (bad hyperparameters, unknown built-in model, a model or dataset
+    Errors: INVALID_ARGUMENT (bad hyperparameters, unknown built-in model, bad validation
+    settings or a dataset too small to hold tasks out of, a model or dataset
     that is not an artifact URL: reason ARTIFACT_URL_INVALID), PERMISSION_DENIED (a model or
     dataset URL outside the service's artifact store and allowed prefixes:
     ARTIFACT_ACCESS_DENIED), NOT_FOUND (nothing at that URL, or a model folder without
@@ -150,8 +157,11 @@ class TrainerServiceAsyncStub(TrainerServiceStub):
     """Runs optimizer steps on buffered data and returns their metrics; publishes a new weight
     version when asked. An RL job with a value model (ADVANTAGE_ESTIMATOR_CRITIC) also steps
     the value model: first its `value_pretrain_steps` on the job's first Step, then after each
-    policy step; the metrics carry its numbers. Errors: NOT_FOUND, FAILED_PRECONDITION (not
-    enough buffered data).
+    policy step; the metrics carry its numbers. An SFT job with `spec.validation` evaluates
+    its validation loss after the steps its settings name (`StepMetrics.validation_loss`),
+    saves a checkpoint at each new best and, when early stopping ends it, returns the steps
+    run so far and is SUCCEEDED. Errors: NOT_FOUND, FAILED_PRECONDITION (not enough buffered
+    data; the job is not running, e.g. it stopped early).
     """
     ListCheckpoints: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.ListCheckpointsRequest, _trainer_service_pb2.ListCheckpointsResponse]  # type: ignore[assignment]
     """Lists a job's checkpoints and published weight versions. Changes nothing.
@@ -216,9 +226,11 @@ class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _trainer_service_pb2.CreateTrainingJobRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_trainer_service_pb2.CreateTrainingJobResponse, _abc.Awaitable[_trainer_service_pb2.CreateTrainingJobResponse]]:
-        """Starts a training job. Side effects: a job record; a training process.
+        """Starts a training job. Side effects: a job record; a training process; with
+        `spec.validation.fraction`, the dataset is read to hold out its tasks.
         A retry with the same `request_id` returns the same job.
-        Errors: INVALID_ARGUMENT (bad hyperparameters, unknown built-in model, a model or dataset
+        Errors: INVALID_ARGUMENT (bad hyperparameters, unknown built-in model, bad validation
+        settings or a dataset too small to hold tasks out of, a model or dataset
         that is not an artifact URL: reason ARTIFACT_URL_INVALID), PERMISSION_DENIED (a model or
         dataset URL outside the service's artifact store and allowed prefixes:
         ARTIFACT_ACCESS_DENIED), NOT_FOUND (nothing at that URL, or a model folder without
@@ -271,8 +283,11 @@ class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Runs optimizer steps on buffered data and returns their metrics; publishes a new weight
         version when asked. An RL job with a value model (ADVANTAGE_ESTIMATOR_CRITIC) also steps
         the value model: first its `value_pretrain_steps` on the job's first Step, then after each
-        policy step; the metrics carry its numbers. Errors: NOT_FOUND, FAILED_PRECONDITION (not
-        enough buffered data).
+        policy step; the metrics carry its numbers. An SFT job with `spec.validation` evaluates
+        its validation loss after the steps its settings name (`StepMetrics.validation_loss`),
+        saves a checkpoint at each new best and, when early stopping ends it, returns the steps
+        run so far and is SUCCEEDED. Errors: NOT_FOUND, FAILED_PRECONDITION (not enough buffered
+        data; the job is not running, e.g. it stopped early).
         """
 
     @_abc_1.abstractmethod

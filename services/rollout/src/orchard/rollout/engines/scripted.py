@@ -54,9 +54,11 @@ class ScriptedEngine(TurnEngineBase):
         tools: Sequence[Mapping[str, Any]],
         params: SamplingParams,
     ) -> tuple[str, tuple[ToolCall, ...]]:
-        """The next turn's text and tool calls for a conversation and the tools offered (the
-        script samples with its own seed, whatever `params` say)."""
+        """The next turn's text and tool calls for a conversation and the tools offered: a
+        call's `params.seed` (the capture proxy's per-rollout draw, with a seeded script)
+        draws its conversation's path, else the script's own generator does; the other
+        sampling settings do not apply."""
         self.turns += 1
-        step = self.policy.next_step(messages, tools)
+        step = self.policy.next_step(messages, tools, params.seed)
         calls = (ToolCall(step.tool, json.dumps(step.arguments)),) if step.tool else ()
         return step.thought, calls

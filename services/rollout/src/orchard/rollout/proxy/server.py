@@ -116,6 +116,12 @@ class CaptureProxyConfig(BaseModel):
         description="Most tokens one call samples, whatever it asks for (an agent program "
         "asks for tens of thousands); None: what the call asks, else `default_max_tokens`.",
     )
+    sampling_seed: int | None = Field(
+        default=None,
+        description="Seed of the draws of calls that bring no seed: each is sampled with "
+        "`CaptureSession.call_seed` of it, so a rollout draws the same in every job with the "
+        "same seed whatever runs beside it; None: fresh draws.",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,6 +363,10 @@ class CaptureProxy:
             turn_request, turn_id=turn_id, model=model, prompt_tokens=len(prompt.token_ids)
         )
         seq = await session.begin_call()
+        if params.seed is None and self.config.sampling_seed is not None:
+            params = dataclasses.replace(
+                params, seed=session.call_seed(self.config.sampling_seed, seq)
+            )
         record: CallRecord | None = None
         response: web.StreamResponse | None = None
         generation = asyncio.ensure_future(

@@ -9,6 +9,7 @@ for a quiet period.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import re
 import time
 from collections.abc import Mapping
@@ -17,6 +18,15 @@ from dataclasses import dataclass, field
 from orchard.rollout.capture import CallRecord
 
 ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$")
+_FRESH_TAIL = re.compile(r"\.[0-9a-f]{10}$")
+"""The random tail of the rollout service's ids (``<task>.<index>.<10 hex digits>``,
+`runner.new_rollout_id`): a retry of rollout `index` gets a new one."""
+
+
+def rollout_draw_key(rollout_id: str) -> str:
+    """What names a rollout across jobs and retries: its id without the random tail the
+    rollout service gives it (``<task>.<index>``); any other id as it is."""
+    return _FRESH_TAIL.sub("", rollout_id)
 
 
 class CaptureError(Exception):
@@ -68,6 +78,13 @@ class CaptureSession:
             else:
                 self.records.append(record)
             self._touch()
+
+    def call_seed(self, seed: int, call: int) -> int:
+        """The sampling seed of call `call` (from 0, in arrival order) of this rollout in a
+        proxy seeded with `seed`: a 63-bit digest of the seed, `rollout_draw_key` of the
+        rollout and the call, so a rollout draws the same in every job with that seed."""
+        key = f"{seed}/{rollout_draw_key(self.rollout_id)}/{call}".encode()
+        return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") >> 1
 
     @property
     def started_calls(self) -> int:
