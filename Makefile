@@ -104,12 +104,13 @@ demo: setup inagent-binary ## run the main job on embedded defaults
 demo-claw: setup inagent-binary harnesses ## the Claw recipe: agent programs, SFT, mixed-harness RL, held-out evaluation
 	$(BIN)/python tools/demo.py --recipe claw
 
-bench: setup inagent-binary ## run the benchmarks; results in bench/results/*.json
+bench: setup inagent-binary gui-browser ## run the benchmarks; results in bench/results/*.json
 	$(BIN)/python bench/inagent_bench.py
 	$(BIN)/python bench/env_bench.py
 	$(BIN)/python bench/rollout_bench.py
 	$(BIN)/python bench/harness_bench.py
 	$(BIN)/python bench/reward_bench.py
+	$(BIN)/python bench/gui_bench.py
 	$(BIN)/python bench/trainer_bench.py
 	$(BIN)/python bench/context_bench.py
 
