@@ -16,17 +16,17 @@ each family between SFT, RL and held-out evaluation.
 from __future__ import annotations
 
 import datetime as dt
-import math
 import random
 import re
 import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from orchard.tasks.claw.apps.ops import free_slots
 from orchard.tasks.claw.checks import Check
 from orchard.tasks.claw.world import WEEKDAYS, World, make_world
+from orchard.tasks.splits import Split, deal_splits
 
 __all__ = [
     "DEFAULT_COUNT",
@@ -37,6 +37,7 @@ __all__ = [
     "SUITE_DESCRIPTION",
     "SUITE_NAME",
     "ClawTask",
+    "Split",
     "generate_suite",
     "split_suite",
     "task_by_id",
@@ -55,8 +56,6 @@ _SCAN_FACTOR = 8
 """How many task numbers per wanted task `generate_suite` tries for distinct instructions."""
 """Eight tasks of each of the twelve families."""
 ID_PREFIX = "claw"
-
-Split = Literal["sft", "rl", "evaluate"]
 
 
 @dataclass(frozen=True)
@@ -896,26 +895,14 @@ def split_suite(
     if abs(sum(fractions.values()) - 1.0) > 1e-9:
         raise ValueError(f"fractions must sum to 1, they sum to {sum(fractions.values()):g}")
     rng = random.Random(f"split/{seed}")
-    out: dict[Split, list[ClawTask]] = {"sft": [], "rl": [], "evaluate": []}
-    # sft takes what is left of each family. The held-out split rounds half up and RL rounds
-    # down, so a family that gives one more held-out task gives one fewer RL task and every
-    # family keeps tasks to train on.
-    carried: dict[Split, float] = {"evaluate": 0.5, "rl": 0.0}
-    seen = 0
     families = list(FAMILIES)
     rng.shuffle(families)
+    groups = []
     for family in families:
         members = [t for t in tasks if t.family == family]
         rng.shuffle(members)
-        start = 0
-        for split, rounding in carried.items():
-            # Tasks this split should hold after this family, rounded, less what it holds.
-            due = math.floor(fractions.get(split, 0.0) * (seen + len(members)) + rounding)
-            take = min(max(0, due - len(out[split])), len(members) - start)
-            out[split] += members[start : start + take]
-            start += take
-        out["sft"] += members[start:]
-        seen += len(members)
+        groups.append(members)
+    out = deal_splits(groups, fractions)
     for chosen in out.values():
         chosen.sort(key=lambda t: t.id)
     return out

@@ -18,13 +18,13 @@ Standard library only.
 from __future__ import annotations
 
 import datetime as dt
-import math
 import random
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
+from ..splits import Split, deal_splits
 from .sites import SiteServer
 from .sites.booking import long_date, make_booking_world
 from .sites.forms import PLANS as FORM_PLANS
@@ -66,8 +66,6 @@ MIN_TASKS = 1
 _PER_FAMILY_MAX = 100
 _SCAN_FACTOR = 8
 """How many task numbers per wanted task `generate_suite` tries for distinct intents."""
-
-Split = Literal["sft", "rl", "evaluate"]
 
 
 def _norm(text: str) -> str:
@@ -1104,13 +1102,8 @@ def split_suite(
             f"fractions must be >= 0 and sum to 1, they sum to {sum(shares.values()):g}"
         )
     rng = random.Random(f"gui-split/{seed}")
-    out: dict[Split, list[GuiTask]] = {"sft": [], "rl": [], "evaluate": []}
-    # sft takes what is left. Held-out rounds half up and RL down, so a family that gives one
-    # more held-out task gives one fewer RL task and keeps tasks to train on.
-    rounding: dict[Split, float] = {"evaluate": 0.5, "rl": 0.0}
-    seen = 0
-    levels = sorted({t.difficulty for t in tasks})
-    for level in levels:
+    groups = []
+    for level in sorted({t.difficulty for t in tasks}):
         names = sorted({t.family for t in tasks if t.difficulty == level})
         rng.shuffle(names)
         for family in names:
@@ -1119,15 +1112,8 @@ def split_suite(
                 key=lambda t: t.id,
             )
             rng.shuffle(members)
-            start = 0
-            for split, half in rounding.items():
-                # What this split should hold after this family, rounded, less what it holds.
-                due = math.floor(shares.get(split, 0.0) * (seen + len(members)) + half)
-                take = min(max(0, due - len(out[split])), len(members) - start)
-                out[split] += members[start : start + take]
-                start += take
-            out["sft"] += members[start:]
-            seen += len(members)
+            groups.append(members)
+    out = deal_splits(groups, shares)
     for chosen in out.values():
         chosen.sort(key=lambda t: t.id)
     return out
