@@ -4,6 +4,7 @@ site in one ``host``-image sandbox and the browser in another, the browser folde
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import shutil
@@ -119,7 +120,7 @@ async def test_the_allowance_ends_with_the_episode(
     ) as episode:
         url = f"{episode.base_url}/playground/"
         assert (await episode.call("goto_url", {"url": url})).ok
-        time.sleep(max(0.0, episode.deadline - time.time()) + 0.2)
+        await asyncio.sleep(max(0.0, episode.deadline - time.time()) + 0.2)
         late = await episode.call("goto_url", {"url": url})
         assert not late.ok, late.summary()
 
