@@ -47,9 +47,11 @@ def private_stack(
     tmp_path_factory: pytest.TempPathFactory,
     services: dict[str, str] | None = None,
     service_settings: dict[str, dict[str, Any]] | None = None,
+    settings: list[str] | None = None,
 ) -> Iterator[EnvStack]:
     """etcd, orchard-env and ``services`` (name -> listen address; ``service_settings`` merged
-    into their configs) with their own cgroup parent and run dir, all removed at the end."""
+    into their configs) with their own cgroup parent and run dir, all removed at the end;
+    ``settings`` are more of orchard-env's own (``key=value``)."""
     if os.geteuid() != 0:
         pytest.fail("the local runtime needs root: run the tests as root")
     state = tmp_path_factory.mktemp("stack")
@@ -62,7 +64,7 @@ def private_stack(
         listen=f"127.0.0.1:{free_port()}",
         token=token,
         runtime={"cgroup_parent": cgroup_parent, "run_dir": str(run_dir)},
-        settings=[f"server.metrics_address={metrics}"],
+        settings=[f"server.metrics_address={metrics}", *(settings or [])],
         services=services,
         service_settings=service_settings,
     )

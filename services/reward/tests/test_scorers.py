@@ -12,7 +12,7 @@ from orchard.reward.judge_json import MalformedJudgeOutput, extract_json_object
 from orchard.reward.outcome import Exclusion
 from orchard.reward.rubric import DEFAULT_RUBRIC, Dimension, combine, parse_grades, validate_rubric
 from orchard.reward.task_score import task_score
-from orchard.reward.verdict import parse_verdict, score_verdicts, verdict_reward
+from orchard.reward.verdict import Verdict, parse_verdict, score_verdicts, verdict_reward
 
 
 def test_default_rubric_is_valid_with_085_on_self_verification() -> None:
@@ -100,6 +100,18 @@ def test_verdicts_binary_and_format_variants() -> None:
     assert fmt_fail.value == 0.0
     fmt_bad = score_verdicts(['{"success": false}'], format_variant=True, policy_format_failures=3)
     assert fmt_bad.value == -1.0
+    # A success counts +1 only when every turn parsed, and -1 once the failures reach the limit.
+    success = Verdict(True, "done")
+    by_failures = {
+        n: verdict_reward(success, format_variant=True, policy_format_failures=n).value
+        for n in (0, 1, 2, 3, 4)
+    }
+    assert by_failures == {0: 1.0, 1: 0.0, 2: 0.0, 3: -1.0, 4: -1.0}
+    limit_one = verdict_reward(
+        success, format_variant=True, policy_format_failures=1, format_failure_limit=1
+    )
+    assert limit_one.value == -1.0
+    assert verdict_reward(success, policy_format_failures=5).value == 1.0  # binary ignores them
 
 
 def test_malformed_verdicts_are_retried_then_excluded_never_zero() -> None:

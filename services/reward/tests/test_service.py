@@ -158,6 +158,8 @@ async def test_format_variant_through_the_service(
     chat.play(
         Step(reply='{"success": false, "reason": "no"}'),
         Step(reply='{"success": false, "reason": "no"}'),
+        Step(reply='{"success": true, "reason": "yes"}'),
+        Step(reply='{"success": true, "reason": "yes"}'),
     )
     few = api.JudgeOutcomeRequest(intent="x", format_variant=True, policy_format_failures=2)
     many = api.JudgeOutcomeRequest(
@@ -166,6 +168,11 @@ async def test_format_variant_through_the_service(
     assert (await reward.stub.JudgeOutcome(few)).reward.value == 0.0
     assert (await reward.stub.JudgeOutcome(many)).reward.value == -1.0
     assert chat.requests[-1]["model"] == "judge-b"
+    # A success is +1 only when every turn parsed.
+    clean = api.JudgeOutcomeRequest(intent="x", format_variant=True)
+    assert (await reward.stub.JudgeOutcome(clean)).reward.value == 1.0
+    one = api.JudgeOutcomeRequest(intent="x", format_variant=True, policy_format_failures=1)
+    assert (await reward.stub.JudgeOutcome(one)).reward.value == 0.0
 
 
 async def test_rubric_from_a_trajectory(reward: Running, chat: ScriptedChatServer) -> None:

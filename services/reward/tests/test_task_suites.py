@@ -25,8 +25,8 @@ async def test_list_task_suites_lists_the_builtin_suite_as_its_generator_makes_i
             stub = reward_service_pb2_grpc.RewardServiceStub(channel)
             reply = await stub.ListTaskSuites(api.ListTaskSuitesRequest(), timeout=10)
 
-    assert [s.name for s in reply.suites] == ["builtin:claw", "builtin:swe"]
-    suite = reply.suites[1]
+    assert [s.name for s in reply.suites] == ["builtin:claw", "builtin:gui", "builtin:swe"]
+    suite = reply.suites[2]
     assert suite.description and suite.scored_by == "ScoreTests"
     assert (suite.min_tasks, suite.max_tasks) == (1, 10_000)
     families = [f.name for f in suite.families]
@@ -64,3 +64,22 @@ async def test_list_task_suites_lists_the_claw_suite_as_its_generator_makes_it()
     tasks = generate_claw(24, seed=1)
     assert [t.family for t in tasks[:12]] == [f.name for f in suite.families]
     assert all(t.difficulty == difficulty[t.family] for t in tasks)
+
+
+async def test_list_task_suites_lists_the_gui_suite_as_its_generator_makes_it() -> None:
+    from orchard.tasks.gui.suite import generate_suite as generate_gui
+
+    config = RewardConfig(server=ServerConfig(listen=["127.0.0.1:0"]))
+    async with RewardApplication(config).server() as server:
+        await server.set_serving()
+        async with grpc.aio.insecure_channel(server.addresses[0]) as channel:
+            stub = reward_service_pb2_grpc.RewardServiceStub(channel)
+            reply = await stub.ListTaskSuites(api.ListTaskSuitesRequest(), timeout=10)
+    suite = next(s for s in reply.suites if s.name == "builtin:gui")
+    assert suite.scored_by == "JudgeOutcome" and suite.description
+    assert (suite.min_tasks, suite.max_tasks) == (1, 1500)
+    difficulty = {f.name: f.difficulty for f in suite.families}
+    tasks = generate_gui(len(difficulty), seed=2)
+    assert [t.family for t in tasks] == list(difficulty)
+    assert all(t.difficulty == difficulty[t.family] for t in tasks)
+    assert set(difficulty.values()) == {1, 2, 3}

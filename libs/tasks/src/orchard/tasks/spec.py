@@ -15,6 +15,11 @@ id, image, instruction and `scorer_json`, a JSON object with
   to the repository as the candidate patch,
 - or `score_task`: the id of a task in the reward service's task set, scored by its ScoreTask
   checks in the sandbox,
+- or `gui`: {"task_id": a built-in GUI task id ("gui/<seed>/<family>/<n>"), "judge": the
+  reward service's judge (empty: its built-in state judge, "builtin:gui-state")}: a browser
+  episode (a site sandbox and a browser sandbox) in place of the one sandbox, driven by a
+  browser harness and scored by the reward service's JudgeOutcome; such a task takes no
+  `files`, `setup`, `tools`, `workdir` or `mcp_servers`,
 - `tools`: tool declarations for the generic loop ({"name", "description", "parameters",
   "command": argv, "timeout_s"?}),
 - `memory`: the sandbox's memory limit ("512M"); doubled once when setup runs out of memory,
@@ -38,8 +43,10 @@ from orchard.rollout.v1 import rollout_service_pb2
 from orchard.tasks.tools import CommandTool
 
 __all__ = [
+    "GUI_STATE_JUDGE",
     "Check",
     "CommandCheck",
+    "GuiCheck",
     "McpServer",
     "ServiceTaskCheck",
     "TaskFile",
@@ -76,7 +83,20 @@ class ServiceTaskCheck:
     task_id: str
 
 
-Check = CommandCheck | TestsCheck | ServiceTaskCheck
+GUI_STATE_JUDGE = "builtin:gui-state"
+"""The reward service's judge that reads a built-in GUI task's site state (no model)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GuiCheck:
+    """A browser episode of the built-in GUI task `task_id`, scored by the reward service's
+    JudgeOutcome with `judge` (the built-in state judge, or a vision model judge by name)."""
+
+    task_id: str
+    judge: str = GUI_STATE_JUDGE
+
+
+Check = CommandCheck | TestsCheck | ServiceTaskCheck | GuiCheck
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +200,8 @@ class TaskSpec:
             tests = json_format.MessageToDict(check.task, preserving_proto_field_name=True)
             paths = {"repo_path": check.repo_path, "timeout_s": check.timeout_s}
             settings["tests"] = {**tests, **paths}
+        elif isinstance(check, GuiCheck):
+            settings["gui"] = {"task_id": check.task_id, "judge": check.judge}
         else:
             settings["score_task"] = check.task_id
         if self.setup:
@@ -220,14 +242,24 @@ class TaskSpec:
     def from_settings(
         cls, task_id: str, instruction: str, settings: Mapping[str, Any], *, image: str = "host"
     ) -> TaskSpec:
-        scorers = [k for k in ("check", "tests", "score_task") if k in settings]
+        scorers = [k for k in ("check", "tests", "score_task", "gui") if k in settings]
         if len(scorers) != 1:
             raise ValueError(
                 f'task {task_id!r}: scorer_json needs exactly one of "check": {{"command": '
-                f'"..."}}, "tests": {{SWE test task}} or "score_task": "<reward task id>"'
+                f'"..."}}, "tests": {{SWE test task}}, "score_task": "<reward task id>" or '
+                '"gui": {"task_id": "<GUI task id>"}'
                 + (f", got {' and '.join(scorers)}" if scorers else "")
             )
         checker = _check(task_id, settings)
+        if isinstance(checker, GuiCheck):
+            extra = [
+                k for k in ("files", "setup", "tools", "workdir", "mcp_servers") if settings.get(k)
+            ]
+            if extra:
+                raise ValueError(
+                    f"task {task_id!r} is a GUI task (its sandboxes are a browser episode's): "
+                    f"it takes no {', '.join(extra)}"
+                )
         setup = settings.get("setup", [])
         if not isinstance(setup, list) or not all(isinstance(s, str) for s in setup):
             raise ValueError(f'task {task_id!r}: "setup" must be a list of shell commands')
@@ -253,6 +285,20 @@ class TaskSpec:
 
 
 def _check(task_id: str, settings: Mapping[str, Any]) -> Check:
+    if "gui" in settings:
+        gui = settings["gui"]
+        if not isinstance(gui, dict) or not isinstance(gui.get("task_id"), str):
+            raise ValueError(
+                f'task {task_id!r}: "gui" must be {{"task_id": "gui/<seed>/<family>/<n>", '
+                '"judge": "<reward judge>"}'
+            )
+        unknown = sorted(set(gui) - {"task_id", "judge"})
+        if unknown:
+            raise ValueError(f'task {task_id!r}: "gui" has unknown fields {", ".join(unknown)}')
+        judge = gui.get("judge") or GUI_STATE_JUDGE
+        if not isinstance(judge, str):
+            raise ValueError(f'task {task_id!r}: "gui.judge" must name a reward service judge')
+        return GuiCheck(gui["task_id"], judge)
     if "score_task" in settings:
         name = settings["score_task"]
         if not isinstance(name, str) or not name:

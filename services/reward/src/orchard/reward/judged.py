@@ -26,7 +26,14 @@ from orchard.reward.outcome import Evidence, Exclusion, ScoreResult, excluded
 from orchard.reward.rubric import DEFAULT_RUBRIC, Dimension, combine, parse_grades, validate_rubric
 from orchard.reward.verdict import parse_verdict, verdict_reward
 
-__all__ = ["CreditAnswer", "TranscriptStep", "assign_credit", "grade_rubric", "judge_outcome"]
+__all__ = [
+    "CreditAnswer",
+    "TranscriptStep",
+    "assign_credit",
+    "grade_rubric",
+    "judge_outcome",
+    "require_outcome_inputs",
+]
 
 DEFAULT_LAST_SCREENSHOTS = 3
 
@@ -46,6 +53,17 @@ def _transcript(steps: Sequence[TranscriptStep]) -> str:
     )
 
 
+def require_outcome_inputs(intent: str, policy_format_failures: int) -> None:
+    """INVALID_ARGUMENT for what no outcome judge (a model or the state judge) accepts."""
+    if not intent.strip():
+        raise OrchardError(Reason.INVALID_ARGUMENT, "intent is empty: the judge needs the task")
+    if policy_format_failures < 0:
+        raise OrchardError(
+            Reason.INVALID_ARGUMENT,
+            f"policy_format_failures must not be negative, got {policy_format_failures}",
+        )
+
+
 def _problems(answer: JudgeAnswer[Any]) -> tuple[Evidence, ...]:
     return tuple(Evidence.of("judge attempt", problem) for problem in answer.problems)
 
@@ -62,13 +80,7 @@ async def judge_outcome(
     format_failure_limit: int = 3,
 ) -> ScoreResult:
     """Was the open-ended task achieved? +1 / -1 (or the format variant), else EXCLUDED."""
-    if not intent.strip():
-        raise OrchardError(Reason.INVALID_ARGUMENT, "intent is empty: the judge needs the task")
-    if policy_format_failures < 0:
-        raise OrchardError(
-            Reason.INVALID_ARGUMENT,
-            f"policy_format_failures must not be negative, got {policy_format_failures}",
-        )
+    require_outcome_inputs(intent, policy_format_failures)
     shown = screenshots[len(screenshots) - last_screenshots :] if last_screenshots > 0 else []
     try:
         images = [image_data_url(shot) for shot in shown]

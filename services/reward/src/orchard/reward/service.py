@@ -22,8 +22,20 @@ from orchard.reward import convert
 from orchard.reward.claw_tasks import builtin_task_checks, is_claw_id
 from orchard.reward.config import RewardConfig
 from orchard.reward.credit import require_failed, validate_epsilon, validate_success_threshold
+from orchard.reward.gui_state import (
+    GUI_STATE_JUDGE,
+    gui_task,
+    judge_site_state,
+    site_port,
+    site_sandbox,
+)
 from orchard.reward.judge_client import Judge
-from orchard.reward.judged import assign_credit, grade_rubric, judge_outcome
+from orchard.reward.judged import (
+    assign_credit,
+    grade_rubric,
+    judge_outcome,
+    require_outcome_inputs,
+)
 from orchard.reward.metrics import RewardMetrics
 from orchard.reward.outcome import Exclusion, ScoreResult, excluded, scored
 from orchard.reward.rubric import Dimension
@@ -79,7 +91,15 @@ class RewardServicer(reward_service_pb2_grpc.RewardServiceServicer):
         judge = self.resources.judges.get(chosen)
         if judge is None:
             known = ", ".join(sorted(self.resources.judges))
-            raise _invalid(f"unknown judge {chosen!r}; configured judges: {known}")
+            if chosen == GUI_STATE_JUDGE:
+                raise _invalid(
+                    f"judge {GUI_STATE_JUDGE} answers JudgeOutcome only; configured judges: {known}"
+                )
+            raise _invalid(
+                f"unknown judge {chosen!r}; configured judges: {known}; built in, for "
+                f"JudgeOutcome: {GUI_STATE_JUDGE} (a built-in GUI task's check on its site's "
+                "server-side state: task_id, site_sandbox_id)"
+            )
         if judge.scripted and not credit:
             models = sorted(n for n, j in self.resources.judges.items() if not j.scripted)
             raise OrchardError(
@@ -232,6 +252,8 @@ class RewardServicer(reward_service_pb2_grpc.RewardServiceServicer):
     async def JudgeOutcome(
         self, request: api.JudgeOutcomeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> api.JudgeOutcomeResponse:
+        if request.judge == GUI_STATE_JUDGE:
+            return await self._judge_site_state(request)
         judge = self._judge(request.judge)
         started = time.monotonic()
         result = await judge_outcome(
@@ -244,6 +266,38 @@ class RewardServicer(reward_service_pb2_grpc.RewardServiceServicer):
             policy_format_failures=request.policy_format_failures,
             format_failure_limit=self.config.format_failure_limit,
         )
+        self._record(result, started)
+        return api.JudgeOutcomeResponse(reward=convert.reward_message(result))
+
+    async def _judge_site_state(self, request: api.JudgeOutcomeRequest) -> api.JudgeOutcomeResponse:
+        """The state judge (`orchard.reward.gui_state`): a site sandbox that is gone or not
+        READY is EXCLUDED, not NOT_FOUND as in ScoreTask (the episode lost it)."""
+        require_outcome_inputs(request.intent, request.policy_format_failures)
+        task = gui_task(request.task_id)
+        if not request.site_sandbox_id:
+            raise _invalid(
+                f"judge {GUI_STATE_JUDGE} needs site_sandbox_id: the episode's site sandbox"
+            )
+        port = site_port(request.site_port)
+        client = self._env()
+        started = time.monotonic()
+        sandbox = await site_sandbox(client, request.site_sandbox_id)
+        if isinstance(sandbox, ScoreResult):
+            result = sandbox
+        else:
+            try:
+                result = await judge_site_state(
+                    sandbox,
+                    task,
+                    final_response=request.final_response,
+                    port=port,
+                    screenshots=len(request.screenshots),
+                    format_variant=request.format_variant,
+                    policy_format_failures=request.policy_format_failures,
+                    format_failure_limit=self.config.format_failure_limit,
+                )
+            finally:
+                await sandbox.close()
         self._record(result, started)
         return api.JudgeOutcomeResponse(reward=convert.reward_message(result))
 

@@ -4,8 +4,10 @@ The judge answers ``{"success": true|false, "reason": "..."}``. A reply without 
 object, or with a non-boolean ``success``, is malformed: the caller retries, and after the last
 attempt the reward is EXCLUDED (judge unavailable), never scored 0.
 
-Two reward variants: *binary* (+1 success, -1 failure) and *format* (+1 success, -1 when the
-policy's own output failed to parse repeatedly during the episode, 0 otherwise).
+Two reward variants: *binary* (+1 success, -1 failure) and *format*, for GUI episodes: -1 when
+the episode ended from repeated format failures (the policy's own output failed to parse at
+least the limit's number of times), +1 for a success in which every assistant turn parsed, 0
+otherwise (a failure, or a success with some unparsed turns).
 """
 
 from __future__ import annotations
@@ -50,22 +52,24 @@ def verdict_reward(
     policy_format_failures: int = 0,
     format_failure_limit: int = 3,
     why_none: str = "no well-formed verdict",
+    scorer: str = SCORER,
 ) -> ScoreResult:
     """The reward of one decided verdict; None (no usable verdict) is EXCLUDED with ``why_none``.
 
-    Binary: +1 success, -1 failure. ``format_variant`` scores a failure -1 when the policy's
-    actions failed to parse at least ``format_failure_limit`` times, else 0.
+    Binary: +1 success, -1 failure. ``format_variant``: -1 when the policy's actions failed to
+    parse at least ``format_failure_limit`` times (success or not), else +1 for a success with
+    no failure at all, else 0.
     """
     if verdict is None:
-        return excluded(SCORER, Exclusion.JUDGE_UNAVAILABLE, why_none, evidence=evidence)
-    if verdict.success:
-        value = 1.0
-    elif not format_variant:
+        return excluded(scorer, Exclusion.JUDGE_UNAVAILABLE, why_none, evidence=evidence)
+    if not format_variant:
+        value = 1.0 if verdict.success else -1.0
+    elif policy_format_failures >= format_failure_limit:
         value = -1.0
     else:
-        value = -1.0 if policy_format_failures >= format_failure_limit else 0.0
+        value = 1.0 if verdict.success and policy_format_failures == 0 else 0.0
     return scored(
-        SCORER,
+        scorer,
         value,
         detail=("success" if verdict.success else "failure") + f": {verdict.reason}",
         components={

@@ -329,6 +329,56 @@ class HarnessesConfig(ConfigModel):
         return self.cache_dir or environ.get("ORCHARD_HARNESS_CACHE", "")
 
 
+class GuiConfig(ConfigModel):
+    """Browser episodes of GUI tasks (the ``builtin:browser`` harnesses): a site sandbox and a
+    browser sandbox per rollout, both through the environment service."""
+
+    browser_dir: str = Field(
+        default="",
+        description="Where the images hold the browser folder (`make gui-browser` builds it; "
+        "the charts' browser image has it at /opt/orchard-browser; the local runtime's host "
+        "image shows the host root read-only, so the built folder's own path). Empty: "
+        "$ORCHARD_GUI_BROWSER_DIR, and without it no browser harness is offered.",
+    )
+    image: str = Field(default="host", min_length=1, description="The browser sandbox's image.")
+    site_image: str = Field(
+        default="", description="The site sandbox's image (python3 and the folder); empty: image."
+    )
+    site_port: int = Field(default=8080, ge=1, le=65535, description="The site server's port.")
+    chromium: str = Field(
+        default="/usr/bin/chromium", min_length=1, description="Chromium in the browser image."
+    )
+    browser_user: int | None = Field(
+        default=65534,
+        ge=1,
+        description="The uid the browser runs as; null keeps root (Chromium's sandbox off).",
+    )
+    chromium_sandbox: bool = Field(
+        default=True,
+        description="Chromium's own sandbox; the browser sandbox then asks the environment "
+        "service for user namespaces (its operator must allow them to this service).",
+    )
+    viewport: tuple[int, int] = Field(default=(1280, 800), description="Width, height (pixels).")
+    action_timeout_s: float = Field(
+        default=15.0, gt=0, description="How long one action (a click, a page load) may take."
+    )
+    keep_last: int = Field(
+        default=3,
+        ge=1,
+        description="Screenshots (or page texts) kept in the conversation; earlier ones become "
+        "a one-line placeholder.",
+    )
+    format_failure_limit: int = Field(
+        default=3,
+        ge=1,
+        description="Turns that do not parse before the episode ends (scored -1 by the judge).",
+    )
+
+    def resolved_browser_dir(self, environ: Mapping[str, str] | None = None) -> str:
+        environ = os.environ if environ is None else environ
+        return self.browser_dir or environ.get("ORCHARD_GUI_BROWSER_DIR", "")
+
+
 class RolloutConfig(ServiceConfig):
     """Everything ``orchard-rollout`` runs with."""
 
@@ -366,6 +416,7 @@ class RolloutConfig(ServiceConfig):
         default_factory=HarnessesConfig,
         description="Unmodified agent programs run inside the sandboxes, from an offline cache.",
     )
+    gui: GuiConfig = Field(default_factory=GuiConfig, description="Browser episodes of GUI tasks.")
     workers: WorkersConfig = Field(
         default_factory=WorkersConfig,
         description="Where rollouts run: in this process (the default) or on Ray actors.",

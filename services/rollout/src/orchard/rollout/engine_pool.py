@@ -206,9 +206,13 @@ class EnginePool:
 
         message = api.ScriptedPolicy.FromString(key.script)
         seed = message.seed if message.HasField("seed") else None
-        engine = ScriptedEngine(script_from_proto(message), build_tokenizer(), seed=seed)
+        script = script_from_proto(message)
+        engine = ScriptedEngine(script, build_tokenizer(), seed=seed)
+        parts = [f"{len(script.plans)} plans"] if script.plans else []
+        if script.gui_teacher is not None:
+            parts.insert(0, f"GUI teacher over {script.gui_teacher.count} tasks")
         return await self._behind_proxy(
-            key.name, engine, key.as_config(), f"scripted, {len(message.plans)} plans"
+            key.name, engine, key.as_config(), f"scripted, {', '.join(parts)}"
         )
 
     async def _start_relay(self, key: JobPolicyKey) -> StartedPolicy:

@@ -5,6 +5,10 @@ through the environment service (after a random delay against bursts, retried pe
 the task's setup, drives the harness under the wall-clock budget, scores the task's check in the
 sandbox, collects the captured calls when a capture source is given, and deletes the sandbox.
 
+A GUI task (`GuiCheck`) runs in a browser episode instead: its site sandbox and its browser
+sandbox (`orchard.tasks.gui.episode`), opened with the browser harness's settings, the browser on
+the task's start page; the reward service's JudgeOutcome scores it before both are deleted.
+
 Every infrastructure failure is recorded with its layer and the rollout comes back ABORTED (no
 reward, never trained); so does a reward the scorer EXCLUDED (layer `reward`). A budget that
 runs out comes back TRUNCATED and is still scored. A setup killed for memory is retried once in a
@@ -32,10 +36,12 @@ import openai
 
 from orchard.rollout.budgets import InfrastructureError, LayeredRetries, RolloutBudget, with_retries
 from orchard.rollout.capture import CallRecord
+from orchard.rollout.harnesses.browser import BrowserHarness
+from orchard.rollout.harnesses.episodes import BrowserRun
 from orchard.rollout.harnesses.kinds import Harness
 from orchard.rollout.harnesses.sandboxed import SandboxedProgramHarness
 from orchard.rollout.harnesses.tool_loop import HarnessContext, ModelEndpoint
-from orchard.rollout.provenance import FailureLayer, InfraFailure, RolloutRecord
+from orchard.rollout.provenance import FailureLayer, InfraFailure, RewardRecord, RolloutRecord
 from orchard.rollout.proxy.sessions import CaptureNotSettled
 from orchard.rollout.results import GroupKey, RolloutResult, RolloutStatus
 from orchard.rollout.scoring import LocalScorer, RewardExcluded, RewardUnavailable, TaskScorer
@@ -43,6 +49,9 @@ from orchard.rollout.task_files import FileSource, TaskFilesError, place_files
 from orchard.rollout.tasks import TaskSpec
 from orchard.sdk import AsyncSandbox, AsyncSandboxClient, Resources
 from orchard.sdk import errors as sdk_errors
+from orchard.tasks.gui.episode import BrowserEpisode, BrowserUnavailable
+from orchard.tasks.gui.suite import task_by_id
+from orchard.tasks.spec import GuiCheck
 
 if TYPE_CHECKING:
     from orchard.rollout.proxy.server import CaptureProxy
@@ -57,6 +66,8 @@ SANDBOX_CREATE_RETRYABLE: tuple[type[Exception], ...] = (
     sdk_errors.Internal,
 )
 KILL_SIGNAL = 9
+EPISODE_SCORING_S = 120.0
+"""How long a browser episode's allowance outlives the rollout's budget (its scoring)."""
 ROLLOUT_LABEL = "orchard-rollout"
 """Label on a rollout's sandboxes (`rollout_label` of its id)."""
 
@@ -235,6 +246,55 @@ class RolloutRunner:
             rng=self._rng,
         )
 
+    async def _open_episode(
+        self, task: TaskSpec, check: GuiCheck, harness: Harness, record: RolloutRecord
+    ) -> BrowserRun:
+        """The GUI task's browser episode, its browser on the task's start page."""
+        if not isinstance(harness, BrowserHarness):
+            raise InfrastructureError(
+                FailureLayer.HARNESS,
+                f"task {task.id!r} is a GUI task and {harness.name} is no browser harness",
+                1,
+            )
+        try:
+            gui = task_by_id(check.task_id)
+        except ValueError as exc:
+            raise InfrastructureError(FailureLayer.SANDBOX_CREATE, str(exc), 1) from None
+        await asyncio.sleep(self._rng.uniform(0, self.retries.create_spread_s))
+        labels = {**self.labels, ROLLOUT_LABEL: rollout_label(record.rollout_id)}
+        settings = dataclasses.replace(harness.settings, labels=labels)
+        lifetime_s = self.budget.max_duration_s + EPISODE_SCORING_S
+
+        async def attempt(_: int) -> BrowserEpisode:
+            try:
+                return await BrowserEpisode.open(
+                    self.sandboxes,
+                    settings,
+                    sites=[gui.site],
+                    worlds={gui.site: gui.initial_state},
+                    lifetime_s=lifetime_s,
+                )
+            except BrowserUnavailable as exc:
+                raise InfrastructureError(FailureLayer.SANDBOX_CREATE, str(exc), 1) from None
+            except sdk_errors.PermissionDenied as exc:
+                raise InfrastructureError(
+                    FailureLayer.SANDBOX_CREATE,
+                    f"the environment service refused the browser sandbox: {exc} (Chromium's "
+                    "own sandbox needs user namespaces: allow them to this service, or turn "
+                    "chromium_sandbox off in its gui settings)",
+                    1,
+                ) from None
+
+        episode = await with_retries(
+            FailureLayer.SANDBOX_CREATE,
+            self.retries.sandbox_create,
+            attempt,
+            retryable=SANDBOX_CREATE_RETRYABLE,
+            rng=self._rng,
+        )
+        record.sandbox_ids += [episode.site.id, episode.browser.id]
+        return BrowserRun(episode, gui.start_url(episode.base_url))
+
     async def _place_files(self, sandbox: AsyncSandbox, task: TaskSpec) -> None:
         if self.files is None:
             raise InfrastructureError(
@@ -261,11 +321,16 @@ class RolloutRunner:
         status = RolloutStatus.ABORTED
         capture = self.capture if session is None else None
         sandbox: AsyncSandbox | None = None
+        browser: BrowserRun | None = None
         capturing = False
         program_failure: InfrastructureError | None = None
         try:
-            sandbox = await self._create(task, record, memory)
-            record.sandbox_ids.append(sandbox.id)
+            if isinstance(task.check, GuiCheck):
+                browser = await self._open_episode(task, task.check, harness, record)
+                sandbox = browser.episode.browser
+            else:
+                sandbox = await self._create(task, record, memory)
+                record.sandbox_ids.append(sandbox.id)
             if task.files:
                 await self._place_files(sandbox, task)
             for command in task.setup:
@@ -304,6 +369,7 @@ class RolloutRunner:
                     rng=self._rng,
                     tools=task.tools,
                     mcp_servers=task.mcp_servers,
+                    browser=browser,
                 )
                 try:
                     async with asyncio.timeout(self.budget.max_duration_s):
@@ -349,10 +415,17 @@ class RolloutRunner:
                         1,
                     )
             scored_in = sandbox
+
+            async def score(_: int) -> RewardRecord:
+                if browser is not None:
+                    assert isinstance(task.check, GuiCheck)
+                    return await self.scorer.judge_episode(task, task.check, browser)
+                return await self.scorer.score(task, scored_in)
+
             record.reward = await with_retries(
                 FailureLayer.REWARD,
                 self.retries.reward,
-                lambda _: self.scorer.score(task, scored_in),
+                score,
                 retryable=(
                     sdk_errors.Unavailable,
                     sdk_errors.Internal,
@@ -381,7 +454,17 @@ class RolloutRunner:
         finally:
             if capturing and capture is not None:
                 capture.close(record.rollout_id)
-            if sandbox is not None:
+            if browser is not None:
+                try:
+                    await asyncio.shield(browser.episode.close())
+                except sdk_errors.OrchardSDKError as exc:
+                    log.warning(
+                        "rollout %s: episode sandboxes %s not deleted: %s",
+                        record.rollout_id,
+                        ", ".join(record.sandbox_ids),
+                        exc,
+                    )
+            elif sandbox is not None:
                 try:
                     await asyncio.shield(sandbox.delete())
                 except sdk_errors.OrchardSDKError as exc:

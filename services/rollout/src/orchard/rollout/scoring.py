@@ -7,7 +7,11 @@
   sandbox (`git add -A; git diff --cached --binary <base>`), the work tree is reset to the base
   commit, and ScoreTests applies the diff as the candidate patch and runs the tests there;
 - a `score_task` task: ScoreTask runs the reward service's checks of that task in the sandbox;
-- a `check` task: the command check, run locally as by `LocalScorer`.
+- a `check` task: the command check, run locally as by `LocalScorer`;
+- a `gui` task (`judge_episode`): JudgeOutcome with the task's judge, in the format variant
+  (+1 when every turn parsed and the judge says success, -1 when the episode ended from
+  repeated format failures, 0 otherwise), given the intent, the answer given to ``done``, the
+  last screenshots and, for the built-in state judge, the task and its site sandbox.
 
 A reward the service marks EXCLUDED (the sandbox died, a time limit outside the policy's
 control) raises `RewardExcluded`: the runner records the rollout as aborted, never as a policy
@@ -24,9 +28,11 @@ import grpc
 
 from orchard.reward.v1 import reward_service_pb2, reward_service_pb2_grpc
 from orchard.rollout.budgets import InfrastructureError
+from orchard.rollout.harnesses.episodes import BrowserRun
 from orchard.rollout.provenance import FailureLayer, RewardEvidence, RewardRecord
 from orchard.rollout.tasks import CommandCheck, ServiceTaskCheck, TaskSpec, TestsCheck
 from orchard.sdk import AsyncSandbox
+from orchard.tasks.spec import GuiCheck
 from orchard.types.v1 import reward_pb2
 
 RETRYABLE_CODES = frozenset(
@@ -38,6 +44,8 @@ RETRYABLE_CODES = frozenset(
     }
 )
 DIFF_TIMEOUT_S = 120.0
+JUDGED_SCREENSHOTS = 16
+"""Most screenshots of an episode's trail sent to the judge (the last ones)."""
 
 
 class RewardExcluded(Exception):
@@ -61,6 +69,11 @@ class TaskScorer(Protocol):
         """The reward; raises `RewardExcluded`, `RewardUnavailable`, `InfrastructureError`."""
         ...
 
+    async def judge_episode(self, task: TaskSpec, check: GuiCheck, run: BrowserRun) -> RewardRecord:
+        """The reward of a GUI task's browser episode, before its sandboxes are deleted;
+        raises as `score` does."""
+        ...
+
 
 class LocalScorer:
     """Command checks only, run through the environment service."""
@@ -71,6 +84,14 @@ class LocalScorer:
         raise InfrastructureError(
             FailureLayer.REWARD,
             f"task {task.id!r} is scored by the reward service, and none is configured "
+            "(set reward.endpoint)",
+            1,
+        )
+
+    async def judge_episode(self, task: TaskSpec, check: GuiCheck, run: BrowserRun) -> RewardRecord:
+        raise InfrastructureError(
+            FailureLayer.REWARD,
+            f"GUI task {task.id!r} is judged by the reward service, and none is configured "
             "(set reward.endpoint)",
             1,
         )
@@ -140,6 +161,15 @@ async def candidate_patch(sandbox: AsyncSandbox, check: TestsCheck) -> str:
     return diff.stdout_text
 
 
+def _rpc_failure(exc: grpc.aio.AioRpcError) -> Exception:
+    """What a failed reward call raises: `RewardUnavailable` (retried) for a transport or
+    server failure, else `InfrastructureError` (the service refused the request)."""
+    message = f"reward service {exc.code().name}: {exc.details()}"
+    if exc.code() in RETRYABLE_CODES:
+        return RewardUnavailable(message)
+    return InfrastructureError(FailureLayer.REWARD, message, 1)
+
+
 class RewardServiceScorer:
     """`async with RewardServiceScorer("127.0.0.1:7200") as scorer:` scores through the
     reward service at that gRPC address (HOST:PORT or unix:PATH)."""
@@ -187,6 +217,10 @@ class RewardServiceScorer:
                     request.timeout.FromNanoseconds(int(check.timeout_s * 1e9))
                 tests = await self.stub.ScoreTests(request, timeout=self.call_timeout_s)
                 return reward_record(tests.reward)
+            if isinstance(check, GuiCheck):
+                raise InfrastructureError(
+                    FailureLayer.REWARD, f"GUI task {task.id!r} is judged on its browser episode", 1
+                )
             assert isinstance(check, ServiceTaskCheck)
             scored = await self.stub.ScoreTask(
                 reward_service_pb2.ScoreTaskRequest(sandbox_id=sandbox.id, task_id=check.task_id),
@@ -194,7 +228,22 @@ class RewardServiceScorer:
             )
             return reward_record(scored.reward)
         except grpc.aio.AioRpcError as exc:
-            message = f"reward service {exc.code().name}: {exc.details()}"
-            if exc.code() in RETRYABLE_CODES:
-                raise RewardUnavailable(message) from None
-            raise InfrastructureError(FailureLayer.REWARD, message, 1) from None
+            raise _rpc_failure(exc) from None
+
+    async def judge_episode(self, task: TaskSpec, check: GuiCheck, run: BrowserRun) -> RewardRecord:
+        request = reward_service_pb2.JudgeOutcomeRequest(
+            intent=task.instruction,
+            final_response=run.response or "",
+            screenshots=run.screenshots[-JUDGED_SCREENSHOTS:],
+            judge=check.judge,
+            format_variant=True,
+            policy_format_failures=run.format_failures,
+            task_id=check.task_id,
+            site_sandbox_id=run.episode.site.id,
+            site_port=run.episode.settings.site_port,
+        )
+        try:
+            judged = await self.stub.JudgeOutcome(request, timeout=self.call_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise _rpc_failure(exc) from None
+        return reward_record(judged.reward)

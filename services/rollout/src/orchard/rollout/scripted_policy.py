@@ -6,6 +6,10 @@ the policy draws which one it follows (the plan's `solve_rate`), says so in its 
 and reads that thought back on later steps — so it needs no state and many conversations can
 share one server. Each step is one tool call (OpenAI `tool_calls`), or a final answer.
 
+A script may also bring the built-in GUI suite's teacher (`GuiTeacherSettings`), which the
+scripted engine plays for conversations of the suite's tasks
+(`orchard.rollout.gui_teacher_policy`); the server here plays the plans only.
+
 The server speaks what the capture proxy speaks, through the same dialect modules
 (`orchard.rollout.proxy`): `POST /v1/chat/completions`, `POST /v1/responses`, `POST /v1/messages`
 (streaming or not; also `/v1/messages/count_tokens`), `GET /v1/models` and the side requests
@@ -41,6 +45,7 @@ from orchard.rollout.proxy.http import (
 )
 from orchard.rollout.proxy.turns import ApiError, Dialect, ModelTurn, TurnRequest
 from orchard.rollout.teacher_tools import NoToolFits, adapt_step
+from orchard.tasks.gui.suite import DEFAULT_COUNT, MAX_TASKS, MIN_TASKS
 
 DEFAULT_MODEL = "orchard-scripted-policy"
 
@@ -83,10 +88,34 @@ def _steps(data: Sequence[Mapping[str, Any]]) -> tuple[ScriptedStep, ...]:
 
 
 @dataclass(frozen=True, slots=True)
+class GuiTeacherSettings:
+    """The built-in GUI suite's scripted teacher as part of a script (`orchard.rollout.v1.
+    GuiTeacher`): the suite its tasks come from and how often it errs."""
+
+    suite_seed: int = 0
+    count: int = DEFAULT_COUNT
+    """Tasks in the suite (`orchard.tasks.gui.suite.generate_suite`), looked up by intent."""
+    mistake_rate: float = 0.0
+    """Chance, per click, typing or choosing step, of a wrong action in its place."""
+    slip_share: float = 0.5
+    """Share of those mistakes left uncorrected."""
+
+    def __post_init__(self) -> None:
+        if not MIN_TASKS <= self.count <= MAX_TASKS:
+            raise ValueError(f"count {self.count} must lie in [{MIN_TASKS}, {MAX_TASKS}]")
+        for name in ("mistake_rate", "slip_share"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:  # also refuses NaN
+                raise ValueError(f"{name} {value} must lie in [0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
 class PolicyScript:
     plans: tuple[TaskPlan, ...]
     model: str = DEFAULT_MODEL
     unknown_task_reply: str = "I do not know how to solve this task."
+    gui_teacher: GuiTeacherSettings | None = None
+    """The GUI teacher, for conversations of the suite's tasks; the plans answer the others."""
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> PolicyScript:
@@ -128,11 +157,32 @@ def _proto_steps(steps: Sequence[Any], where: str) -> tuple[ScriptedStep, ...]:
     return tuple(out)
 
 
+def _gui_teacher_from_proto(message: Any) -> GuiTeacherSettings:
+    """From an `orchard.rollout.v1.GuiTeacher` message; ValueError names the field."""
+    if not 0 <= message.count <= MAX_TASKS:
+        raise ValueError(
+            f"gui_teacher.count {message.count} must lie in [0, {MAX_TASKS}] "
+            f"(0: the suite's default, {DEFAULT_COUNT})"
+        )
+    try:
+        return GuiTeacherSettings(
+            suite_seed=message.suite_seed,
+            count=message.count or DEFAULT_COUNT,
+            mistake_rate=message.mistake_rate,
+            slip_share=message.slip_share if message.HasField("slip_share") else 0.5,
+        )
+    except ValueError as exc:
+        raise ValueError(f"gui_teacher.{exc}") from None
+
+
 def script_from_proto(message: Any) -> PolicyScript:
     """A `PolicyScript` from an `orchard.rollout.v1.ScriptedPolicy` message; ValueError says
     which field is wrong."""
-    if not message.plans:
-        raise ValueError("plans is empty: give at least one plan")
+    gui_teacher = (
+        _gui_teacher_from_proto(message.gui_teacher) if message.HasField("gui_teacher") else None
+    )
+    if not message.plans and gui_teacher is None:
+        raise ValueError("plans is empty: give at least one plan, or a gui_teacher")
     plans = []
     for i, plan in enumerate(message.plans):
         where = f"plans[{i}]"
@@ -146,10 +196,13 @@ def script_from_proto(message: Any) -> PolicyScript:
             plans.append(TaskPlan(plan.match, plan.solve_rate, solution, failure))
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
-    return PolicyScript(plans=tuple(plans), model=message.model or DEFAULT_MODEL)
+    return PolicyScript(
+        plans=tuple(plans), model=message.model or DEFAULT_MODEL, gui_teacher=gui_teacher
+    )
 
 
-def _content_text(content: Any) -> str:
+def content_text(content: Any) -> str:
+    """A message's text: its content string, or its text parts joined (images left out)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -157,7 +210,7 @@ def _content_text(content: Any) -> str:
     return ""
 
 
-def _assistant_turns(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+def assistant_turns(messages: Sequence[Mapping[str, Any]]) -> list[str]:
     """The text of each assistant turn: consecutive assistant messages are one turn (a
     Responses API history gives a turn's text and its function calls as separate items)."""
     turns: list[str] = []
@@ -165,7 +218,7 @@ def _assistant_turns(messages: Sequence[Mapping[str, Any]]) -> list[str]:
     for message in messages:
         role = message.get("role")
         if role == "assistant":
-            text = _content_text(message.get("content"))
+            text = content_text(message.get("content"))
             if previous == "assistant":
                 turns[-1] += text
             else:
@@ -190,7 +243,7 @@ class ScriptedPolicy:
     def plan_for(self, messages: Sequence[Mapping[str, Any]]) -> TaskPlan | None:
         for message in messages:
             if message.get("role") == "user":
-                plan = self.script.plan_for(_content_text(message.get("content")))
+                plan = self.script.plan_for(content_text(message.get("content")))
                 if plan is not None:
                     return plan
         return None
@@ -209,7 +262,7 @@ class ScriptedPolicy:
         plan = self.plan_for(messages)
         if plan is None:
             return ScriptedStep(self.script.unknown_task_reply)
-        replies = _assistant_turns(messages)
+        replies = assistant_turns(messages)
         if not replies:
             draw = self.rng.random() if seed is None else random.Random(seed).random()
             path = plan.solution if draw < plan.solve_rate else plan.failure
@@ -346,7 +399,7 @@ class ScriptedPolicyServer:
 
 
 def _prompt_tokens(request: TurnRequest) -> int:
-    return sum(_estimate_tokens(_content_text(m.get("content"))) for m in request.messages)
+    return sum(_estimate_tokens(content_text(m.get("content"))) for m in request.messages)
 
 
 async def serve_forever(server: ScriptedPolicyServer) -> None:

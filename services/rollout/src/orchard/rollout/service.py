@@ -22,7 +22,7 @@ import json
 import logging
 import re
 import urllib.parse
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -42,6 +42,7 @@ from orchard.rollout.harnesses.bash_react import (
     generic_tool_harness,
     shell_harness,
 )
+from orchard.rollout.harnesses.browser import BrowserHarness, browser_harnesses
 from orchard.rollout.harnesses.kinds import Harness
 from orchard.rollout.harnesses.program_registry import program_harnesses
 from orchard.rollout.harnesses.sandboxed import SandboxedProgramHarness
@@ -71,6 +72,8 @@ from orchard.rollout.v1 import rollout_service_pb2_grpc
 from orchard.rollout.workers import RolloutWorkers, RunnerSpec
 from orchard.sdk import AsyncSandboxClient
 from orchard.sdk import errors as sdk_errors
+from orchard.tasks.gui.suite import task_by_id as gui_task_by_id
+from orchard.tasks.spec import GuiCheck
 
 if TYPE_CHECKING:
     from orchard.lm.weights import WeightRegistry
@@ -357,6 +360,7 @@ def validate_spec(
             raise _invalid(
                 f"unknown harness {name!r}; known harnesses: {', '.join(sorted(harnesses))}"
             )
+    _check_gui_pairs(tasks, spec.harnesses, harnesses)
     job_policy = None
     if spec.HasField("policy_spec"):
         if spec.policy:
@@ -426,6 +430,7 @@ class RolloutManager:
         if not self.harnesses:
             self.harnesses = {
                 **builtin_harnesses(self.config.defaults.command_timeout_s),
+                **browser_harnesses(self.config.gui),
                 **program_harnesses(self.config.harnesses),
             }
         self.engines = EnginePool(self.config, self.metrics, self.registry)
@@ -678,6 +683,34 @@ class RolloutManager:
         if self._events is not None:
             await self._events.close()
         await self.engines.close()
+
+
+def _check_gui_pairs(
+    tasks: Mapping[str, TaskSpec], names: Sequence[str], harnesses: Mapping[str, Harness]
+) -> None:
+    """Every task runs with every harness of a job: GUI tasks only with browser harnesses,
+    and browser harnesses only on GUI tasks."""
+    checks = {t.id: t.check for t in tasks.values() if isinstance(t.check, GuiCheck)}
+    for task_id, check in checks.items():
+        try:
+            gui_task_by_id(check.task_id)
+        except ValueError as exc:
+            raise _invalid(f"task {task_id!r}: {exc}") from None
+    gui = sorted(checks)
+    browsers = [n for n in names if isinstance(harnesses[n], BrowserHarness)]
+    if gui and len(browsers) != len(names):
+        others = ", ".join(n for n in names if n not in browsers)
+        offered = ", ".join(n for n, h in harnesses.items() if isinstance(h, BrowserHarness))
+        raise _invalid(
+            f"task {gui[0]!r} is a GUI task and runs with browser harnesses only, not {others} "
+            f"(this service offers {offered or 'none: set gui.browser_dir'})"
+        )
+    if browsers and len(gui) != len(tasks):
+        plain = next(t for t in tasks if t not in gui)
+        raise _invalid(
+            f'{browsers[0]} drives browser episodes of GUI tasks (scorer_json "gui"), and '
+            f"task {plain!r} is not one"
+        )
 
 
 def harness_proto(harness: Harness) -> api.Harness:

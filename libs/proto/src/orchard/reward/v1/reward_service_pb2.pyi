@@ -228,6 +228,9 @@ class JudgeOutcomeRequest(_message.Message):
     JUDGE_FIELD_NUMBER: _builtins.int
     FORMAT_VARIANT_FIELD_NUMBER: _builtins.int
     POLICY_FORMAT_FAILURES_FIELD_NUMBER: _builtins.int
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    SITE_SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    SITE_PORT_FIELD_NUMBER: _builtins.int
     intent: _builtins.str
     """What the user asked for."""
     final_response: _builtins.str
@@ -238,6 +241,15 @@ class JudgeOutcomeRequest(_message.Message):
     """Use the format reward variant: +1 success, -1 repeated format failures, 0 otherwise."""
     policy_format_failures: _builtins.int
     """How often the policy's own actions failed to parse during the episode (format variant)."""
+    task_id: _builtins.str
+    """The built-in state judge (`judge` "builtin:gui-state", for the offline GUI suite, which
+    reads no screenshot): the id of the built-in GUI task ("gui/<seed>/<family>/<n>") whose
+    success check it runs against the site's server-side state ...
+    """
+    site_sandbox_id: _builtins.str
+    """... read inside this sandbox, the episode's site sandbox (it must be READY) ..."""
+    site_port: _builtins.int
+    """... from the site server on this port there (0: 8080)."""
     @_builtins.property
     def screenshots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """The last screenshots, oldest first, as PNG or JPEG bytes."""
@@ -251,10 +263,13 @@ class JudgeOutcomeRequest(_message.Message):
         judge: _builtins.str = ...,
         format_variant: _builtins.bool = ...,
         policy_format_failures: _builtins.int = ...,
+        task_id: _builtins.str = ...,
+        site_sandbox_id: _builtins.str = ...,
+        site_port: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["final_response", b"final_response", "format_variant", b"format_variant", "intent", b"intent", "judge", b"judge", "policy_format_failures", b"policy_format_failures", "screenshots", b"screenshots"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["final_response", b"final_response", "format_variant", b"format_variant", "intent", b"intent", "judge", b"judge", "policy_format_failures", b"policy_format_failures", "screenshots", b"screenshots", "site_port", b"site_port", "site_sandbox_id", b"site_sandbox_id", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

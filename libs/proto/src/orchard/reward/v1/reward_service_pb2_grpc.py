@@ -92,10 +92,14 @@ class RewardServiceServicer:
 
     def JudgeOutcome(self, request, context):
         """Asks an LLM judge whether an open-ended task was achieved, from the task intent, the final
-        response and the last screenshots. Malformed verdicts are retried, then EXCLUDED.
-        Changes nothing. Errors: INVALID_ARGUMENT (empty intent, unknown judge, a screenshot that
-        is not PNG or JPEG, negative policy_format_failures), FAILED_PRECONDITION (the judge is a
-        scripted one, which answers credit questions only).
+        response and the last screenshots. Malformed verdicts are retried, then EXCLUDED. The judge
+        "builtin:gui-state" instead runs a built-in GUI task's check on its site's server-side
+        state (task_id, site_sandbox_id); a site sandbox that is gone or does not answer is
+        EXCLUDED. Changes nothing. Errors: INVALID_ARGUMENT (empty intent, unknown judge, a
+        screenshot that is not PNG or JPEG, negative policy_format_failures, the state judge
+        without a GUI task id or a site sandbox), NOT_FOUND (the state judge's task id names no
+        task), FAILED_PRECONDITION (the judge is a scripted one, which answers credit questions
+        only; the state judge without an environment service).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

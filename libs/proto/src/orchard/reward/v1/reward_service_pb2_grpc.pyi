@@ -49,10 +49,14 @@ class RewardServiceStub:
     """
     JudgeOutcome: _grpc.UnaryUnaryMultiCallable[_reward_service_pb2.JudgeOutcomeRequest, _reward_service_pb2.JudgeOutcomeResponse]
     """Asks an LLM judge whether an open-ended task was achieved, from the task intent, the final
-    response and the last screenshots. Malformed verdicts are retried, then EXCLUDED.
-    Changes nothing. Errors: INVALID_ARGUMENT (empty intent, unknown judge, a screenshot that
-    is not PNG or JPEG, negative policy_format_failures), FAILED_PRECONDITION (the judge is a
-    scripted one, which answers credit questions only).
+    response and the last screenshots. Malformed verdicts are retried, then EXCLUDED. The judge
+    "builtin:gui-state" instead runs a built-in GUI task's check on its site's server-side
+    state (task_id, site_sandbox_id); a site sandbox that is gone or does not answer is
+    EXCLUDED. Changes nothing. Errors: INVALID_ARGUMENT (empty intent, unknown judge, a
+    screenshot that is not PNG or JPEG, negative policy_format_failures, the state judge
+    without a GUI task id or a site sandbox), NOT_FOUND (the state judge's task id names no
+    task), FAILED_PRECONDITION (the judge is a scripted one, which answers credit questions
+    only; the state judge without an environment service).
     """
     GradeRubric: _grpc.UnaryUnaryMultiCallable[_reward_service_pb2.GradeRubricRequest, _reward_service_pb2.GradeRubricResponse]
     """Grades a whole trajectory on weighted rubric dimensions (each 0.0–1.0 with cited evidence)
@@ -104,10 +108,14 @@ class RewardServiceAsyncStub(RewardServiceStub):
     """
     JudgeOutcome: _aio.UnaryUnaryMultiCallable[_reward_service_pb2.JudgeOutcomeRequest, _reward_service_pb2.JudgeOutcomeResponse]  # type: ignore[assignment]
     """Asks an LLM judge whether an open-ended task was achieved, from the task intent, the final
-    response and the last screenshots. Malformed verdicts are retried, then EXCLUDED.
-    Changes nothing. Errors: INVALID_ARGUMENT (empty intent, unknown judge, a screenshot that
-    is not PNG or JPEG, negative policy_format_failures), FAILED_PRECONDITION (the judge is a
-    scripted one, which answers credit questions only).
+    response and the last screenshots. Malformed verdicts are retried, then EXCLUDED. The judge
+    "builtin:gui-state" instead runs a built-in GUI task's check on its site's server-side
+    state (task_id, site_sandbox_id); a site sandbox that is gone or does not answer is
+    EXCLUDED. Changes nothing. Errors: INVALID_ARGUMENT (empty intent, unknown judge, a
+    screenshot that is not PNG or JPEG, negative policy_format_failures, the state judge
+    without a GUI task id or a site sandbox), NOT_FOUND (the state judge's task id names no
+    task), FAILED_PRECONDITION (the judge is a scripted one, which answers credit questions
+    only; the state judge without an environment service).
     """
     GradeRubric: _aio.UnaryUnaryMultiCallable[_reward_service_pb2.GradeRubricRequest, _reward_service_pb2.GradeRubricResponse]  # type: ignore[assignment]
     """Grades a whole trajectory on weighted rubric dimensions (each 0.0–1.0 with cited evidence)
@@ -168,10 +176,14 @@ class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_reward_service_pb2.JudgeOutcomeResponse, _abc.Awaitable[_reward_service_pb2.JudgeOutcomeResponse]]:
         """Asks an LLM judge whether an open-ended task was achieved, from the task intent, the final
-        response and the last screenshots. Malformed verdicts are retried, then EXCLUDED.
-        Changes nothing. Errors: INVALID_ARGUMENT (empty intent, unknown judge, a screenshot that
-        is not PNG or JPEG, negative policy_format_failures), FAILED_PRECONDITION (the judge is a
-        scripted one, which answers credit questions only).
+        response and the last screenshots. Malformed verdicts are retried, then EXCLUDED. The judge
+        "builtin:gui-state" instead runs a built-in GUI task's check on its site's server-side
+        state (task_id, site_sandbox_id); a site sandbox that is gone or does not answer is
+        EXCLUDED. Changes nothing. Errors: INVALID_ARGUMENT (empty intent, unknown judge, a
+        screenshot that is not PNG or JPEG, negative policy_format_failures, the state judge
+        without a GUI task id or a site sandbox), NOT_FOUND (the state judge's task id names no
+        task), FAILED_PRECONDITION (the judge is a scripted one, which answers credit questions
+        only; the state judge without an environment service).
         """
 
     @_abc_1.abstractmethod

@@ -27,7 +27,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from orchard.types.v1 import trajectory_pb2 as orchard_dot_types_dot_v1_dot_trajectory__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(orchard/rollout/v1/rollout_service.proto\x12\x12orchard.rollout.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a!orchard/types/v1/trajectory.proto\"\x81\x03\n\rSamplerConfig\x12-\n\x04kind\x18\x01 \x01(\x0e\x32\x1f.orchard.rollout.v1.SamplerKind\x12\x12\n\ngroup_size\x18\x02 \x01(\x05\x12\x0e\n\x06stride\x18\x03 \x01(\x05\x12\x14\n\x0cmax_rollouts\x18\x04 \x01(\x05\x12\x0f\n\x07rho_min\x18\x05 \x01(\x01\x12\x0f\n\x07rho_max\x18\x06 \x01(\x01\x12\x1f\n\x12positive_threshold\x18\x07 \x01(\x01H\x00\x88\x01\x01\x12!\n\x19keep_uninformative_groups\x18\x08 \x01(\x08\x12\x32\n\tstop_rule\x18\t \x01(\x0e\x32\x1f.orchard.rollout.v1.BarStopRule\x12:\n\rmember_choice\x18\n \x01(\x0e\x32#.orchard.rollout.v1.BarMemberChoice\x12\x11\n\x04seed\x18\x0b \x01(\x03H\x01\x88\x01\x01\x42\x15\n\x13_positive_thresholdB\x07\n\x05_seed\"g\n\rRolloutBudget\x12\x11\n\tmax_steps\x18\x01 \x01(\x05\x12\x12\n\nmax_tokens\x18\x02 \x01(\x03\x12/\n\x0cmax_duration\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"R\n\x0bRolloutTask\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05image\x18\x02 \x01(\t\x12\x13\n\x0binstruction\x18\x03 \x01(\t\x12\x13\n\x0bscorer_json\x18\x04 \x01(\t\"\x94\x02\n\x0eRolloutJobSpec\x12.\n\x05tasks\x18\x01 \x03(\x0b\x32\x1f.orchard.rollout.v1.RolloutTask\x12\x11\n\tharnesses\x18\x02 \x03(\t\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x32\n\x07sampler\x18\x04 \x01(\x0b\x32!.orchard.rollout.v1.SamplerConfig\x12\x31\n\x06\x62udget\x18\x05 \x01(\x0b\x32!.orchard.rollout.v1.RolloutBudget\x12\x13\n\x0b\x63oncurrency\x18\x06 \x01(\x05\x12\x33\n\x0bpolicy_spec\x18\x07 \x01(\x0b\x32\x1e.orchard.rollout.v1.PolicySpec\"1\n\x0fRegistryWeights\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\"D\n\x0c\x43hatEndpoint\x12\x10\n\x08\x62\x61se_url\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0b\x61pi_key_env\x18\x03 \x01(\t\"E\n\x0cScriptedStep\x12\x0f\n\x07thought\x18\x01 \x01(\t\x12\x0c\n\x04tool\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\x98\x01\n\x0cScriptedPlan\x12\r\n\x05match\x18\x01 \x01(\t\x12\x12\n\nsolve_rate\x18\x02 \x01(\x01\x12\x32\n\x08solution\x18\x03 \x03(\x0b\x32 .orchard.rollout.v1.ScriptedStep\x12\x31\n\x07\x66\x61ilure\x18\x04 \x03(\x0b\x32 .orchard.rollout.v1.ScriptedStep\"l\n\x0eScriptedPolicy\x12\r\n\x05model\x18\x01 \x01(\t\x12/\n\x05plans\x18\x02 \x03(\x0b\x32 .orchard.rollout.v1.ScriptedPlan\x12\x11\n\x04seed\x18\x03 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\x9f\x02\n\nPolicySpec\x12\x36\n\x07weights\x18\x01 \x01(\x0b\x32#.orchard.rollout.v1.RegistryWeightsH\x00\x12\x34\n\x08\x65ndpoint\x18\x04 \x01(\x0b\x32 .orchard.rollout.v1.ChatEndpointH\x00\x12\x36\n\x08scripted\x18\x05 \x01(\x0b\x32\".orchard.rollout.v1.ScriptedPolicyH\x00\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x1b\n\x13max_tokens_per_call\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x02\x88\x01\x01\x42\x08\n\x06sourceB\x0e\n\x0c_temperatureB\x07\n\x05_seed\"\xa5\x03\n\nRolloutJob\x12\n\n\x02id\x18\x01 \x01(\t\x12\x30\n\x04spec\x18\x02 \x01(\x0b\x32\".orchard.rollout.v1.RolloutJobSpec\x12\x32\n\x05state\x18\x03 \x01(\x0e\x32#.orchard.rollout.v1.RolloutJobState\x12\x15\n\rrollouts_done\x18\x04 \x01(\x03\x12\x19\n\x11rollouts_excluded\x18\x05 \x01(\x03\x12\x16\n\x0egroups_emitted\x18\x06 \x01(\x03\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12/\n\x0b\x63reate_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x18\n\x10rollouts_started\x18\t \x01(\x03\x12\x16\n\x0egroups_dropped\x18\n \x01(\x03\x12\x13\n\x0bpairs_total\x18\x0b \x01(\x03\x12\x12\n\npairs_done\x18\x0c \x01(\x03\x12\x0f\n\x07resumes\x18\r \x01(\x05\x12/\n\x0bupdate_time\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"_\n\x17\x43reateRolloutJobRequest\x12\x30\n\x04spec\x18\x01 \x01(\x0b\x32\".orchard.rollout.v1.RolloutJobSpec\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"G\n\x18\x43reateRolloutJobResponse\x12+\n\x03job\x18\x01 \x01(\x0b\x32\x1e.orchard.rollout.v1.RolloutJob\"&\n\x14GetRolloutJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"D\n\x15GetRolloutJobResponse\x12+\n\x03job\x18\x01 \x01(\x0b\x32\x1e.orchard.rollout.v1.RolloutJob\")\n\x17\x43\x61ncelRolloutJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"G\n\x18\x43\x61ncelRolloutJobResponse\x12+\n\x03job\x18\x01 \x01(\x0b\x32\x1e.orchard.rollout.v1.RolloutJob\":\n\x13StreamGroupsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0bstart_index\x18\x02 \x01(\x03\"W\n\x14StreamGroupsResponse\x12\r\n\x05index\x18\x01 \x01(\x03\x12\x30\n\x05group\x18\x02 \x01(\x0b\x32!.orchard.types.v1.TrajectoryGroup\"?\n\x16ListRolloutJobsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"`\n\x17ListRolloutJobsResponse\x12,\n\x04jobs\x18\x01 \x03(\x0b\x32\x1e.orchard.rollout.v1.RolloutJob\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"W\n\x07Harness\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12\x15\n\rsystem_prompt\x18\x04 \x01(\t\"\x16\n\x14ListHarnessesRequest\"G\n\x15ListHarnessesResponse\x12.\n\tharnesses\x18\x01 \x03(\x0b\x32\x1b.orchard.rollout.v1.Harness*[\n\x0bSamplerKind\x12\x1c\n\x18SAMPLER_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14SAMPLER_KIND_FIXED_N\x10\x01\x12\x14\n\x10SAMPLER_KIND_BAR\x10\x02*]\n\x0b\x42\x61rStopRule\x12\x1d\n\x19\x42\x41R_STOP_RULE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x42\x41R_STOP_RULE_MIXED\x10\x01\x12\x16\n\x12\x42\x41R_STOP_RULE_BAND\x10\x02*p\n\x0f\x42\x61rMemberChoice\x12!\n\x1d\x42\x41R_MEMBER_CHOICE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x42\x41R_MEMBER_CHOICE_RANDOM\x10\x01\x12\x1c\n\x18\x42\x41R_MEMBER_CHOICE_RANKED\x10\x02*\xb3\x01\n\x0fRolloutJobState\x12!\n\x1dROLLOUT_JOB_STATE_UNSPECIFIED\x10\x00\x12\x1d\n\x19ROLLOUT_JOB_STATE_RUNNING\x10\x01\x12\x1f\n\x1bROLLOUT_JOB_STATE_SUCCEEDED\x10\x02\x12\x1c\n\x18ROLLOUT_JOB_STATE_FAILED\x10\x03\x12\x1f\n\x1bROLLOUT_JOB_STATE_CANCELLED\x10\x04\x32\x8b\x05\n\x0eRolloutService\x12m\n\x10\x43reateRolloutJob\x12+.orchard.rollout.v1.CreateRolloutJobRequest\x1a,.orchard.rollout.v1.CreateRolloutJobResponse\x12\x64\n\rGetRolloutJob\x12(.orchard.rollout.v1.GetRolloutJobRequest\x1a).orchard.rollout.v1.GetRolloutJobResponse\x12m\n\x10\x43\x61ncelRolloutJob\x12+.orchard.rollout.v1.CancelRolloutJobRequest\x1a,.orchard.rollout.v1.CancelRolloutJobResponse\x12\x63\n\x0cStreamGroups\x12\'.orchard.rollout.v1.StreamGroupsRequest\x1a(.orchard.rollout.v1.StreamGroupsResponse0\x01\x12j\n\x0fListRolloutJobs\x12*.orchard.rollout.v1.ListRolloutJobsRequest\x1a+.orchard.rollout.v1.ListRolloutJobsResponse\x12\x64\n\rListHarnesses\x12(.orchard.rollout.v1.ListHarnessesRequest\x1a).orchard.rollout.v1.ListHarnessesResponseB\x1a\n\x16\x64\x65v.orchard.rollout.v1P\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(orchard/rollout/v1/rollout_service.proto\x12\x12orchard.rollout.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a!orchard/types/v1/trajectory.proto\"\x81\x03\n\rSamplerConfig\x12-\n\x04kind\x18\x01 \x01(\x0e\x32\x1f.orchard.rollout.v1.SamplerKind\x12\x12\n\ngroup_size\x18\x02 \x01(\x05\x12\x0e\n\x06stride\x18\x03 \x01(\x05\x12\x14\n\x0cmax_rollouts\x18\x04 \x01(\x05\x12\x0f\n\x07rho_min\x18\x05 \x01(\x01\x12\x0f\n\x07rho_max\x18\x06 \x01(\x01\x12\x1f\n\x12positive_threshold\x18\x07 \x01(\x01H\x00\x88\x01\x01\x12!\n\x19keep_uninformative_groups\x18\x08 \x01(\x08\x12\x32\n\tstop_rule\x18\t \x01(\x0e\x32\x1f.orchard.rollout.v1.BarStopRule\x12:\n\rmember_choice\x18\n \x01(\x0e\x32#.orchard.rollout.v1.BarMemberChoice\x12\x11\n\x04seed\x18\x0b \x01(\x03H\x01\x88\x01\x01\x42\x15\n\x13_positive_thresholdB\x07\n\x05_seed\"g\n\rRolloutBudget\x12\x11\n\tmax_steps\x18\x01 \x01(\x05\x12\x12\n\nmax_tokens\x18\x02 \x01(\x03\x12/\n\x0cmax_duration\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"R\n\x0bRolloutTask\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05image\x18\x02 \x01(\t\x12\x13\n\x0binstruction\x18\x03 \x01(\t\x12\x13\n\x0bscorer_json\x18\x04 \x01(\t\"\x94\x02\n\x0eRolloutJobSpec\x12.\n\x05tasks\x18\x01 \x03(\x0b\x32\x1f.orchard.rollout.v1.RolloutTask\x12\x11\n\tharnesses\x18\x02 \x03(\t\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x32\n\x07sampler\x18\x04 \x01(\x0b\x32!.orchard.rollout.v1.SamplerConfig\x12\x31\n\x06\x62udget\x18\x05 \x01(\x0b\x32!.orchard.rollout.v1.RolloutBudget\x12\x13\n\x0b\x63oncurrency\x18\x06 \x01(\x05\x12\x33\n\x0bpolicy_spec\x18\x07 \x01(\x0b\x32\x1e.orchard.rollout.v1.PolicySpec\"1\n\x0fRegistryWeights\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\"D\n\x0c\x43hatEndpoint\x12\x10\n\x08\x62\x61se_url\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0b\x61pi_key_env\x18\x03 \x01(\t\"E\n\x0cScriptedStep\x12\x0f\n\x07thought\x18\x01 \x01(\t\x12\x0c\n\x04tool\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\x98\x01\n\x0cScriptedPlan\x12\r\n\x05match\x18\x01 \x01(\t\x12\x12\n\nsolve_rate\x18\x02 \x01(\x01\x12\x32\n\x08solution\x18\x03 \x03(\x0b\x32 .orchard.rollout.v1.ScriptedStep\x12\x31\n\x07\x66\x61ilure\x18\x04 \x03(\x0b\x32 .orchard.rollout.v1.ScriptedStep\"m\n\nGuiTeacher\x12\x12\n\nsuite_seed\x18\x01 \x01(\x03\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x14\n\x0cmistake_rate\x18\x03 \x01(\x01\x12\x17\n\nslip_share\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\r\n\x0b_slip_share\"\xa1\x01\n\x0eScriptedPolicy\x12\r\n\x05model\x18\x01 \x01(\t\x12/\n\x05plans\x18\x02 \x03(\x0b\x32 .orchard.rollout.v1.ScriptedPlan\x12\x11\n\x04seed\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x33\n\x0bgui_teacher\x18\x04 \x01(\x0b\x32\x1e.orchard.rollout.v1.GuiTeacherB\x07\n\x05_seed\"\x9f\x02\n\nPolicySpec\x12\x36\n\x07weights\x18\x01 \x01(\x0b\x32#.orchard.rollout.v1.RegistryWeightsH\x00\x12\x34\n\x08\x65ndpoint\x18\x04 \x01(\x0b\x32 .orchard.rollout.v1.ChatEndpointH\x00\x12\x36\n\x08scripted\x18\x05 \x01(\x0b\x32\".orchard.rollout.v1.ScriptedPolicyH\x00\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x1b\n\x13max_tokens_per_call\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x02\x88\x01\x01\x42\x08\n\x06sourceB\x0e\n\x0c_temperatureB\x07\n\x05_seed\"\xa5\x03\n\nRolloutJob\x12\n\n\x02id\x18\x01 \x01(\t\x12\x30\n\x04spec\x18\x02 \x01(\x0b\x32\".orchard.rollout.v1.RolloutJobSpec\x12\x32\n\x05state\x18\x03 \x01(\x0e\x32#.orchard.rollout.v1.RolloutJobState\x12\x15\n\rrollouts_done\x18\x04 \x01(\x03\x12\x19\n\x11rollouts_excluded\x18\x05 \x01(\x03\x12\x16\n\x0egroups_emitted\x18\x06 \x01(\x03\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12/\n\x0b\x63reate_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x18\n\x10rollouts_started\x18\t \x01(\x03\x12\x16\n\x0egroups_dropped\x18\n \x01(\x03\x12\x13\n\x0bpairs_total\x18\x0b \x01(\x03\x12\x12\n\npairs_done\x18\x0c \x01(\x03\x12\x0f\n\x07resumes\x18\r \x01(\x05\x12/\n\x0bupdate_time\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"_\n\x17\x43reateRolloutJobRequest\x12\x30\n\x04spec\x18\x01 \x01(\x0b\x32\".orchard.rollout.v1.RolloutJobSpec\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"G\n\x18\x43reateRolloutJobResponse\x12+\n\x03job\x18\x01 \x01(\x0b\x32\x1e.orchard.rollout.v1.RolloutJob\"&\n\x14GetRolloutJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"D\n\x15GetRolloutJobResponse\x12+\n\x03job\x18\x01 \x01(\x0b\x32\x1e.orchard.rollout.v1.RolloutJob\")\n\x17\x43\x61ncelRolloutJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"G\n\x18\x43\x61ncelRolloutJobResponse\x12+\n\x03job\x18\x01 \x01(\x0b\x32\x1e.orchard.rollout.v1.RolloutJob\":\n\x13StreamGroupsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0bstart_index\x18\x02 \x01(\x03\"W\n\x14StreamGroupsResponse\x12\r\n\x05index\x18\x01 \x01(\x03\x12\x30\n\x05group\x18\x02 \x01(\x0b\x32!.orchard.types.v1.TrajectoryGroup\"?\n\x16ListRolloutJobsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"`\n\x17ListRolloutJobsResponse\x12,\n\x04jobs\x18\x01 \x03(\x0b\x32\x1e.orchard.rollout.v1.RolloutJob\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"W\n\x07Harness\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12\x15\n\rsystem_prompt\x18\x04 \x01(\t\"\x16\n\x14ListHarnessesRequest\"G\n\x15ListHarnessesResponse\x12.\n\tharnesses\x18\x01 \x03(\x0b\x32\x1b.orchard.rollout.v1.Harness*[\n\x0bSamplerKind\x12\x1c\n\x18SAMPLER_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14SAMPLER_KIND_FIXED_N\x10\x01\x12\x14\n\x10SAMPLER_KIND_BAR\x10\x02*]\n\x0b\x42\x61rStopRule\x12\x1d\n\x19\x42\x41R_STOP_RULE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x42\x41R_STOP_RULE_MIXED\x10\x01\x12\x16\n\x12\x42\x41R_STOP_RULE_BAND\x10\x02*p\n\x0f\x42\x61rMemberChoice\x12!\n\x1d\x42\x41R_MEMBER_CHOICE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x42\x41R_MEMBER_CHOICE_RANDOM\x10\x01\x12\x1c\n\x18\x42\x41R_MEMBER_CHOICE_RANKED\x10\x02*\xb3\x01\n\x0fRolloutJobState\x12!\n\x1dROLLOUT_JOB_STATE_UNSPECIFIED\x10\x00\x12\x1d\n\x19ROLLOUT_JOB_STATE_RUNNING\x10\x01\x12\x1f\n\x1bROLLOUT_JOB_STATE_SUCCEEDED\x10\x02\x12\x1c\n\x18ROLLOUT_JOB_STATE_FAILED\x10\x03\x12\x1f\n\x1bROLLOUT_JOB_STATE_CANCELLED\x10\x04\x32\x8b\x05\n\x0eRolloutService\x12m\n\x10\x43reateRolloutJob\x12+.orchard.rollout.v1.CreateRolloutJobRequest\x1a,.orchard.rollout.v1.CreateRolloutJobResponse\x12\x64\n\rGetRolloutJob\x12(.orchard.rollout.v1.GetRolloutJobRequest\x1a).orchard.rollout.v1.GetRolloutJobResponse\x12m\n\x10\x43\x61ncelRolloutJob\x12+.orchard.rollout.v1.CancelRolloutJobRequest\x1a,.orchard.rollout.v1.CancelRolloutJobResponse\x12\x63\n\x0cStreamGroups\x12\'.orchard.rollout.v1.StreamGroupsRequest\x1a(.orchard.rollout.v1.StreamGroupsResponse0\x01\x12j\n\x0fListRolloutJobs\x12*.orchard.rollout.v1.ListRolloutJobsRequest\x1a+.orchard.rollout.v1.ListRolloutJobsResponse\x12\x64\n\rListHarnesses\x12(.orchard.rollout.v1.ListHarnessesRequest\x1a).orchard.rollout.v1.ListHarnessesResponseB\x1a\n\x16\x64\x65v.orchard.rollout.v1P\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,14 +35,14 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'orchard.rollout.v1.rollout_
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\026dev.orchard.rollout.v1P\001'
-  _globals['_SAMPLERKIND']._serialized_start=3085
-  _globals['_SAMPLERKIND']._serialized_end=3176
-  _globals['_BARSTOPRULE']._serialized_start=3178
-  _globals['_BARSTOPRULE']._serialized_end=3271
-  _globals['_BARMEMBERCHOICE']._serialized_start=3273
-  _globals['_BARMEMBERCHOICE']._serialized_end=3385
-  _globals['_ROLLOUTJOBSTATE']._serialized_start=3388
-  _globals['_ROLLOUTJOBSTATE']._serialized_end=3567
+  _globals['_SAMPLERKIND']._serialized_start=3250
+  _globals['_SAMPLERKIND']._serialized_end=3341
+  _globals['_BARSTOPRULE']._serialized_start=3343
+  _globals['_BARSTOPRULE']._serialized_end=3436
+  _globals['_BARMEMBERCHOICE']._serialized_start=3438
+  _globals['_BARMEMBERCHOICE']._serialized_end=3550
+  _globals['_ROLLOUTJOBSTATE']._serialized_start=3553
+  _globals['_ROLLOUTJOBSTATE']._serialized_end=3732
   _globals['_SAMPLERCONFIG']._serialized_start=165
   _globals['_SAMPLERCONFIG']._serialized_end=550
   _globals['_ROLLOUTBUDGET']._serialized_start=552
@@ -59,38 +59,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCRIPTEDSTEP']._serialized_end=1210
   _globals['_SCRIPTEDPLAN']._serialized_start=1213
   _globals['_SCRIPTEDPLAN']._serialized_end=1365
-  _globals['_SCRIPTEDPOLICY']._serialized_start=1367
-  _globals['_SCRIPTEDPOLICY']._serialized_end=1475
-  _globals['_POLICYSPEC']._serialized_start=1478
-  _globals['_POLICYSPEC']._serialized_end=1765
-  _globals['_ROLLOUTJOB']._serialized_start=1768
-  _globals['_ROLLOUTJOB']._serialized_end=2189
-  _globals['_CREATEROLLOUTJOBREQUEST']._serialized_start=2191
-  _globals['_CREATEROLLOUTJOBREQUEST']._serialized_end=2286
-  _globals['_CREATEROLLOUTJOBRESPONSE']._serialized_start=2288
-  _globals['_CREATEROLLOUTJOBRESPONSE']._serialized_end=2359
-  _globals['_GETROLLOUTJOBREQUEST']._serialized_start=2361
-  _globals['_GETROLLOUTJOBREQUEST']._serialized_end=2399
-  _globals['_GETROLLOUTJOBRESPONSE']._serialized_start=2401
-  _globals['_GETROLLOUTJOBRESPONSE']._serialized_end=2469
-  _globals['_CANCELROLLOUTJOBREQUEST']._serialized_start=2471
-  _globals['_CANCELROLLOUTJOBREQUEST']._serialized_end=2512
-  _globals['_CANCELROLLOUTJOBRESPONSE']._serialized_start=2514
-  _globals['_CANCELROLLOUTJOBRESPONSE']._serialized_end=2585
-  _globals['_STREAMGROUPSREQUEST']._serialized_start=2587
-  _globals['_STREAMGROUPSREQUEST']._serialized_end=2645
-  _globals['_STREAMGROUPSRESPONSE']._serialized_start=2647
-  _globals['_STREAMGROUPSRESPONSE']._serialized_end=2734
-  _globals['_LISTROLLOUTJOBSREQUEST']._serialized_start=2736
-  _globals['_LISTROLLOUTJOBSREQUEST']._serialized_end=2799
-  _globals['_LISTROLLOUTJOBSRESPONSE']._serialized_start=2801
-  _globals['_LISTROLLOUTJOBSRESPONSE']._serialized_end=2897
-  _globals['_HARNESS']._serialized_start=2899
-  _globals['_HARNESS']._serialized_end=2986
-  _globals['_LISTHARNESSESREQUEST']._serialized_start=2988
-  _globals['_LISTHARNESSESREQUEST']._serialized_end=3010
-  _globals['_LISTHARNESSESRESPONSE']._serialized_start=3012
-  _globals['_LISTHARNESSESRESPONSE']._serialized_end=3083
-  _globals['_ROLLOUTSERVICE']._serialized_start=3570
-  _globals['_ROLLOUTSERVICE']._serialized_end=4221
+  _globals['_GUITEACHER']._serialized_start=1367
+  _globals['_GUITEACHER']._serialized_end=1476
+  _globals['_SCRIPTEDPOLICY']._serialized_start=1479
+  _globals['_SCRIPTEDPOLICY']._serialized_end=1640
+  _globals['_POLICYSPEC']._serialized_start=1643
+  _globals['_POLICYSPEC']._serialized_end=1930
+  _globals['_ROLLOUTJOB']._serialized_start=1933
+  _globals['_ROLLOUTJOB']._serialized_end=2354
+  _globals['_CREATEROLLOUTJOBREQUEST']._serialized_start=2356
+  _globals['_CREATEROLLOUTJOBREQUEST']._serialized_end=2451
+  _globals['_CREATEROLLOUTJOBRESPONSE']._serialized_start=2453
+  _globals['_CREATEROLLOUTJOBRESPONSE']._serialized_end=2524
+  _globals['_GETROLLOUTJOBREQUEST']._serialized_start=2526
+  _globals['_GETROLLOUTJOBREQUEST']._serialized_end=2564
+  _globals['_GETROLLOUTJOBRESPONSE']._serialized_start=2566
+  _globals['_GETROLLOUTJOBRESPONSE']._serialized_end=2634
+  _globals['_CANCELROLLOUTJOBREQUEST']._serialized_start=2636
+  _globals['_CANCELROLLOUTJOBREQUEST']._serialized_end=2677
+  _globals['_CANCELROLLOUTJOBRESPONSE']._serialized_start=2679
+  _globals['_CANCELROLLOUTJOBRESPONSE']._serialized_end=2750
+  _globals['_STREAMGROUPSREQUEST']._serialized_start=2752
+  _globals['_STREAMGROUPSREQUEST']._serialized_end=2810
+  _globals['_STREAMGROUPSRESPONSE']._serialized_start=2812
+  _globals['_STREAMGROUPSRESPONSE']._serialized_end=2899
+  _globals['_LISTROLLOUTJOBSREQUEST']._serialized_start=2901
+  _globals['_LISTROLLOUTJOBSREQUEST']._serialized_end=2964
+  _globals['_LISTROLLOUTJOBSRESPONSE']._serialized_start=2966
+  _globals['_LISTROLLOUTJOBSRESPONSE']._serialized_end=3062
+  _globals['_HARNESS']._serialized_start=3064
+  _globals['_HARNESS']._serialized_end=3151
+  _globals['_LISTHARNESSESREQUEST']._serialized_start=3153
+  _globals['_LISTHARNESSESREQUEST']._serialized_end=3175
+  _globals['_LISTHARNESSESRESPONSE']._serialized_start=3177
+  _globals['_LISTHARNESSESRESPONSE']._serialized_end=3248
+  _globals['_ROLLOUTSERVICE']._serialized_start=3735
+  _globals['_ROLLOUTSERVICE']._serialized_end=4386
 # @@protoc_insertion_point(module_scope)

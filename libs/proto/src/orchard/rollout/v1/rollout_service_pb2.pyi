@@ -491,6 +491,46 @@ class ScriptedPlan(_message.Message):
 Global___ScriptedPlan: _TypeAlias = ScriptedPlan  # noqa: Y015
 
 @_typing.final
+class GuiTeacher(_message.Message):
+    """The built-in GUI suite's scripted teacher as a policy: for a conversation whose first user
+    message is the intent of a task of the suite made from `suite_seed` and `count`, it plays the
+    task's plan one tool call per call, aiming each at what the latest observation's page text
+    shows (the conversation's tool results carry it), with the mistakes the rates ask for.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUITE_SEED_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    MISTAKE_RATE_FIELD_NUMBER: _builtins.int
+    SLIP_SHARE_FIELD_NUMBER: _builtins.int
+    suite_seed: _builtins.int
+    """Seed of the built-in GUI suite the tasks come from."""
+    count: _builtins.int
+    """Size of that suite (its tasks are looked up by intent); 0: the suite's default, 60."""
+    mistake_rate: _builtins.float
+    """Chance in [0, 1], per click, typing or choosing step, of a wrong action in its place."""
+    slip_share: _builtins.float
+    """Share in [0, 1] of those mistakes left uncorrected; unset: 0.5."""
+    def __init__(
+        self,
+        *,
+        suite_seed: _builtins.int = ...,
+        count: _builtins.int = ...,
+        mistake_rate: _builtins.float = ...,
+        slip_share: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_slip_share", b"_slip_share", "slip_share", b"slip_share"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_slip_share", b"_slip_share", "count", b"count", "mistake_rate", b"mistake_rate", "slip_share", b"slip_share", "suite_seed", b"suite_seed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__slip_share: _TypeAlias = _typing.Literal["slip_share"]  # noqa: Y015
+    _WhichOneofArgType__slip_share: _TypeAlias = _typing.Literal["_slip_share", b"_slip_share"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__slip_share) -> _WhichOneofReturnType__slip_share | None: ...
+
+Global___GuiTeacher: _TypeAlias = GuiTeacher  # noqa: Y015
+
+@_typing.final
 class ScriptedPolicy(_message.Message):
     """A script the rollout service plays as a policy: on a conversation's first step it draws
     solution or failure of the matching plan, then follows that path one step per call. Tasks no
@@ -503,6 +543,7 @@ class ScriptedPolicy(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     PLANS_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    GUI_TEACHER_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model name its replies carry; empty: "orchard-scripted-policy"."""
     seed: _builtins.int
@@ -512,7 +553,13 @@ class ScriptedPolicy(_message.Message):
     """
     @_builtins.property
     def plans(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScriptedPlan]:
-        """The plans; at least one."""
+        """The plans; at least one, unless `gui_teacher` is set."""
+
+    @_builtins.property
+    def gui_teacher(self) -> Global___GuiTeacher:
+        """The GUI teacher, for conversations of the built-in GUI suite's tasks (plans, when given,
+        answer the others).
+        """
 
     def __init__(
         self,
@@ -520,10 +567,11 @@ class ScriptedPolicy(_message.Message):
         model: _builtins.str = ...,
         plans: _abc.Iterable[Global___ScriptedPlan] | None = ...,
         seed: _builtins.int | None = ...,
+        gui_teacher: Global___GuiTeacher | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "gui_teacher", b"gui_teacher", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "model", b"model", "plans", b"plans", "seed", b"seed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "gui_teacher", b"gui_teacher", "model", b"model", "plans", b"plans", "seed", b"seed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015

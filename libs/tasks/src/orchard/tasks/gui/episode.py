@@ -28,8 +28,16 @@ from orchard.sdk import AsyncSandbox, AsyncSandboxClient, EgressRule
 from orchard.tasks.gui.browser_dir import CALLER, LAUNCHER, SITES
 from orchard.tasks.gui.observation import Observation
 
-__all__ = ["BrowserEpisode", "BrowserSandboxSettings", "BrowserUnavailable"]
+__all__ = [
+    "DEFAULT_SITE_PORT",
+    "BrowserEpisode",
+    "BrowserSandboxSettings",
+    "BrowserUnavailable",
+    "SiteStateUnreadable",
+    "read_site_state",
+]
 
+DEFAULT_SITE_PORT = 8080
 _RUN = "/run/orchard-gui"  # the servers' folder in each sandbox
 _SOCKET = f"{_RUN}/browser.sock"
 _TOKEN = f"{_RUN}/state-token"
@@ -53,6 +61,11 @@ sys.stdout.write(urllib.request.urlopen(request, timeout=10).read().decode())
 """
 
 
+class SiteStateUnreadable(RuntimeError):
+    """The site sandbox did not give its server-side state (the server is gone, or answered
+    something else); the message says what the sandbox reported."""
+
+
 class BrowserUnavailable(Exception):
     """The browser tool server did not answer (it died, or never started); the message says
     what the sandbox reported."""
@@ -68,7 +81,7 @@ class BrowserSandboxSettings:
     image: str = "host"
     site_image: str = ""
     """The site sandbox's image; empty: the browser's (it needs python3 and the folder)."""
-    site_port: int = 8080
+    site_port: int = DEFAULT_SITE_PORT
     chromium: str = "/usr/bin/chromium"
     browser_user: int | None = 65534
     """The uid (and gid) the browser runs as; None keeps root, where Chromium's sandbox is off."""
@@ -184,22 +197,15 @@ class BrowserEpisode:
 
     async def site_state(self, site: str) -> dict[str, Any]:
         """One site's server-side state, read inside the site sandbox."""
-        url = f"http://127.0.0.1:{self.settings.site_port}/_orchard/state/{site}"
-        result = await self.site.exec(["python3", "-S", "-c", _READ_STATE, url, _TOKEN], timeout=30)
-        if result.exit_code != 0:
-            raise RuntimeError(
-                f"site sandbox {self.site.id}: reading {site}'s state failed: "
-                f"{result.stderr.decode(errors='replace').strip()[-500:]}"
-            )
-        state = json.loads(result.stdout)
-        if not isinstance(state, dict):
-            raise RuntimeError(f"site sandbox {self.site.id}: {site}'s state is not an object")
-        return state
+        return await read_site_state(self.site, site, self.settings.site_port)
 
     async def close(self) -> None:
-        """Delete both sandboxes (idempotent)."""
-        await self.browser.delete()
-        await self.site.delete()
+        """Delete both sandboxes (idempotent); the site is deleted even when deleting the
+        browser fails (that failure is raised after)."""
+        try:
+            await self.browser.delete()
+        finally:
+            await self.site.delete()
 
     async def __aenter__(self) -> BrowserEpisode:
         return self
@@ -284,6 +290,27 @@ async def _start_browser(browser: AsyncSandbox, settings: BrowserSandboxSettings
             f"browser sandbox {browser.id}: the browser tool server {_how(started.exit_code)}"
             + await _log_tail(browser)
         )
+
+
+async def read_site_state(
+    sandbox: AsyncSandbox, site: str, port: int = DEFAULT_SITE_PORT
+) -> dict[str, Any]:
+    """One site's server-side state, read inside the episode's site ``sandbox`` (served on
+    ``port`` there); `SiteStateUnreadable` when the server does not answer with an object."""
+    url = f"http://127.0.0.1:{port}/_orchard/state/{site}"
+    result = await sandbox.exec(["python3", "-S", "-c", _READ_STATE, url, _TOKEN], timeout=30)
+    if result.exit_code != 0:
+        raise SiteStateUnreadable(
+            f"site sandbox {sandbox.id}: reading {site}'s state failed: "
+            f"{result.stderr.decode(errors='replace').strip()[-500:]}"
+        )
+    try:
+        state = json.loads(result.stdout)
+    except ValueError:
+        state = None
+    if not isinstance(state, dict):
+        raise SiteStateUnreadable(f"site sandbox {sandbox.id}: {site}'s state is not an object")
+    return state
 
 
 def _how(code: int | None) -> str:

@@ -1,14 +1,17 @@
 """What the browser returns after every tool call: the latest screenshot, the viewport size, the
 tabs, what happened (the action's result, dialogs, popups, errors) and, when the browser is
-asked for it, the active page as text (`orchard.tasks.gui.page_text`)."""
+asked for it, the active page as text (`orchard.tasks.gui.page_text`). A model reads it as
+`Observation.summary`; `parse_summary` reads that text back (what a scripted teacher given only
+a conversation works from)."""
 
 from __future__ import annotations
 
 import base64
+import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-__all__ = ["DialogRecord", "ErrorKind", "Observation", "TabInfo"]
+__all__ = ["DialogRecord", "ErrorKind", "Observation", "TabInfo", "parse_summary"]
 
 # invalid_argument: the call was refused before it ran (fix the arguments);
 # timeout: the action or page load did not finish in time (the page may be hung);
@@ -137,3 +140,59 @@ class Observation:
             elapsed_s=float(data.get("elapsed_s") or 0.0),
             page_text=None if data.get("page_text") is None else str(data["page_text"]),
         )
+
+
+_ERROR_HEAD = re.compile(r"^error \((\w+)\): ")
+# A failed call without a kind writes "error (None): ...".
+_ERROR_KINDS: dict[str, ErrorKind | None] = {kind: kind for kind in get_args(ErrorKind)}
+_ERROR_KINDS["None"] = None
+_VIEWPORT = re.compile(r"^viewport: (\d+)x(\d+)$")
+# The title may hold " - "; a URL holds no space, so the last " - " ends the title.
+_TAB = re.compile(r"^([* ])\[(\d+)\] (.*) - (\S*)$")
+_PAGE_TEXT = "page text:"
+
+
+def parse_summary(text: str, tool: str = "") -> Observation:
+    """The observation `Observation.summary` wrote as ``text``: its message (and error kind),
+    notes, viewport, tabs and page text. What the text does not hold is left empty: the
+    screenshot (None, whether or not one was taken), the dialogs (their notes stay in
+    ``events``), ``done``, ``response``, the time taken; ``tool`` is the caller's. A message or
+    note of several lines comes back whole unless a line of it starts with "note: ".
+    ValueError when ``text`` has no viewport line (it is no summary)."""
+    lines = text.split("\n")
+    at, viewport = next(
+        ((i, m) for i, line in enumerate(lines) if i and (m := _VIEWPORT.match(line))), (0, None)
+    )
+    if viewport is None:
+        raise ValueError("not an observation summary: it has no 'viewport: WxH' line")
+    # The message, then one note per "note: " line; other lines continue the one before.
+    parts = [[lines[0]]]
+    for line in lines[1:at]:
+        if line.startswith("note: "):
+            parts.append([line.removeprefix("note: ")])
+        else:
+            parts[-1].append(line)
+    head, *notes = ("\n".join(part) for part in parts)
+    ok, error, message = True, None, head
+    if (match := _ERROR_HEAD.match(head)) and match[1] in _ERROR_KINDS:
+        ok, error, message = False, _ERROR_KINDS[match[1]], head[match.end() :]
+    tabs = []
+    rest = at + 1
+    while rest < len(lines) and (tab := _TAB.match(lines[rest])):
+        title = "" if tab[3] == "(no title)" else tab[3]
+        tabs.append(TabInfo(int(tab[2]), tab[4], title, tab[1] == "*"))
+        rest += 1
+    page_text = None
+    if _PAGE_TEXT in lines[rest:]:
+        page_text = "\n".join(lines[lines.index(_PAGE_TEXT, rest) + 1 :])
+    return Observation(
+        tool=tool,
+        ok=ok,
+        message=message,
+        screenshot=None,
+        viewport=(int(viewport[1]), int(viewport[2])),
+        tabs=tuple(tabs),
+        error=error,
+        events=tuple(notes),
+        page_text=page_text,
+    )

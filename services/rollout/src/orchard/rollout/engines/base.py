@@ -60,6 +60,10 @@ class SamplingParams:
     """Tokens that end the turn; the stop token is part of the output (the policy chose it)."""
     seed: int | None = None
     """Makes sampling of this request reproducible, whatever else is batched with it."""
+    session: str = ""
+    """The capture session (the rollout id) the call belongs to, set by the capture proxy; a
+    turn engine that keeps state per conversation keys it by this. Engines that sample tokens
+    ignore it."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

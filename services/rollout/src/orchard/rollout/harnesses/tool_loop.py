@@ -23,6 +23,7 @@ from typing import Any
 import openai
 
 from orchard.rollout.budgets import InfrastructureError, LayeredRetries, RolloutBudget, with_retries
+from orchard.rollout.harnesses.episodes import BrowserRun
 from orchard.rollout.harnesses.tools import (
     INFRASTRUCTURE_ERRORS,
     POLICY_ERRORS,
@@ -81,6 +82,9 @@ class HarnessContext:
     """Tools the task declares (the generic loop offers them beside the harness's own)."""
     mcp_servers: Sequence[McpServer] = ()
     """MCP servers the task's sandbox can run (agent programs with MCP support start them)."""
+    browser: BrowserRun | None = None
+    """A GUI task's browser episode (`sandbox` is its browser sandbox), which a browser harness
+    drives and fills with what its scoring needs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,35 +126,9 @@ class ToolCallingHarness:
                 return HarnessOutcome("step_limit", truncated=True)
             if ctx.record.sampled_tokens >= ctx.budget.max_tokens:
                 return HarnessOutcome("token_limit", truncated=True)
-            reply = await self._complete(ctx, messages, schemas)
-            ctx.record.steps += 1
-            choice = reply.choices[0]
-            usage = reply.usage
-            ctx.record.sampled_tokens += (
-                usage.completion_tokens
-                if usage is not None
-                else len(choice.message.content or "") // 4 + 1
-            )
-            tool_calls = list(choice.message.tool_calls or [])
-            assistant: dict[str, Any] = {
-                "role": "assistant",
-                "content": choice.message.content or "",
-            }
-            if tool_calls:
-                assistant["tool_calls"] = [
-                    {
-                        "id": call.id,
-                        "type": "function",
-                        "function": {
-                            "name": call.function.name,
-                            "arguments": call.function.arguments,
-                        },
-                    }
-                    for call in tool_calls
-                    if call.type == "function"
-                ]
+            assistant = await next_turn(ctx, messages, schemas)
             messages.append(assistant)
-            if not tool_calls:
+            if "tool_calls" not in assistant:
                 return HarnessOutcome("stopped", truncated=False)
             submitted = False
             for call in assistant.get("tool_calls", []):
@@ -161,36 +139,6 @@ class ToolCallingHarness:
                 submitted = submitted or output.submitted
             if submitted:
                 return HarnessOutcome("submitted", truncated=False)
-
-    async def _complete(
-        self, ctx: HarnessContext, messages: list[dict[str, Any]], schemas: list[dict[str, Any]]
-    ) -> Any:
-        remaining = ctx.budget.max_tokens - ctx.record.sampled_tokens
-        kwargs: dict[str, Any] = {
-            "model": ctx.endpoint.model,
-            "messages": messages,
-            "temperature": ctx.endpoint.temperature,
-            "max_tokens": max(1, min(ctx.endpoint.max_tokens_per_call, remaining)),
-        }
-        if schemas:
-            kwargs["tools"] = schemas
-
-        async def attempt(_: int) -> Any:
-            try:
-                return await ctx.client.chat.completions.create(**kwargs)
-            except openai.BadRequestError as exc:
-                # The endpoint refused the request itself; repeating it cannot help.
-                raise InfrastructureError(
-                    FailureLayer.INFERENCE, f"request refused: {exc}", 1
-                ) from exc
-
-        return await with_retries(
-            FailureLayer.INFERENCE,
-            ctx.retries.inference,
-            attempt,
-            retryable=RETRYABLE_INFERENCE_ERRORS,
-            rng=ctx.rng,
-        )
 
     async def _run_tool(
         self, ctx: HarnessContext, table: dict[str, Tool], call: dict[str, Any]
@@ -253,3 +201,60 @@ class ToolCallingHarness:
             retryable=INFRASTRUCTURE_ERRORS,
             rng=ctx.rng,
         )
+
+
+async def next_turn(
+    ctx: HarnessContext, messages: list[dict[str, Any]], schemas: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Asks the model for its next turn (retried per the inference layer's policy), counts the
+    step and its tokens in the record, and returns the turn as an assistant message (with
+    "tool_calls" only when it called a tool)."""
+    reply = await _complete(ctx, messages, schemas)
+    ctx.record.steps += 1
+    choice = reply.choices[0]
+    usage = reply.usage
+    ctx.record.sampled_tokens += (
+        usage.completion_tokens if usage is not None else len(choice.message.content or "") // 4 + 1
+    )
+    tool_calls = list(choice.message.tool_calls or [])
+    assistant: dict[str, Any] = {"role": "assistant", "content": choice.message.content or ""}
+    if tool_calls:
+        assistant["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": call.function.arguments},
+            }
+            for call in tool_calls
+            if call.type == "function"
+        ]
+    return assistant
+
+
+async def _complete(
+    ctx: HarnessContext, messages: list[dict[str, Any]], schemas: list[dict[str, Any]]
+) -> Any:
+    remaining = ctx.budget.max_tokens - ctx.record.sampled_tokens
+    kwargs: dict[str, Any] = {
+        "model": ctx.endpoint.model,
+        "messages": messages,
+        "temperature": ctx.endpoint.temperature,
+        "max_tokens": max(1, min(ctx.endpoint.max_tokens_per_call, remaining)),
+    }
+    if schemas:
+        kwargs["tools"] = schemas
+
+    async def attempt(_: int) -> Any:
+        try:
+            return await ctx.client.chat.completions.create(**kwargs)
+        except openai.BadRequestError as exc:
+            # The endpoint refused the request itself; repeating it cannot help.
+            raise InfrastructureError(FailureLayer.INFERENCE, f"request refused: {exc}", 1) from exc
+
+    return await with_retries(
+        FailureLayer.INFERENCE,
+        ctx.retries.inference,
+        attempt,
+        retryable=RETRYABLE_INFERENCE_ERRORS,
+        rng=ctx.rng,
+    )

@@ -363,6 +363,7 @@ class CaptureProxy:
             turn_request, turn_id=turn_id, model=model, prompt_tokens=len(prompt.token_ids)
         )
         seq = await session.begin_call()
+        params = dataclasses.replace(params, session=session.rollout_id)
         if params.seed is None and self.config.sampling_seed is not None:
             params = dataclasses.replace(
                 params, seed=session.call_seed(self.config.sampling_seed, seq)

@@ -1,0 +1,246 @@
+"""GUI rollouts end to end: browser episodes run by ``orchard-rollout`` and judged by
+``orchard-reward``'s built-in state judge.
+
+Real processes: etcd and ``orchard-env`` with the local runtime (root; its tenant may give
+sandboxes user namespaces, for Chromium's own sandbox), ``orchard-reward`` and
+``orchard-rollout``, talking gRPC. Each rollout is a site sandbox and a browser sandbox (Debian's
+Chromium as an unprivileged user, the browser folder from ``make gui-browser``). The policy is
+the built-in GUI suite's scripted teacher, which the rollout service plays itself
+(``policy_spec.scripted.gui_teacher``), or a script that never calls a tool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from orchard.rollout.v1 import rollout_service_pb2 as api
+from orchard.rollout.v1 import rollout_service_pb2_grpc
+from orchard.sdk import SandboxClient
+from orchard.tasks.gui.browser_dir import LAUNCHER, build_browser_dir
+from orchard.tasks.gui.suite import GuiTask, generate_suite
+from orchard.types.v1 import reward_pb2, trajectory_pb2
+
+from .conftest import EnvStack, free_port, private_stack
+from .test_rollout_scoring import start_reward, stop_process
+from .test_rollout_service import RolloutProcess
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+SUITE_SEED = 7
+JOB_LABEL = "orchard-rollout-job"
+
+
+@dataclass
+class GuiServices:
+    env: EnvStack
+    rollout: RolloutProcess
+    tasks: list[GuiTask]
+
+
+def easy_tasks() -> list[GuiTask]:
+    """Two difficulty-1 tasks of the suite on different sites."""
+    chosen: dict[str, GuiTask] = {}
+    for task in generate_suite(60, SUITE_SEED):
+        if task.difficulty == 1 and task.site not in chosen and task.family != "warmup":
+            chosen[task.site] = task
+    return list(chosen.values())[:2]
+
+
+@pytest.fixture(scope="module")
+def gui_services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuiServices]:
+    folder = Path(os.environ.get("ORCHARD_GUI_BROWSER") or ROOT / ".cache" / "gui-browser")
+    if not (folder / LAUNCHER).exists():
+        build_browser_dir(folder)
+    root = tmp_path_factory.mktemp("gui-rollouts")
+    with private_stack(tmp_path_factory, settings=['privileges.user_namespaces=["*"]']) as env:
+        reward_address, reward_process, reward_log = start_reward(root, env)
+        address, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        config: dict[str, Any] = {
+            "server": {"listen": [address], "metrics_address": metrics, "grace_period_s": 2},
+            "etcd": {"endpoints": [env.stack.etcd_endpoint], "namespace": "rt-gui/"},
+            "env": {"endpoint": env.endpoint, "token_env": "ROLLOUT_TEST_ENV_TOKEN"},
+            "reward": {"endpoint": reward_address},
+            "gui": {"browser_dir": str(folder.absolute()), "keep_last": 2},
+            "defaults": {"create_spread_s": 0.05, "concurrency": 2},
+        }
+        path = root / "rollout.json"
+        path.write_text(json.dumps(config))
+        rollout = RolloutProcess(address, metrics, path, root / "rollout.log", env.token)
+        rollout.start()
+        try:
+            yield GuiServices(env, rollout, easy_tasks())
+        finally:
+            rollout.stop()
+            stop_process(reward_process, reward_log)
+
+
+@pytest.fixture
+def stub(gui_services: GuiServices) -> Iterator[rollout_service_pb2_grpc.RolloutServiceStub]:
+    with grpc.insecure_channel(gui_services.rollout.address) as channel:
+        yield rollout_service_pb2_grpc.RolloutServiceStub(channel)
+
+
+def gui_task(task: GuiTask, **gui: str) -> api.RolloutTask:
+    return api.RolloutTask(
+        id=task.id,
+        image="host",
+        instruction=task.intent,
+        scorer_json=json.dumps({"gui": {"task_id": task.id, **gui}}),
+    )
+
+
+def run_job(
+    stub: rollout_service_pb2_grpc.RolloutServiceStub, spec: api.RolloutJobSpec
+) -> tuple[api.RolloutJob, list[api.TrajectoryGroup]]:
+    job = stub.CreateRolloutJob(
+        api.CreateRolloutJobRequest(spec=spec, request_id=uuid.uuid4().hex)
+    ).job
+    streamed = list(stub.StreamGroups(api.StreamGroupsRequest(job_id=job.id), timeout=600))
+    job = stub.GetRolloutJob(api.GetRolloutJobRequest(job_id=job.id)).job
+    assert job.state == api.ROLLOUT_JOB_STATE_SUCCEEDED, job.error
+    return job, [m.group for m in streamed]
+
+
+def fixed_n(n: int) -> api.SamplerConfig:
+    return api.SamplerConfig(
+        kind=api.SAMPLER_KIND_FIXED_N, group_size=n, keep_uninformative_groups=True
+    )
+
+
+def test_the_scripted_teacher_solves_easy_tasks_and_the_state_judge_scores_them(
+    gui_services: GuiServices, stub: rollout_service_pb2_grpc.RolloutServiceStub
+) -> None:
+    tasks = gui_services.tasks
+    spec = api.RolloutJobSpec(
+        tasks=[gui_task(t) for t in tasks],
+        harnesses=["builtin:browser-text"],
+        policy_spec=api.PolicySpec(
+            scripted=api.ScriptedPolicy(
+                gui_teacher=api.GuiTeacher(suite_seed=SUITE_SEED, count=60), seed=3
+            )
+        ),
+        sampler=fixed_n(1),
+        budget=api.RolloutBudget(max_steps=12),
+        concurrency=2,
+    )
+    started = time.monotonic()
+    job, groups = run_job(stub, spec)
+    wall_s = time.monotonic() - started
+    assert (job.rollouts_done, job.rollouts_excluded) == (len(tasks), 0), wall_s
+    by_task = {g.task_id: g for g in groups}
+    assert set(by_task) == {t.id for t in tasks}
+    for task in tasks:
+        # One rollout; replacing its earlier pages by placeholders rewrites the prompt, so its
+        # captured turns split into more than one trajectory, all with the rollout's reward.
+        trajectories = by_task[task.id].trajectories
+        assert len({t.rollout_id for t in trajectories}) == 1
+        assert {t.reward.value for t in trajectories} == {1.0}
+        assert sum(len(t.turns) for t in trajectories) >= 2
+        trajectory = trajectories[-1]
+        assert trajectory.reward.status == reward_pb2.REWARD_STATUS_SCORED, trajectory.reward
+        assert trajectory.reward.value == 1.0, trajectory.reward.detail
+        assert "success" in trajectory.reward.detail
+        conversation = json.loads(trajectory.conversation_json)
+        # The intent, then the start page as text, then one action per assistant turn.
+        assert conversation[1] == {"role": "user", "content": task.intent}
+        assert "page text:" in conversation[2]["content"]
+        calls = [m["tool_calls"] for m in conversation if m.get("tool_calls")]
+        assert calls and all(len(c) == 1 for c in calls)
+        assert calls[-1][0]["function"]["name"] == "done"
+        # Only the last two pages stay whole; earlier ones are placeholders.
+        pages = [m["content"] for m in conversation[2:] if m["role"] in ("tool", "user")]
+        whole = [p for p in pages if "page text:\n" in p]
+        assert len(whole) == min(2, len(pages))
+    with SandboxClient(gui_services.env.endpoint, token=gui_services.env.token) as client:
+        assert list(client.list({JOB_LABEL: job.id})) == []
+
+
+def test_a_policy_that_never_acts_ends_on_format_failures_scored_minus_one(
+    gui_services: GuiServices, stub: rollout_service_pb2_grpc.RolloutServiceStub
+) -> None:
+    task = gui_services.tasks[0]
+    mute = api.ScriptedPlan(
+        match=task.intent[:20],
+        solve_rate=1.0,
+        solution=[api.ScriptedStep(thought="I am thinking about it.")],
+        failure=[api.ScriptedStep(thought="I give up.")],
+    )
+    spec = api.RolloutJobSpec(
+        tasks=[gui_task(task)],
+        harnesses=["builtin:browser-text"],
+        policy_spec=api.PolicySpec(scripted=api.ScriptedPolicy(plans=[mute])),
+        sampler=fixed_n(1),
+        budget=api.RolloutBudget(max_steps=12),
+    )
+    _, groups = run_job(stub, spec)
+    (trajectory,) = groups[0].trajectories
+    assert trajectory.reward.status == reward_pb2.REWARD_STATUS_SCORED, trajectory.reward
+    assert trajectory.reward.value == -1.0, trajectory.reward.detail
+    # The harness ended the episode itself: completed, not a budget that ran out.
+    assert trajectory.outcome == trajectory_pb2.TRAJECTORY_OUTCOME_COMPLETED
+    conversation = json.loads(trajectory.conversation_json)
+    assert sum(m["role"] == "assistant" for m in conversation) == 3
+
+
+def test_gui_tasks_and_harnesses_that_do_not_fit_are_refused(
+    gui_services: GuiServices, stub: rollout_service_pb2_grpc.RolloutServiceStub
+) -> None:
+    task = gui_services.tasks[0]
+    plain = api.RolloutTask(
+        id="plain", instruction="echo", scorer_json=json.dumps({"check": {"command": "true"}})
+    )
+    cases = [
+        (
+            api.RolloutJobSpec(tasks=[gui_task(task)], harnesses=["builtin:bash"]),
+            "runs with browser harnesses only",
+        ),
+        (
+            api.RolloutJobSpec(tasks=[gui_task(task), plain], harnesses=["builtin:browser"]),
+            "is not one",
+        ),
+        (
+            api.RolloutJobSpec(
+                tasks=[
+                    api.RolloutTask(
+                        id="gui-bad",
+                        instruction="x",
+                        scorer_json=json.dumps({"gui": {"task_id": "gui/7/nosuch/0"}}),
+                    )
+                ],
+                harnesses=["builtin:browser"],
+            ),
+            "nosuch",
+        ),
+        (
+            api.RolloutJobSpec(
+                tasks=[
+                    api.RolloutTask(
+                        id="gui-setup",
+                        instruction="x",
+                        scorer_json=json.dumps({"gui": {"task_id": task.id}, "setup": ["echo hi"]}),
+                    )
+                ],
+                harnesses=["builtin:browser"],
+            ),
+            "takes no setup",
+        ),
+    ]
+    for spec, words in cases:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.CreateRolloutJob(api.CreateRolloutJobRequest(spec=spec))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert words in info.value.details()
+    harnesses = stub.ListHarnesses(api.ListHarnessesRequest()).harnesses
+    browser = {h.name: h for h in harnesses}["builtin:browser"]
+    assert len(json.loads(browser.tools_json)) == 13 and "screenshot" in browser.system_prompt
