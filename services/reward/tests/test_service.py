@@ -322,6 +322,10 @@ def test_config_checks_rubric_and_judge_names() -> None:
         load_config(RewardConfig, argv=["--set", "default_judge=big"])
     with pytest.raises(ConfigError, match="environment variable name"):
         load_config(RewardConfig, argv=["--set", "env.token_env=not a name"])
+    with pytest.raises(ConfigError, match="built-in GUI state judge"):
+        load_config(
+            RewardConfig, argv=["--set", 'judges={"builtin:gui-state": {"kind": "scripted"}}']
+        )
     config = load_config(RewardConfig, argv=["--set", "judges.default.api_key_env=JUDGE_KEY"])
     with pytest.raises(ValueError, match="JUDGE_KEY is not set"):
         config.judges["default"].endpoint(environ={})

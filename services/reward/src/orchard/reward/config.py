@@ -21,6 +21,7 @@ from orchard.reward.credit import CalibrationRules
 from orchard.reward.judge_client import JudgeEndpoint
 from orchard.reward.rubric import DEFAULT_RUBRIC, Dimension, validate_rubric
 from orchard.sdk.service_config import EnvClientConfig
+from orchard.tasks.spec import GUI_STATE_JUDGE
 
 __all__ = [
     "CheckConfig",
@@ -277,6 +278,16 @@ class RewardConfig(ServiceConfig):
         except OrchardError as exc:
             raise ValueError(exc.message) from None
         return rubric
+
+    @field_validator("judges")
+    @classmethod
+    def _builtin_judge_name_free(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if GUI_STATE_JUDGE in value:
+            raise ValueError(
+                f"judge name {GUI_STATE_JUDGE!r} is the built-in GUI state judge's: name "
+                "yours otherwise"
+            )
+        return value
 
     @model_validator(mode="after")
     def _default_judge_known(self) -> RewardConfig:

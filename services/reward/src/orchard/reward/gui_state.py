@@ -31,11 +31,10 @@ from orchard.sdk.aio import AsyncSandbox, AsyncSandboxClient
 from orchard.sdk.types import SandboxState
 from orchard.tasks.gui.episode import DEFAULT_SITE_PORT, SiteStateUnreadable, read_site_state
 from orchard.tasks.gui.suite import ID_PREFIX, GuiTask, task_by_id
+from orchard.tasks.spec import GUI_STATE_JUDGE
 
 __all__ = ["GUI_STATE_JUDGE", "SCORER", "gui_task", "judge_site_state", "site_port", "site_sandbox"]
 
-GUI_STATE_JUDGE = "builtin:gui-state"
-"""The name JudgeOutcome's ``judge`` gives the state judge; no configured judge answers it."""
 SCORER = "gui_state_judge"
 
 

@@ -24,8 +24,8 @@ class RewardMetrics:
         self.registry = m.registry
         self.rewards = m.counter(
             "rewards_total",
-            "Rewards given, by scorer (tests, judge, rubric, task_score, credit) and status "
-            "(scored, excluded).",
+            "Rewards given, by scorer (tests, judge, gui_state_judge, rubric, task_score, "
+            "credit) and status (scored, excluded).",
             ["scorer", "status"],
         )
         self.scorer_seconds = m.histogram(
