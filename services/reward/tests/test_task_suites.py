@@ -17,13 +17,18 @@ from orchard.reward.v1 import reward_service_pb2_grpc
 from orchard.tasks.swe_suite import generate_suite
 
 
-async def test_list_task_suites_lists_the_builtin_suite_as_its_generator_makes_it() -> None:
+async def list_task_suites() -> api.ListTaskSuitesResponse:
+    """ListTaskSuites of a real reward server on loopback."""
     config = RewardConfig(server=ServerConfig(listen=["127.0.0.1:0"]))
     async with RewardApplication(config).server() as server:
         await server.set_serving()
         async with grpc.aio.insecure_channel(server.addresses[0]) as channel:
             stub = reward_service_pb2_grpc.RewardServiceStub(channel)
-            reply = await stub.ListTaskSuites(api.ListTaskSuitesRequest(), timeout=10)
+            return await stub.ListTaskSuites(api.ListTaskSuitesRequest(), timeout=10)
+
+
+async def test_list_task_suites_lists_the_builtin_suite_as_its_generator_makes_it() -> None:
+    reply = await list_task_suites()
 
     assert [s.name for s in reply.suites] == ["builtin:claw", "builtin:gui", "builtin:swe"]
     suite = reply.suites[2]
@@ -49,12 +54,7 @@ async def test_list_task_suites_lists_the_builtin_suite_as_its_generator_makes_i
 async def test_list_task_suites_lists_the_claw_suite_as_its_generator_makes_it() -> None:
     from orchard.tasks.claw.suite import generate_suite as generate_claw
 
-    config = RewardConfig(server=ServerConfig(listen=["127.0.0.1:0"]))
-    async with RewardApplication(config).server() as server:
-        await server.set_serving()
-        async with grpc.aio.insecure_channel(server.addresses[0]) as channel:
-            stub = reward_service_pb2_grpc.RewardServiceStub(channel)
-            reply = await stub.ListTaskSuites(api.ListTaskSuitesRequest(), timeout=10)
+    reply = await list_task_suites()
     suite = next(s for s in reply.suites if s.name == "builtin:claw")
     assert suite.scored_by == "ScoreTask" and suite.description
     assert (suite.min_tasks, suite.max_tasks) == (1, 10_000)
@@ -69,12 +69,7 @@ async def test_list_task_suites_lists_the_claw_suite_as_its_generator_makes_it()
 async def test_list_task_suites_lists_the_gui_suite_as_its_generator_makes_it() -> None:
     from orchard.tasks.gui.suite import generate_suite as generate_gui
 
-    config = RewardConfig(server=ServerConfig(listen=["127.0.0.1:0"]))
-    async with RewardApplication(config).server() as server:
-        await server.set_serving()
-        async with grpc.aio.insecure_channel(server.addresses[0]) as channel:
-            stub = reward_service_pb2_grpc.RewardServiceStub(channel)
-            reply = await stub.ListTaskSuites(api.ListTaskSuitesRequest(), timeout=10)
+    reply = await list_task_suites()
     suite = next(s for s in reply.suites if s.name == "builtin:gui")
     assert suite.scored_by == "JudgeOutcome" and suite.description
     assert (suite.min_tasks, suite.max_tasks) == (1, 1500)
