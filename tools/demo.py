@@ -14,6 +14,11 @@ without it the demo starts from nothing.
 tasks through unmodified agent programs from the harness cache ``make harnesses`` builds
 (Claude Code and Codex to train with, OpenClaw held out), the student's calls captured through
 the rollout service's proxy, which listens on this host's address for the sandboxes.
+
+``--recipe gui`` (``make demo-gui``) runs the built-in GUI recipe: web tasks in browser
+sandboxes (the browser folder ``make gui-browser`` builds; the stack's tenant may give
+sandboxes user namespaces, for Chromium's own sandbox), scored by the reward service's built-in
+state judge.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "runs" / "demo"
 HARNESS_CACHE = ROOT / ".cache" / "harnesses"
 """Where `make harnesses` puts the agent programs (tools/harnesses.py)."""
+GUI_BROWSER_DIR = ROOT / ".cache" / "gui-browser"
+"""Where `make gui-browser` puts the folder browser sandboxes run Chromium's tool server from."""
 BOLD, RESET = ("\033[1m", "\033[0m") if sys.stdout.isatty() else ("", "")
 
 
@@ -64,18 +71,20 @@ def main() -> int:
         "--out",
         type=Path,
         default=None,
-        help="folder of the run and its stack (runs/demo, runs/demo-claw for the Claw recipe)",
+        help="folder of the run and its stack (runs/demo; runs/demo-claw, runs/demo-gui for the "
+        "Claw and GUI recipes)",
     )
     parser.add_argument(
         "--recipe",
         choices=BUILTIN_RECIPES,
         default="swe",
-        help="the built-in recipe: swe (default) or claw (agent programs; `make harnesses`)",
+        help="the built-in recipe: swe (default), claw (agent programs; `make harnesses`) or gui "
+        "(browser sandboxes; `make gui-browser`)",
     )
     args = parser.parse_args()
     name = f"builtin-{args.recipe}"
     demo: Path = (
-        args.out or (DEMO if args.recipe == "swe" else DEMO.with_name("demo-claw"))
+        args.out or (DEMO if args.recipe == "swe" else DEMO.with_name(f"demo-{args.recipe}"))
     ).resolve()
     # SIGTERM ends the demo like Ctrl-C: the stack it started is stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -86,6 +95,20 @@ def main() -> int:
         shutil.rmtree(demo, ignore_errors=True)
     demo.mkdir(parents=True, exist_ok=True)
     rollout_settings: dict[str, object] = {}
+    env_settings: list[str] = []
+    if args.recipe == "gui":
+        from orchard.tasks.gui.browser_dir import LAUNCHER  # noqa: PLC0415
+
+        browser = Path(os.environ.get("ORCHARD_GUI_BROWSER_DIR") or GUI_BROWSER_DIR).absolute()
+        if not (browser / LAUNCHER).exists():
+            sys.stderr.write(
+                f"demo: the GUI recipe runs Chromium's tool server from {browser}, which has "
+                "none: run `make gui-browser` first\n"
+            )
+            return 2
+        rollout_settings = {"gui": {"browser_dir": str(browser)}}
+        # Chromium keeps its own sandbox (a user namespace) as an unprivileged user.
+        env_settings = ['privileges.user_namespaces=["*"]']
     if args.recipe == "claw":
         cache = Path(os.environ.get("ORCHARD_HARNESS_CACHE") or HARNESS_CACHE)
         if not (cache / MANIFEST).exists():
@@ -120,7 +143,7 @@ def main() -> int:
         listen=f"127.0.0.1:{_free_port()}",
         token=token,
         runtime={"cgroup_parent": cgroup, "run_dir": str(run_dir)},
-        settings=[f"server.metrics_address={metrics}"],
+        settings=[f"server.metrics_address={metrics}", *env_settings],
         services={"reward": reward, "rollout": rollout, "trainer": trainer},
         service_settings={"rollout": rollout_settings} if rollout_settings else None,
     )

@@ -6,7 +6,9 @@ sandboxes user namespaces, for Chromium's own sandbox), ``orchard-reward`` and
 ``orchard-rollout``, talking gRPC. Each rollout is a site sandbox and a browser sandbox (Debian's
 Chromium as an unprivileged user, the browser folder from ``make gui-browser``). The policy is
 the built-in GUI suite's scripted teacher, which the rollout service plays itself
-(``policy_spec.scripted.gui_teacher``), or a script that never calls a tool.
+(``policy_spec.scripted.gui_teacher``), or a script that never calls a tool. A job that keeps GUI
+trails leaves them in the rollout service's artifact store (a file:// folder here), and the
+report's trail page made from one opens in a real headless Chromium.
 """
 
 from __future__ import annotations
@@ -22,10 +24,14 @@ from typing import Any
 
 import grpc
 import pytest
+from playwright.sync_api import sync_playwright
 
+from orchard.core.artifacts import ArtifactStore
+from orchard.recipes.trails import TrailChoice, write_trail_pages
 from orchard.rollout.v1 import rollout_service_pb2 as api
 from orchard.rollout.v1 import rollout_service_pb2_grpc
 from orchard.sdk import SandboxClient
+from orchard.tasks.gui.browser import OFFLINE_CHROMIUM_ARGS
 from orchard.tasks.gui.browser_dir import LAUNCHER, build_browser_dir
 from orchard.tasks.gui.suite import GuiTask, generate_suite
 from orchard.types.v1 import reward_pb2, trajectory_pb2
@@ -46,6 +52,8 @@ class GuiServices:
     env: EnvStack
     rollout: RolloutProcess
     tasks: list[GuiTask]
+    artifacts: Path
+    """The rollout service's artifact store (file://), where kept GUI trails go."""
 
 
 def easy_tasks() -> list[GuiTask]:
@@ -63,6 +71,8 @@ def gui_services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuiServic
     if not (folder / LAUNCHER).exists():
         build_browser_dir(folder)
     root = tmp_path_factory.mktemp("gui-rollouts")
+    artifacts = root / "artifacts"
+    artifacts.mkdir()
     with private_stack(tmp_path_factory, settings=['privileges.user_namespaces=["*"]']) as env:
         reward_address, reward_process, reward_log = start_reward(root, env)
         address, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
@@ -72,6 +82,7 @@ def gui_services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuiServic
             "env": {"endpoint": env.endpoint, "token_env": "ROLLOUT_TEST_ENV_TOKEN"},
             "reward": {"endpoint": reward_address},
             "gui": {"browser_dir": str(folder.absolute()), "keep_last": 2},
+            "artifacts": {"root": artifacts.as_uri()},
             "defaults": {"create_spread_s": 0.05, "concurrency": 2},
         }
         path = root / "rollout.json"
@@ -79,7 +90,7 @@ def gui_services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuiServic
         rollout = RolloutProcess(address, metrics, path, root / "rollout.log", env.token)
         rollout.start()
         try:
-            yield GuiServices(env, rollout, easy_tasks())
+            yield GuiServices(env, rollout, easy_tasks(), artifacts)
         finally:
             rollout.stop()
             stop_process(reward_process, reward_log)
@@ -118,8 +129,10 @@ def fixed_n(n: int) -> api.SamplerConfig:
     )
 
 
-def test_the_scripted_teacher_solves_easy_tasks_and_the_state_judge_scores_them(
-    gui_services: GuiServices, stub: rollout_service_pb2_grpc.RolloutServiceStub
+def test_the_scripted_teacher_solves_easy_tasks_the_state_judge_scores_them_trails_kept(
+    gui_services: GuiServices,
+    stub: rollout_service_pb2_grpc.RolloutServiceStub,
+    tmp_path: Path,
 ) -> None:
     tasks = gui_services.tasks
     spec = api.RolloutJobSpec(
@@ -133,6 +146,7 @@ def test_the_scripted_teacher_solves_easy_tasks_and_the_state_judge_scores_them(
         sampler=fixed_n(1),
         budget=api.RolloutBudget(max_steps=12),
         concurrency=2,
+        keep_gui_trails=True,
     )
     started = time.monotonic()
     job, groups = run_job(stub, spec)
@@ -164,6 +178,71 @@ def test_the_scripted_teacher_solves_easy_tasks_and_the_state_judge_scores_them(
         assert len(whole) == min(2, len(pages))
     with SandboxClient(gui_services.env.endpoint, token=gui_services.env.token) as client:
         assert list(client.list({JOB_LABEL: job.id})) == []
+    check_trails(gui_services, job, groups, tmp_path)
+
+
+def check_trails(
+    gui_services: GuiServices,
+    job: api.RolloutJob,
+    groups: list[api.TrajectoryGroup],
+    tmp_path: Path,
+) -> None:
+    """The job kept GUI trails: each rollout's trail.json and screenshots are in the rollout
+    service's store, its trajectories name the trail, and the report's page made from it shows
+    every screenshot in Chromium."""
+    tasks = {t.id: t for t in gui_services.tasks}
+    store = ArtifactStore(gui_services.artifacts.as_uri())
+    choices = []
+    for group in groups:
+        task = tasks[group.task_id]
+        (rollout_id,) = {t.rollout_id for t in group.trajectories}
+        url = store.url("trails", job.id, rollout_id, "trail.json")
+        assert {t.metadata["gui_trail"] for t in group.trajectories} == {url}
+        trail = json.loads(store.read_bytes(url))
+        assert (trail["job_id"], trail["rollout_id"]) == (job.id, rollout_id)
+        assert (trail["task_id"], trail["gui_task_id"]) == (task.id, task.id)
+        assert trail["intent"] == task.intent
+        assert trail["start_url"].startswith("http://")
+        assert (trail["status"], trail["outcome"]) == ("completed", "submitted")
+        assert trail["reward"]["value"] == 1.0 and "success" in trail["reward"]["detail"]
+        steps = trail["steps"]
+        assert steps[0]["tool"] == "goto_url"
+        assert steps[0]["arguments"] == {"url": trail["start_url"]}
+        assert steps[-1]["tool"] == "done"
+        assert trail["response"] == steps[-1]["arguments"]["response"]
+        assert len(steps) >= 3 and all(step["ok"] for step in steps)
+        assert all(step["url"].startswith("http://") and step["tabs"] for step in steps)
+        # Every action's screenshot, as the browser took it, beside trail.json.
+        names = [step["screenshot"] for step in steps]
+        assert names == [f"{i:03d}.png" for i in range(len(steps))]
+        folder = gui_services.artifacts / "trails" / job.id / rollout_id
+        assert sorted(p.name for p in folder.iterdir()) == [*names, "trail.json"]
+        for name in names:
+            assert (folder / name).read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+        choices.append(
+            TrailChoice("base", task.id, group.harness, rollout_id, url, 1.0, resolved=True)
+        )
+
+    # The report's pages made from these trails: every screenshot loads in Chromium.
+    links = write_trail_pages(choices, store, tmp_path / "report")
+    assert len(links) == len(tasks)
+    args = [*OFFLINE_CHROMIUM_ARGS, *(["--no-sandbox"] if os.geteuid() == 0 else [])]
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path="/usr/bin/chromium", headless=True, args=args
+        )
+        try:
+            page = browser.new_page()
+            for link in links:
+                page.goto((tmp_path / "report" / link.page).as_uri())
+                page.wait_for_load_state("load")
+                widths = page.evaluate("[...document.images].map(i => i.naturalWidth)")
+                assert len(widths) == link.steps and min(widths) > 0, widths
+                assert (
+                    page.locator(f"#step-{link.steps - 1} .action").inner_text().startswith("done(")
+                )
+        finally:
+            browser.close()
 
 
 def test_a_policy_that_never_acts_ends_on_format_failures_scored_minus_one(
@@ -183,7 +262,7 @@ def test_a_policy_that_never_acts_ends_on_format_failures_scored_minus_one(
         sampler=fixed_n(1),
         budget=api.RolloutBudget(max_steps=12),
     )
-    _, groups = run_job(stub, spec)
+    job, groups = run_job(stub, spec)
     (trajectory,) = groups[0].trajectories
     assert trajectory.reward.status == reward_pb2.REWARD_STATUS_SCORED, trajectory.reward
     assert trajectory.reward.value == -1.0, trajectory.reward.detail
@@ -191,6 +270,9 @@ def test_a_policy_that_never_acts_ends_on_format_failures_scored_minus_one(
     assert trajectory.outcome == trajectory_pb2.TRAJECTORY_OUTCOME_COMPLETED
     conversation = json.loads(trajectory.conversation_json)
     assert sum(m["role"] == "assistant" for m in conversation) == 3
+    # The job did not ask for trails: none is named, none written.
+    assert "gui_trail" not in trajectory.metadata
+    assert not (gui_services.artifacts / "trails" / job.id).exists()
 
 
 def test_gui_tasks_and_harnesses_that_do_not_fit_are_refused(

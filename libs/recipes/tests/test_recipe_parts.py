@@ -183,6 +183,63 @@ def test_a_claw_recipe_s_tasks_are_ids_and_tool_archives_and_read_back_the_same(
     assert len({t.family for t in first["evaluate"]}) == 6
 
 
+def test_a_gui_recipe_s_tasks_are_ids_and_read_back_the_same(tmp_path: Path) -> None:
+    """The GUI suite as a recipe prepares it: each task its id, split, family and difficulty
+    (no store needed: the rollout service serves the sites); a resumed run reads the same tasks
+    back, and each becomes a browser episode scored by the built-in state judge."""
+    from orchard.recipes.recipe_tasks import prepare_tasks, task_spec
+    from orchard.tasks.gui.suite import task_by_id
+    from orchard.tasks.spec import GUI_STATE_JUDGE, GuiCheck, TaskSpec
+
+    recipe = Recipe.model_validate(
+        {"name": "gui", "tasks": {"gui": {"count": 24, "seed": 5}},
+         "harnesses": ["builtin:browser-text"], "stages": {"credit": {"enabled": False}},
+         "output_dir": tmp_path / "run"}
+    )  # fmt: skip
+    first = prepare_tasks(recipe, RunDir.open(recipe), None)
+    assert {k: len(v) for k, v in first.items()} == {"sft": 12, "rl": 6, "evaluate": 6}
+    assert prepare_tasks(recipe, RunDir.open(recipe), None) == first
+    ids = [t.id for split in first.values() for t in split]
+    assert len(set(ids)) == 24 and all(i.startswith("gui/5/") for i in ids)
+    task = first["evaluate"][0]
+    assert task.instance is None and not task.files and task.difficulty in (1, 2, 3)
+    assert task.instruction == task_by_id(task.id).intent and task.source == task.family
+    spec = task_spec(task)
+    assert spec.check == GuiCheck(task.id, GUI_STATE_JUDGE)
+    assert (spec.instruction, spec.image, spec.setup, spec.files) == (
+        task.instruction,
+        "host",
+        (),
+        (),
+    )
+    sent = spec.to_proto()
+    assert json.loads(sent.scorer_json)["gui"]["task_id"] == task.id
+    assert TaskSpec.from_proto(sent).check == spec.check
+
+
+def test_the_gui_teacher_is_the_rollout_service_s_own_policy(tmp_path: Path) -> None:
+    """A GUI recipe's scripted teacher travels as `scripted.gui_teacher` (the suite and the
+    mistake rate), not as a script: the rollout service plays it page by page."""
+    from orchard.recipes.recipe_tasks import prepare_tasks
+    from orchard.recipes.stages import StageContext, _teacher
+
+    recipe = Recipe.model_validate(
+        {"name": "gui", "tasks": {"gui": {"count": 24, "seed": 5}},
+         "harnesses": ["builtin:browser-text"], "stages": {"credit": {"enabled": False}},
+         "teacher": {"mistake_rate": 0.25}, "output_dir": tmp_path / "run"}
+    )  # fmt: skip
+    run = RunDir.open(recipe)
+    tasks = prepare_tasks(recipe, run, None)
+    stack = StackEndpoints("127.0.0.1:1", "", "127.0.0.1:2", "", "127.0.0.1:3", "127.0.0.1:4")
+    ctx = StageContext(recipe, run, stack, tasks, seed=11)
+    policy = _teacher(ctx, tasks["sft"])
+    teacher = policy.scripted.gui_teacher
+    assert (teacher.suite_seed, teacher.count, teacher.mistake_rate) == (5, 24, 0.25)
+    assert policy.scripted.seed == 11 and not policy.scripted.plans
+    line = ctx.line("from-base")
+    assert (ctx.registry_model, line.registry_model) == ("gui-student", "gui-student-from-base")
+
+
 def test_evaluation_counts_per_harness_give_each_task_its_attempts_and_successes() -> None:
     from orchard.recipes.stages import by_harness
 

@@ -55,6 +55,37 @@ def test_the_builtin_claw_recipe_trains_in_two_programs_and_holds_a_third_out(
         builtin_recipe("nope")
 
 
+def test_the_builtin_gui_recipe_drives_browser_episodes_with_a_step_curriculum(
+    tmp_path: Path,
+) -> None:
+    recipe = load_recipe(builtin_recipe("gui"), workdir=tmp_path)
+    assert recipe.name == "builtin-gui"
+    assert recipe.tasks.gui is not None and recipe.tasks.generated is recipe.tasks.gui
+    assert recipe.harnesses == ["builtin:browser-text"]
+    assert "credit" not in recipe.stages.enabled()
+    rl = recipe.stages.rl
+    assert rl.curriculum is not None and rl.curriculum.max_steps == [15, 30]
+    assert [rl.budget_at(level).max_steps for level in (0, 1, 5)] == [15, 30, 30]
+    assert rl.final_budget.max_steps == 30  # evaluation runs with the last budget
+    assert rl.final_budget.max_tokens == rl.budget.max_tokens
+    assert rl.from_base and recipe.pass_mark == DEFAULT_SUCCESS_THRESHOLD
+
+
+def test_the_step_budget_grows_after_saturated_steps_in_a_row() -> None:
+    from orchard.sdk.recipe import StepCurriculum
+
+    curriculum = StepCurriculum(max_steps=[15, 30, 45], saturation=0.75, patience=2)
+    level, streak = 0, 0
+    seen = []
+    # unscored steps (None) neither count nor break a streak; a low step breaks it
+    for share in (0.8, 0.5, 0.9, None, 1.0, 0.75, 0.75, 0.2, 1.0, 1.0, 1.0):
+        level, streak = curriculum.next_level(level, streak, share)
+        seen.append(level)
+    assert seen == [0, 0, 0, 0, 1, 1, 2, 2, 2, 2, 2]
+    assert StepCurriculum(max_steps=[15, 30]).next_level(0, 0, 0.8) == (1, 0)
+    assert StepCurriculum(max_steps=[15, 30]).next_level(0, 0, 0.79) == (0, 0)
+
+
 def test_minimal_recipe_takes_defaults_and_writes_under_the_working_folder(tmp_path: Path) -> None:
     recipe = load_recipe(
         write(
@@ -119,7 +150,44 @@ def test_every_problem_is_reported_with_its_key_and_line(tmp_path: Path) -> None
     ("text", "expected"),
     [
         ("tasks: {builtin: {}, split: {sft: 0.5, rl: 0.5, evaluate: 0.5}}", "sum to 1.5"),
-        ("tasks: {}", "exactly one of tasks.builtin, tasks.claw and tasks.jsonl"),
+        ("tasks: {}", "exactly one of tasks.builtin, tasks.claw, tasks.gui and tasks.jsonl"),
+        ("tasks: {gui: {}}", "run only in the browser loops"),
+        ("tasks: {gui: {count: 6}}", "greater than or equal to 12"),
+        ("tasks: {builtin: {}}\nharnesses: [builtin:browser]", "give tasks.gui"),
+        (
+            "tasks: {gui: {}}\nharnesses: [builtin:browser-text]\n"
+            "stages: {evaluate: {harnesses: [builtin:swe]}}",
+            "this recipe names builtin:swe",
+        ),
+        (
+            "tasks: {gui: {}}\nharnesses: [builtin:browser-text]",
+            "set stages.credit.enabled: false for tasks.gui",
+        ),
+        (
+            "tasks: {builtin: {}}\nstages: {rl: {curriculum: {max_steps: [15]}}}",
+            "List should have at least 2 items",
+        ),
+        (
+            "tasks: {builtin: {}}\nstages: {rl: {curriculum: {max_steps: [30, 15]}}}",
+            "the step budgets must grow, got [30, 15]",
+        ),
+        (
+            "tasks: {builtin: {}}\nstages: {rl: {curriculum: {max_steps: [0, 15]}}}",
+            "every step budget must be at least 1",
+        ),
+        (
+            "tasks: {builtin: {}}\n"
+            "stages: {rl: {curriculum: {max_steps: [15, 30]}, budget: {max_steps: 9}}}",
+            "leave out rl.budget.max_steps",
+        ),
+        (
+            "tasks: {builtin: {}}\nstages: {rl: {curriculum: {max_steps: [1, 2], saturation: 0}}}",
+            "greater than 0",
+        ),
+        (
+            "tasks: {builtin: {}}\nstages: {sft: {enabled: false}, rl: {from_base: true}}",
+            "it needs stages.sft",
+        ),
         ("tasks: {builtin: {}, claw: {}}", "(this gives builtin and claw)"),
         ("tasks: {claw: {count: 5}}", "greater than or equal to 12"),
         (

@@ -29,6 +29,7 @@ from orchard.recipes.stages import (
     run_rl,
     run_sft,
 )
+from orchard.recipes.trails import report_trails
 from orchard.recipes.workspace import RunDir, StackEndpoints, write_json
 from orchard.sdk.recipe import STAGES, Recipe
 from orchard.sdk.report import (
@@ -38,6 +39,7 @@ from orchard.sdk.report import (
     ModelEvaluation,
     RunReport,
     ServiceStats,
+    TrailLink,
     TrajectoryCounts,
     service_stats_from_metrics,
     write_report,
@@ -202,11 +204,24 @@ def _sft_validation_note(sft: dict[str, Any]) -> str | None:
     return note
 
 
+def _trails(ctx: StageContext, models: Sequence[str]) -> tuple[TrailLink, ...]:
+    """The screenshot trail pages of a few evaluated GUI episodes per model, written into the
+    report folder; none when the evaluation kept no trails (`orchard.recipes.trails`)."""
+    try:
+        store = ctx.stack.artifact_store() if ctx.stack.artifacts else None
+    except Exception as exc:  # a store this machine cannot open: the report goes on without
+        log.warning("GUI trails left out of the report: %s", exc)
+        store = None
+    return report_trails(
+        ctx.run.root / "evaluate", models, ctx.pass_mark, ctx.run.root / "report", store=store
+    )
+
+
 def build_report(ctx: StageContext) -> RunReport:
     run = ctx.run
     evaluations = []
     evaluate = run.done("evaluate")
-    order = {"base": 0, "sft": 1, "rl": 2}  # done.json keeps its keys sorted
+    order = {"base": 0, "sft": 1, "rl": 2, "rl-base": 3}  # done.json keeps its keys sorted
     found = (evaluate or {}).get("models", {})
     for name, result in sorted(found.items(), key=lambda item: order.get(item[0], 3)):
         weights = result.get("weight_version", "")
@@ -230,11 +245,13 @@ def build_report(ctx: StageContext) -> RunReport:
             curves.append(curve)
     rl = run.done("rl") or {}
     steps = rl.get("steps", [])
-    for key, label in (("reward_mean", "rl reward mean"), ("loss", "rl loss")):
-        points = [(float(s["step"]), float(s[key])) for s in steps if s.get(key) is not None]
-        curve = _curve(label, points)
-        if curve:
-            curves.append(curve)
+    from_base = rl.get("from_base") or {}
+    for line, prefix in ((steps, "rl"), (from_base.get("steps", []), "rl from base")):
+        for key, label in (("reward_mean", "reward mean"), ("loss", "loss")):
+            points = [(float(s["step"]), float(s[key])) for s in line if s.get(key) is not None]
+            curve = _curve(f"{prefix} {label}", points)
+            if curve:
+                curves.append(curve)
     groups = []
     if rl.get("groups"):
         every = rl["groups"]
@@ -268,11 +285,20 @@ def build_report(ctx: StageContext) -> RunReport:
         notes.append(sft_note)
     if rl.get("note"):
         notes.append(rl["note"])
+    if from_base.get("note"):
+        notes.append(f"RL from base: {from_base['note']}")
+    notes += [f"RL step {s['step']}: {s['curriculum']}" for s in steps if s.get("curriculum")]
+    notes += [
+        f"RL from base, step {s['step']}: {s['curriculum']}"
+        for s in from_base.get("steps", [])
+        if s.get("curriculum")
+    ]
     if credit.get("note"):
         notes.append(credit["note"])
     curate = run.done("curate")
     if curate:
         notes.append(f"curation kept {curate['kept']} of {curate['input']} teacher trajectories")
+    trails = _trails(ctx, [e.model for e in evaluations])
     services = _service_stats(ctx.stack)
     if services is None:
         notes.append(
@@ -289,6 +315,7 @@ def build_report(ctx: StageContext) -> RunReport:
         stage_seconds=seconds,
         confidence=ctx.recipe.stages.evaluate.confidence,
         notes=tuple(notes),
+        trails=trails,
     )
     models = (evaluate or {}).get("models", {})
     write_json(

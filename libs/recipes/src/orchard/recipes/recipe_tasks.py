@@ -1,5 +1,5 @@
-"""A recipe's tasks: the built-in suite materialized as git repositories, the Claw suite, or
-SWE-bench JSONL.
+"""A recipe's tasks: the built-in suite materialized as git repositories, the Claw suite, the
+GUI suite, or SWE-bench JSONL.
 
 `prepare_tasks` writes ``tasks/tasks.jsonl`` (one SWE-bench line per task with its split, and
 its family and difficulty for the built-in suite) and, for the built-in suite, the repositories
@@ -11,6 +11,8 @@ archive's URL, which orchard-rollout unpacks there: no path of this machine reac
 and ScoreTests through the reward service as the check. A Claw task is its id (the suite
 regenerates it from the id, as orchard-reward does to score it) and the URLs of its tools'
 archive in the store; its spec seeds the apps' state in the sandbox and is scored by ScoreTask.
+A GUI task is its id too: orchard-rollout serves its site in a sandbox of its own and drives a
+browser sandbox through it; orchard-reward's built-in state judge scores it (JudgeOutcome).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from orchard.recipes.workspace import RunDir
 from orchard.sdk.recipe import Recipe
 from orchard.tasks.claw import specs as claw_specs
 from orchard.tasks.claw import suite as claw_suite
-from orchard.tasks.spec import TaskFile, TaskSpec, TestsCheck
+from orchard.tasks.gui import suite as gui_suite
+from orchard.tasks.spec import GuiCheck, TaskFile, TaskSpec, TestsCheck
 from orchard.tasks.swe_instances import (
     DEFAULT_REPO_PATH,
     SweInstance,
@@ -53,7 +56,7 @@ WORKDIR = DEFAULT_REPO_PATH
 class RecipeTask:
     split: str
     instance: SweInstance | None
-    """The SWE-bench instance; None for a Claw task."""
+    """The SWE-bench instance; None for a Claw or GUI task."""
     family: str = ""
     """The built-in suites' family; empty for JSONL tasks."""
     difficulty: int = 0
@@ -65,13 +68,19 @@ class RecipeTask:
     """A Claw task's id (``claw/<seed>/<family>/<n>``); empty for software tasks."""
     files: tuple[TaskFile, ...] = ()
     """A Claw task's tools, as archives in the artifact store."""
+    gui_id: str = ""
+    """A GUI task's id (``gui/<seed>/<family>/<n>``); empty for other tasks."""
 
     @property
     def id(self) -> str:
-        return self.claw_id if self.instance is None else self.instance.instance_id
+        if self.instance is None:
+            return self.gui_id or self.claw_id
+        return self.instance.instance_id
 
     @property
     def instruction(self) -> str:
+        if self.gui_id:
+            return gui_suite.task_by_id(self.gui_id).intent
         if self.instance is None:
             return claw_suite.task_by_id(self.claw_id).instruction
         return self.instance.problem_statement or f"Resolve {self.id}."
@@ -79,7 +88,7 @@ class RecipeTask:
     @property
     def source(self) -> str:
         """What trajectories are capped per (curation's ``cap_per_source``): a software task's
-        repository, a Claw task's family."""
+        repository, a Claw or GUI task's family."""
         return self.family if self.instance is None else self.instance.repo
 
     def to_json(self) -> dict[str, object]:
@@ -88,6 +97,8 @@ class RecipeTask:
             "orchard_family": self.family,
             "orchard_difficulty": self.difficulty,
         }
+        if self.gui_id:
+            return {"orchard_gui_id": self.gui_id, **common}
         if self.instance is None:
             files = [{"url": f.url, "path": f.path} for f in self.files]
             return {"orchard_claw_id": self.claw_id, "orchard_files": files, **common}
@@ -164,10 +175,31 @@ def _claw(recipe: Recipe, store: ArtifactStore) -> list[RecipeTask]:
     ]
 
 
+def _gui(recipe: Recipe) -> list[RecipeTask]:
+    assert recipe.tasks.gui is not None
+    spec = recipe.tasks.gui
+    split = recipe.tasks.split
+    suite = gui_suite.generate_suite(spec.count, seed=spec.seed)
+    fractions: dict[gui_suite.Split, float] = {
+        "sft": split.sft,
+        "rl": split.rl,
+        "evaluate": split.evaluate,
+    }
+    splits = gui_suite.split_suite(suite, fractions, seed=spec.seed)
+    return [
+        RecipeTask(name, None, t.family, t.difficulty, gui_id=t.id)
+        for name in SPLITS
+        for t in splits[name]
+    ]
+
+
 def _from_manifest(data: dict[str, object], source: str, line: int) -> RecipeTask:
     split = str(data.pop("orchard_split"))
     family = str(data.pop("orchard_family", ""))
     difficulty = int(str(data.pop("orchard_difficulty", 0)))
+    gui_id = data.pop("orchard_gui_id", None)
+    if gui_id is not None:
+        return RecipeTask(split, None, family, difficulty, gui_id=str(gui_id))
     claw_id = data.pop("orchard_claw_id", None)
     if claw_id is not None:
         entries = data.pop("orchard_files", [])
@@ -222,6 +254,8 @@ def prepare_tasks(
                     "prepare_tasks the stack's store"
                 )
             tasks = _claw(recipe, store)
+        elif recipe.tasks.gui:
+            tasks = _gui(recipe)
         else:
             tasks = _jsonl(recipe)
         staging = manifest.with_suffix(".partial")
@@ -238,8 +272,17 @@ def prepare_tasks(
 def task_spec(task: RecipeTask, *, memory: str = "") -> TaskSpec:
     """What the rollout runner drives for ``task``: its repository at ``/testbed`` (unpacked
     there from the artifact store for the built-in suite), scored by ScoreTests, with the
-    harness's shell in the repository; or a Claw task's apps, seeded, scored by ScoreTask."""
+    harness's shell in the repository; or a Claw task's apps, seeded, scored by ScoreTask; or a
+    GUI task's browser episode, scored by the reward service's built-in state judge."""
     instance = task.instance
+    if task.gui_id:
+        return TaskSpec(
+            id=task.gui_id,
+            instruction=task.instruction,
+            check=GuiCheck(task.gui_id),
+            image="host",
+            memory=memory,
+        )
     if instance is None:
         return claw_specs.task_spec(claw_suite.task_by_id(task.claw_id), task.files, memory=memory)
     setup: list[str] = []

@@ -35,7 +35,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from orchard.core.success import DEFAULT_SUCCESS_THRESHOLD
 from orchard.recipes.recipe_tasks import RecipeTask, task_spec
 from orchard.recipes.rollout_client import RolloutJobs
 from orchard.recipes.swe_suite import teacher_script
+from orchard.recipes.trails import keeps_trails
 from orchard.recipes.trainer_client import TrainerJobs, step_entry
 from orchard.recipes.weights_client import WeightVersions
 from orchard.recipes.workspace import RunDir, StackEndpoints, write_json
@@ -80,6 +81,9 @@ class StageContext:
     """Rollouts that run at once."""
     seed: int = 0
     notes: list[str] = field(default_factory=list)
+    lineage: str = ""
+    """Names a second line of weights of the run (``from-base``: RL from the base model), which
+    gets a registry model of its own; empty: the run's main line."""
 
     @property
     def pass_mark(self) -> float:
@@ -91,8 +95,12 @@ class StageContext:
 
     @property
     def registry_model(self) -> str:
-        """The student's name in the weight registry: one per run."""
-        return f"{self.recipe.name}-student"
+        """The student's name in the weight registry: one per run and line of weights."""
+        return f"{self.recipe.name}-student" + (f"-{self.lineage}" if self.lineage else "")
+
+    def line(self, lineage: str) -> StageContext:
+        """The same run on another line of weights (its own registry model)."""
+        return replace(self, lineage=lineage)
 
 
 async def harnesses_for(ctx: StageContext) -> dict[str, rollout_api.Harness]:
@@ -255,6 +263,18 @@ def _teacher(ctx: StageContext, tasks: Sequence[RecipeTask]) -> rollout_api.Poli
     `teacher.api_key_env` of the rollout service's environment), or the scripted teacher for the
     run's tasks, which the rollout service plays itself (the script travels in the job spec)."""
     teacher = ctx.recipe.teacher
+    gui = ctx.recipe.tasks.gui
+    if teacher.endpoint == "builtin:scripted" and gui is not None:
+        # The rollout service plays the GUI suite's teacher itself, page by page: it needs the
+        # suite, not a script.
+        script = rollout_api.ScriptedPolicy(
+            model=teacher.model,
+            seed=ctx.seed,
+            gui_teacher=rollout_api.GuiTeacher(
+                suite_seed=gui.seed, count=gui.count, mistake_rate=teacher.mistake_rate
+            ),
+        )
+        return rollout_api.PolicySpec(scripted=script, temperature=1.0)
     if teacher.endpoint == "builtin:scripted" and ctx.recipe.tasks.claw is not None:
         from orchard.tasks.claw.suite import task_by_id  # noqa: PLC0415
         from orchard.tasks.claw.teacher import teacher_script as claw_script  # noqa: PLC0415
@@ -813,14 +833,21 @@ def validation_summary(progress: trainer_api.ValidationProgress) -> dict[str, An
 # -- evaluate ------------------------------------------------------------------------------------
 
 
-def models_to_evaluate(ctx: StageContext) -> list[tuple[str, str]]:
-    """(name, weight version) of each model the run has produced, base first; two names may
-    share a version (an RL stage that handed on the SFT weights)."""
-    out = [("base", "base")]
+FROM_BASE = "from-base"
+"""The line of weights of RL from the base model (`Rl.from_base`), evaluated as "rl-base"."""
+
+
+def models_to_evaluate(ctx: StageContext) -> list[tuple[str, str, str]]:
+    """(name, weight version, line of weights) of each model the run has produced, base
+    first; two names may share a version (an RL stage that handed on the SFT weights)."""
+    out = [("base", "base", "")]
     for name in ("sft", "rl"):
         done = ctx.run.done(name)
         if done and done.get("weights"):
-            out.append((name, str(done["weights"]["version"])))
+            out.append((name, str(done["weights"]["version"]), ""))
+    from_base = ((ctx.run.done("rl") or {}).get("from_base") or {}).get("weights")
+    if from_base:
+        out.append(("rl-base", str(from_base["version"]), FROM_BASE))
     return out
 
 
@@ -840,7 +867,7 @@ async def _evaluate_model(
     tasks = ctx.tasks[split]
     n = attempts or stage.attempts_per_task
     harnesses = ctx.recipe.evaluated_harnesses if split == "evaluate" else ctx.recipe.harnesses
-    budget = ctx.recipe.stages.rl.budget
+    budget = ctx.recipe.stages.rl.final_budget
     # Every model draws with the same seed: the same rollouts share their random numbers, so
     # the models' numbers differ by the models, not the draws.
     seed = derived_seed(ctx.seed, "student", split)
@@ -848,6 +875,8 @@ async def _evaluate_model(
     spec = _job_spec(
         ctx, tasks, policy, _every_group(n, ctx.pass_mark), budget, harnesses=harnesses
     )
+    # The held-out GUI episodes keep their screenshot trails: the report shows a few.
+    spec.keep_gui_trails = split == "evaluate" and keeps_trails(tasks)
     desc = f"evaluate {name}" if split == "evaluate" else f"validate {name} on {split}"
     total = len(tasks) * len(harnesses) * n
     bar, progress = _rollout_bar(ctx, total, desc)
@@ -918,8 +947,15 @@ def run_evaluate(ctx: StageContext) -> dict[str, Any]:
     out = ctx.run.stage("evaluate")
     asyncio.run(_publish_base(ctx))
     results: dict[str, dict[str, Any]] = {}
-    for name, version in models_to_evaluate(ctx):
-        earlier = next((n for n, r in results.items() if r["weight_version"] == version), None)
+    for name, version, lineage in models_to_evaluate(ctx):
+        earlier = next(
+            (
+                n
+                for n, r in results.items()
+                if r["weight_version"] == version and r.get("line", "") == lineage
+            ),
+            None,
+        )
         if earlier is not None:
             # The same weights: the same numbers, said so rather than sampled again.
             results[name] = {**results[earlier], "model": name, "same_weights_as": earlier}
@@ -928,7 +964,9 @@ def run_evaluate(ctx: StageContext) -> dict[str, Any]:
         if cached.exists():
             results[name] = json.loads(cached.read_text(encoding="utf-8"))
             continue
-        results[name] = asyncio.run(_evaluate_model(ctx, name, version, out))
+        results[name] = asyncio.run(_evaluate_model(ctx.line(lineage), name, version, out))
+        if lineage:
+            results[name]["line"] = lineage
         write_json(cached, results[name])
     return {"models": results}
 
@@ -991,6 +1029,8 @@ async def _rl(
     every_group: list[trajectory_pb2.TrajectoryGroup] = []
     current = start
     rotation = random.Random(ctx.seed)
+    level, streak = 0, 0
+    """Where the step-budget curriculum stands (`StepCurriculum.next_level`)."""
 
     def trains(group: trajectory_pb2.TrajectoryGroup) -> bool:
         """GRPO learns from groups whose rewards differ; PPO's value model gives every scored
@@ -1011,6 +1051,7 @@ async def _rl(
                 # A step samples at most twice the tasks it needs: a step whose groups all
                 # come out without signal costs a bounded number of rollouts.
                 chosen = order[: max(1, (2 * stage.groups_per_step) // pairs_per_task)]
+                budget = stage.budget_at(level)
                 spec = _job_spec(
                     ctx,
                     [tasks[i] for i in chosen],
@@ -1022,7 +1063,7 @@ async def _rl(
                         derived_seed(ctx.seed, "student", "rl", step),
                     ),
                     rl_sampler(ctx, step),
-                    stage.budget,
+                    budget,
                 )
                 started = time.monotonic()
 
@@ -1054,8 +1095,15 @@ async def _rl(
                     if kept
                     else trainer_api.SubmitGroupsResponse()
                 )
+                scored = [t for g in groups for t in _main_line(g) if _scored(t)]
                 entry: dict[str, Any] = {
                     "step": step + 1,
+                    "max_steps": budget.max_steps,
+                    "success_share": (
+                        sum(_resolved(t, ctx.pass_mark) for t in scored) / len(scored)
+                        if scored
+                        else None
+                    ),
                     "rollout_job": job.id,
                     "sampled": current,
                     "groups_kept": len(kept),
@@ -1063,9 +1111,7 @@ async def _rl(
                     "rollouts": sum(int(g.rollouts_run) for g in groups),
                     "rollouts_run_by_job": int(job.rollouts_done),
                     "samples": submitted.trajectories_trainable,
-                    "reward_mean": _mean(
-                        [t.reward.value for g in groups for t in _main_line(g) if _scored(t)]
-                    ),
+                    "reward_mean": _mean([t.reward.value for t in scored]),
                     "skipped": submitted.trajectories_skipped,
                     "seconds_sampling": round(time.monotonic() - started, 2),
                 }
@@ -1097,6 +1143,14 @@ async def _rl(
                 else:
                     entry["published"] = None
                     entry["note"] = "no group carried signal: no update this step"
+                if stage.curriculum is not None:
+                    grown = stage.curriculum.next_level(level, streak, entry["success_share"])
+                    if grown[0] != level:
+                        entry["curriculum"] = (
+                            f"the training reward saturated: the step budget grows from "
+                            f"{budget.max_steps} to {stage.budget_at(grown[0]).max_steps}"
+                        )
+                    level, streak = grown
                 summary["steps"].append(entry)
                 with steps_log.open("a", encoding="utf-8") as handle:
                     handle.write(json.dumps(entry, sort_keys=True) + "\n")
@@ -1106,10 +1160,6 @@ async def _rl(
                     reward="-" if reward is None else f"{reward:.2f}", groups=entry["groups_kept"]
                 )
     summary.update(group_counts(every_group, ctx.pass_mark))
-    if summary["weights"] is None:
-        # No update happened: the RL model is the SFT model, said so in the report.
-        summary["weights"] = (ctx.run.done("sft") or {}).get("weights")
-        summary["note"] = "no RL step had a group with signal; the RL model is the SFT model"
     return summary
 
 
@@ -1167,13 +1217,35 @@ def _mean(values: Sequence[float]) -> float | None:
 
 
 def run_rl(ctx: StageContext) -> dict[str, Any]:
-    stage = ctx.recipe.stages.rl
+    """RL from the SFT model (from the base model without SFT); with ``rl.from_base`` also,
+    with the same settings, tasks and seeds, from the base model (under ``rl/from-base``, its
+    own registry model), so the report sets what SFT adds before RL beside RL alone."""
     sft = ctx.run.done("sft")
-    # a published location is already an artifact URL
-    # a published location is an artifact URL; without SFT the run starts from "base"
-    start = str(sft["weights"]["location"]) if sft else asyncio.run(base_model_url(ctx))
-    start_version = str(sft["weights"]["version"]) if sft else "base"
     out = ctx.run.stage("rl")
+    if sft:
+        # a published location is already an artifact URL
+        summary = _run_rl(ctx, dict(sft["weights"]), out)
+    else:
+        summary = _run_rl(ctx, _base_weights(ctx), out)
+    if ctx.recipe.stages.rl.from_base and sft:
+        line = ctx.line(FROM_BASE)
+        folder = out / FROM_BASE
+        folder.mkdir(parents=True, exist_ok=True)
+        summary["from_base"] = _run_rl(line, _base_weights(line), folder)
+    return summary
+
+
+def _base_weights(ctx: StageContext) -> dict[str, Any]:
+    """The base model published as version "base" of ``ctx``'s registry model."""
+    return asyncio.run(_publish_base(ctx))
+
+
+def _run_rl(ctx: StageContext, first: dict[str, Any], out: Path) -> dict[str, Any]:
+    """The RL stage from the published weights ``first`` (version and location), its outputs
+    in ``out``."""
+    stage = ctx.recipe.stages.rl
+    start = str(first["location"])
+    start_version = str(first["version"])
     spec = trainer_api.TrainingJobSpec(
         mode=trainer_api.TRAINING_MODE_RL,
         model=start,
@@ -1204,7 +1276,7 @@ def run_rl(ctx: StageContext) -> dict[str, Any]:
 
     async def go() -> dict[str, Any]:
         async with TrainerJobs(ctx.stack.trainer) as trainer:
-            job = await trainer.create(spec, request_id=f"{ctx.recipe.name}-rl-{time.time_ns()}")
+            job = await trainer.create(spec, request_id=f"{ctx.registry_model}-rl-{time.time_ns()}")
             try:
                 summary = await _rl(ctx, trainer, job.id, start_version, out)
             finally:
@@ -1215,8 +1287,13 @@ def run_rl(ctx: StageContext) -> dict[str, Any]:
     summary = asyncio.run(go())
     versions = [s["weights"] for s in summary["steps"] if s.get("published")]
     if stage.select == "validation" and versions:
-        first = sft["weights"] if sft else {"version": "base", "location": start}
         summary.update(_validate(ctx, [first, *versions], out / "validation"))
+    if summary["weights"] is None:
+        # No update happened: the RL model is the model it started from, said so.
+        summary["weights"] = dict(first)
+        summary["note"] = (
+            f"no RL step had a group with signal; the RL model is the {start_version} model"
+        )
     return summary
 
 

@@ -1,8 +1,9 @@
 """Recipes: one YAML file that says what to train, on which tasks, and how.
 
 A recipe names the tasks (the built-in software-engineering suite, the built-in Claw suite of
-personal-assistant tasks, or SWE-bench-format JSONL files), the harnesses that drive them
-(built-in loops, or unmodified agent programs such as ``program:claude-code``), the teacher
+personal-assistant tasks, the built-in GUI suite of web tasks, or SWE-bench-format JSONL files),
+the harnesses that drive them (built-in loops, the browser loops, or unmodified agent programs
+such as ``program:claude-code``), the teacher
 that collects the first trajectories, the student model, and the stages in their fixed order::
 
     collect -> credit -> curate -> sft -> rl -> evaluate
@@ -27,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -41,14 +43,17 @@ from orchard.core.config import ConfigModel, load_document
 from orchard.core.success import DEFAULT_SUCCESS_THRESHOLD
 
 __all__ = [
+    "BROWSER_HARNESSES",
     "BUILTIN_RECIPES",
     "CLAW_PASS_MARK",
     "DEFAULT_SUCCESS_THRESHOLD",
     "STAGES",
     "BuiltinTasks",
     "ClawTasks",
+    "GuiTasks",
     "JsonlTasks",
     "Recipe",
+    "StepCurriculum",
     "builtin_recipe",
     "load_recipe",
 ]
@@ -60,6 +65,10 @@ STAGES = ("collect", "credit", "curate", "sft", "rl", "evaluate")
 CLAW_PASS_MARK = 0.75
 """The Claw suite's own success threshold: a task passes at a task score of 0.75 (orchard-reward's
 ScoreTask)."""
+
+BROWSER_HARNESSES = ("builtin:browser", "builtin:browser-text")
+"""The loops that drive the GUI suite's browser episodes (screenshots; page text), and only
+those."""
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 _HARNESS = re.compile(r"^(builtin|external|program):[a-z0-9][a-z0-9._-]*$")
@@ -81,6 +90,17 @@ class ClawTasks(ConfigModel):
     service's checks (completion, safety, robustness)."""
 
     count: int = Field(default=96, ge=12, le=960, description="How many tasks to generate.")
+    seed: int = Field(
+        default=0, description="Seed of the generator; the same seed gives the same tasks."
+    )
+
+
+class GuiTasks(ConfigModel):
+    """The GUI suite generated in code: web tasks on small sites (shop, booking, wiki, forms,
+    tabs) served in a sandbox of their own, driven through a browser sandbox, scored by the
+    reward service's built-in state judge on the site's server-side state."""
+
+    count: int = Field(default=60, ge=12, le=1500, description="How many tasks to generate.")
     seed: int = Field(
         default=0, description="Seed of the generator; the same seed gives the same tasks."
     )
@@ -110,20 +130,24 @@ class TaskSplit(ConfigModel):
         return self
 
 
+_SOURCES = ("builtin", "claw", "gui", "jsonl")
+
+
 class Tasks(ConfigModel):
-    """Where the tasks come from: exactly one of ``builtin``, ``claw`` and ``jsonl``."""
+    """Where the tasks come from: exactly one of ``builtin``, ``claw``, ``gui`` and ``jsonl``."""
 
     builtin: BuiltinTasks | None = None
     claw: ClawTasks | None = None
+    gui: GuiTasks | None = None
     jsonl: JsonlTasks | None = None
     split: TaskSplit = TaskSplit()
 
     @model_validator(mode="after")
     def _one_source(self) -> Tasks:
-        given = [s for s in ("builtin", "claw", "jsonl") if getattr(self, s) is not None]
+        given = [s for s in _SOURCES if getattr(self, s) is not None]
         if len(given) != 1:
             raise ValueError(
-                "give exactly one of tasks.builtin, tasks.claw and tasks.jsonl"
+                "give exactly one of tasks.builtin, tasks.claw, tasks.gui and tasks.jsonl"
                 + (f" (this gives {' and '.join(given)})" if given else "")
             )
         if self.jsonl is not None and "split" in self.model_fields_set:
@@ -131,9 +155,9 @@ class Tasks(ConfigModel):
         return self
 
     @property
-    def generated(self) -> BuiltinTasks | ClawTasks | None:
+    def generated(self) -> BuiltinTasks | ClawTasks | GuiTasks | None:
         """The built-in suite the tasks come from, if any."""
-        return self.builtin or self.claw
+        return self.builtin or self.claw or self.gui
 
     @property
     def pass_mark(self) -> float | None:
@@ -179,6 +203,14 @@ class Teacher(ConfigModel):
     )
     api_key_env: str | None = Field(
         default=None, description="Environment variable holding the API key; never the key itself."
+    )
+    mistake_rate: float = Field(
+        default=0.1,
+        ge=0,
+        le=1,
+        description="The scripted GUI teacher's chance, per click, typing or choosing step, of "
+        "a wrong action in its place (half of them corrected, half left as slips): episodes "
+        "that recover, and some that fail.",
     )
 
     @field_validator("endpoint")
@@ -373,6 +405,47 @@ class Critic(ConfigModel):
     gae_lambda: float = Field(default=1.0, ge=0, le=1, description="GAE lambda.")
 
 
+class StepCurriculum(ConfigModel):
+    """A step budget that grows as the policy learns: RL steps run with the first of
+    ``max_steps`` as the rollouts' step budget, and move to the next one once the training
+    reward saturates, i.e. the share of a step's scored rollouts that succeeded is at or above
+    ``saturation`` for ``patience`` steps in a row. Evaluation runs with the last one."""
+
+    max_steps: list[int] = Field(
+        min_length=2, description="The step budgets in the order RL uses them, e.g. [15, 30]."
+    )
+    saturation: float = Field(
+        default=0.8,
+        gt=0,
+        le=1,
+        description="Share of a step's scored rollouts that succeeded at which the training "
+        "reward counts as saturated.",
+    )
+    patience: int = Field(
+        default=1, ge=1, description="Saturated steps in a row before the budget grows."
+    )
+
+    @field_validator("max_steps")
+    @classmethod
+    def _growing(cls, value: list[int]) -> list[int]:
+        if any(v < 1 for v in value):
+            raise ValueError("every step budget must be at least 1")
+        if any(b <= a for a, b in itertools.pairwise(value)):
+            raise ValueError(f"the step budgets must grow, got {value}")
+        return value
+
+    def next_level(self, level: int, streak: int, success_share: float | None) -> tuple[int, int]:
+        """(level, streak) after an RL step at budget ``max_steps[level]`` whose scored
+        rollouts succeeded in ``success_share`` of cases (None: none was scored, which neither
+        counts toward saturation nor breaks a streak)."""
+        if success_share is None:
+            return level, streak
+        streak = streak + 1 if success_share >= self.saturation else 0
+        if streak >= self.patience and level + 1 < len(self.max_steps):
+            return level + 1, 0
+        return level, streak
+
+
 class Rl(Stage):
     """Policy-gradient training on the RL tasks, starting from the SFT model."""
 
@@ -401,6 +474,17 @@ class Rl(Stage):
     )
     sampler: Sampler = Sampler()
     budget: Budget = Budget()
+    curriculum: StepCurriculum | None = Field(
+        default=None,
+        description="Grow the rollouts' step budget once the training reward saturates "
+        "(it then sets budget.max_steps, step by step).",
+    )
+    from_base: bool = Field(
+        default=False,
+        description="Also run RL from the base model, with the same settings, tasks and "
+        'seeds, evaluated as "rl-base" beside "rl" (RL from the SFT model): what SFT adds '
+        "before RL. Needs stages.sft.",
+    )
     select: Literal["validation", "last"] = Field(
         default="validation",
         description=(
@@ -415,7 +499,24 @@ class Rl(Stage):
     def _critic_needs_ppo(self) -> Rl:
         if "critic" in self.model_fields_set and self.estimator != "ppo":
             raise ValueError("rl.critic configures the value model of estimator: ppo")
+        if self.curriculum is not None and "max_steps" in self.budget.model_fields_set:
+            raise ValueError(
+                "rl.curriculum.max_steps sets the step budget: leave out rl.budget.max_steps"
+            )
         return self
+
+    def budget_at(self, level: int) -> Budget:
+        """The rollout budget at curriculum level ``level`` (the budget as given without a
+        curriculum)."""
+        if self.curriculum is None:
+            return self.budget
+        steps = self.curriculum.max_steps[min(level, len(self.curriculum.max_steps) - 1)]
+        return self.budget.model_copy(update={"max_steps": steps})
+
+    @property
+    def final_budget(self) -> Budget:
+        """The budget evaluation runs with: the curriculum's last step budget, if any."""
+        return self.budget_at(len(self.curriculum.max_steps) - 1 if self.curriculum else 0)
 
 
 class Evaluate(Stage):
@@ -518,11 +619,32 @@ class Recipe(ConfigModel):
             raise ValueError("nothing to do: enable at least one of sft, rl and evaluate")
         if stages.sft.enabled and not stages.collect.enabled:
             raise ValueError("stages.sft needs stages.collect (SFT trains on what it collects)")
+        if stages.rl.enabled and stages.rl.from_base and not stages.sft.enabled:
+            raise ValueError(
+                "stages.rl.from_base runs RL from the base model beside RL from the SFT model: "
+                "it needs stages.sft (without SFT, RL starts from the base model anyway)"
+            )
         held_out = set(self.harnesses) & set(stages.evaluate.harnesses)
         if held_out:
             raise ValueError(
                 f"stages.evaluate.harnesses names {', '.join(sorted(held_out))}, which the recipe "
                 "trains with: list there only harnesses held out from training"
+            )
+        browsers = [h for h in self.evaluated_harnesses if h in BROWSER_HARNESSES]
+        others = [h for h in self.evaluated_harnesses if h not in BROWSER_HARNESSES]
+        if self.tasks.gui is not None and others:
+            raise ValueError(
+                f"GUI tasks run only in the browser loops ({', '.join(BROWSER_HARNESSES)}); "
+                f"this recipe names {', '.join(others)}"
+            )
+        if self.tasks.gui is None and browsers:
+            raise ValueError(
+                f"{', '.join(browsers)} drive the GUI suite's browser episodes: give tasks.gui"
+            )
+        if self.tasks.gui is not None and stages.credit.enabled and stages.collect.enabled:
+            raise ValueError(
+                "stages.credit judges software and assistant trajectories, not browser "
+                "episodes: set stages.credit.enabled: false for tasks.gui"
             )
         programs = [h for h in self.harnesses if h.startswith("program:")]
         if programs and stages.credit.enabled and stages.collect.enabled:
@@ -577,15 +699,17 @@ def load_recipe(path: str | os.PathLike[str], workdir: Path | None = None) -> Re
     return load_document(Recipe, path).resolve_paths(base, (workdir or Path.cwd()).resolve())
 
 
-BUILTIN_RECIPES = ("swe", "claw")
+BUILTIN_RECIPES = ("swe", "claw", "gui")
 """The recipes shipped with the SDK: ``swe`` is the one ``make demo`` runs."""
 
 
 def builtin_recipe(name: str = "swe") -> Path:
     """A shipped recipe's file. ``swe`` (what ``make demo`` runs): the built-in
-    software-engineering suite, the scripted teacher, the tiny student, every stage, sized to
-    finish on two CPU cores. ``claw``: the Claw suite through unmodified agent programs (two to
-    train with, a third held out), a long-context student (``make demo-claw``)."""
+        software-engineering suite, the scripted teacher, the tiny student, every stage, sized to
+        finish on two CPU cores. ``claw``: the Claw suite through unmodified agent programs (two to
+        train with, a third held out), a long-context student (``make demo-claw``). ``gui``: the GUI
+    suite's web tasks in browser sandboxes, the page as text for the CPU student, a step-budget
+    curriculum in RL, RL from the SFT model and from the base model (``make demo-gui``)."""
     if name not in BUILTIN_RECIPES:
         raise ValueError(f"no built-in recipe {name!r}: there are {', '.join(BUILTIN_RECIPES)}")
     return Path(str(resources.files("orchard.sdk").joinpath(f"recipes/builtin-{name}.yaml")))

@@ -1,7 +1,8 @@
 """The run report: what a recipe run did and whether it helped, as Markdown with PNG plots.
 
 :class:`RunReport` holds the numbers a run gathers (held-out resolve counts per model, loss and
-reward curves, sampler group statistics, trajectory counts, what the services' metrics say);
+reward curves, sampler group statistics, trajectory counts, what the services' metrics say,
+the screenshot trail pages of a few GUI episodes when the run kept them);
 :func:`write_report` turns it into ``report.md`` and ``report.json`` plus the plots beside them.
 Resolve rates carry Wilson score intervals, which stay inside [0, 1] and behave at 0 and at n
 successes, where the normal approximation does not. A model evaluated on several harnesses has
@@ -24,12 +25,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from orchard.sdk.passk import PassK, estimate_pass_k
 
 __all__ = [
+    "TRAILS_INDEX",
     "Curve",
     "GroupStats",
     "HarnessEvaluation",
     "ModelEvaluation",
     "RunReport",
     "ServiceStats",
+    "TrailLink",
     "TrajectoryCounts",
     "histogram_quantile",
     "service_stats_from_metrics",
@@ -163,6 +166,20 @@ class ServiceStats:
 
 
 @dataclass(frozen=True, slots=True)
+class TrailLink:
+    """The page of one evaluated GUI episode's screenshot trail (`orchard.recipes.trails`)."""
+
+    model: str
+    task_id: str
+    harness: str
+    reward: float | None
+    resolved: bool
+    steps: int
+    page: str
+    """Relative to the report folder, e.g. "trails/base/1-gui-7-shop-3.html"."""
+
+
+@dataclass(frozen=True, slots=True)
 class RunReport:
     """Everything the report shows."""
 
@@ -175,6 +192,13 @@ class RunReport:
     stage_seconds: Mapping[str, float] = field(default_factory=dict)
     confidence: float = 0.95
     notes: tuple[str, ...] = ()
+    trails: tuple[TrailLink, ...] = ()
+    """Screenshot trail pages already written in the report folder (their index beside them,
+    `TRAILS_INDEX`); empty: the section is left out."""
+
+
+TRAILS_INDEX = "trails/index.html"
+"""Where the index of the trail pages lies in the report folder."""
 
 
 def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
@@ -236,6 +260,7 @@ def write_report(report: RunReport, folder: Path) -> Path:
     lines += _groups_section(report)
     lines += _trajectories_section(report.trajectories)
     lines += _services_section(report.services)
+    lines += _trails_section(report.trails)
     if report.stage_seconds:
         lines += ["## Time per stage", "", "| stage | seconds |", "|---|---:|"]
         lines += [f"| {name} | {s:.1f} |" for name, s in report.stage_seconds.items()]
@@ -398,6 +423,42 @@ def _services_section(stats: ServiceStats | None) -> list[str]:
         f"p95 {ms(stats.exec_p95_s)} (from histogram buckets)",
         "",
     ]
+
+
+def _markdown_text(text: str) -> str:
+    """Text for a Markdown table cell or link text: no markup, no inline HTML."""
+    return (
+        text.replace("&", "&amp;")
+        .replace("<", "&lt;")
+        .replace(">", "&gt;")
+        .replace("|", "\\|")
+        .replace("[", "\\[")
+        .replace("]", "\\]")
+        .replace("`", "\\`")
+        .replace("\n", " ")
+    )
+
+
+def _trails_section(trails: Sequence[TrailLink]) -> list[str]:
+    if not trails:
+        return []
+    lines = [
+        "## GUI episodes: screenshot trails",
+        "",
+        f"A few evaluated episodes per model, each action with its result and screenshot: "
+        f"[all trails]({TRAILS_INDEX}).",
+        "",
+        "| model | task | harness | reward | resolved | steps | trail |",
+        "|---|---|---|---:|---|---:|---|",
+    ]
+    for t in trails:
+        reward = "-" if t.reward is None else f"{t.reward:g}"
+        lines.append(
+            f"| {_markdown_text(t.model)} | {_markdown_text(t.task_id)} | "
+            f"{_markdown_text(t.harness)} | {reward} | {'yes' if t.resolved else 'no'} | "
+            f"{t.steps} | [page]({t.page}) |"
+        )
+    return [*lines, ""]
 
 
 def _plots(report: RunReport, folder: Path) -> dict[str, str]:

@@ -105,6 +105,7 @@ class RolloutApplication:
             workers = await stack.enter_async_context(
                 RayWorkers.of(config.workers, WorkerServices.of(config))
             )
+        artifacts = config.artifacts.store()  # task archives are read, GUI trails written here
         self.manager = RolloutManager(
             config=config,
             jobs=JobStore(store),
@@ -112,7 +113,8 @@ class RolloutApplication:
             scorer=scorer,
             metrics=RolloutMetrics(server.metrics),
             registry=registry,
-            files=StoreFiles(config.artifacts.store()),
+            files=StoreFiles(artifacts),
+            trails=artifacts,
             workers=workers,
         )
         await self.manager.open()

@@ -96,6 +96,8 @@ class RolloutRecord:
     failure: InfraFailure | None = None
     sampled_tokens: int = 0
     steps: int = 0
+    gui_trail: str = ""
+    """URL of the GUI episode's trail.json when its job kept trails (`orchard.rollout.trails`)."""
 
     @property
     def weight_versions(self) -> list[str]:
@@ -145,6 +147,7 @@ class RolloutRecord:
             ),
             sampled_tokens=data["sampled_tokens"],
             steps=data["steps"],
+            gui_trail=str(data.get("gui_trail", "")),
         )
 
 
@@ -189,6 +192,8 @@ def render_rollout(record: RolloutRecord, *, width: int = 160) -> str:
         f"weights {', '.join(record.weight_versions) or '-'}",
         f"  sandboxes {', '.join(record.sandbox_ids) or '-'}",
     ]
+    if record.gui_trail:
+        lines.append(f"  gui trail {record.gui_trail}")
     events: list[tuple[float, str]] = []
     for call in record.calls:
         branch = f" [{call.branch}]" if call.branch else ""

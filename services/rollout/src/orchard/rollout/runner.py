@@ -7,7 +7,9 @@ sandbox, collects the captured calls when a capture source is given, and deletes
 
 A GUI task (`GuiCheck`) runs in a browser episode instead: its site sandbox and its browser
 sandbox (`orchard.tasks.gui.episode`), opened with the browser harness's settings, the browser on
-the task's start page; the reward service's JudgeOutcome scores it before both are deleted.
+the task's start page; the reward service's JudgeOutcome scores it before both are deleted. With
+a `TrailWriter` (a job that keeps GUI trails) its screenshot trail is then written to the
+artifact store and the record carries the trail's URL (`RolloutRecord.gui_trail`).
 
 Every infrastructure failure is recorded with its layer and the rollout comes back ABORTED (no
 reward, never trained); so does a reward the scorer EXCLUDED (layer `reward`). A budget that
@@ -47,6 +49,7 @@ from orchard.rollout.results import GroupKey, RolloutResult, RolloutStatus
 from orchard.rollout.scoring import LocalScorer, RewardExcluded, RewardUnavailable, TaskScorer
 from orchard.rollout.task_files import FileSource, TaskFilesError, place_files
 from orchard.rollout.tasks import TaskSpec
+from orchard.rollout.trails import TrailWriter
 from orchard.sdk import AsyncSandbox, AsyncSandboxClient, Resources
 from orchard.sdk import errors as sdk_errors
 from orchard.tasks.gui.episode import BrowserEpisode, BrowserUnavailable
@@ -183,6 +186,8 @@ class RolloutRunner:
     """Every rollout's provenance record, in finishing order (when `keep_records`)."""
     keep_records: bool = True
     """False: records only travel in the results (a long-lived runner keeps none)."""
+    trails: TrailWriter | None = None
+    """Where the screenshot trails of GUI episodes go; None: none is kept."""
     _rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
@@ -473,6 +478,10 @@ class RolloutRunner:
                     )
         if status is RolloutStatus.ABORTED:
             record.reward = None
+        if browser is not None and self.trails is not None:
+            # After the sandboxes are gone: the trail is in memory, and writing it must not
+            # hold them (and the site's network allowance) any longer.
+            record.gui_trail = await self.trails.keep(record, task, browser, status)
         return self._finish(key, index, record, status)
 
     def _finish(

@@ -183,6 +183,8 @@ def group_proto(
                 trajectory.metadata["weight_versions"] = ",".join(record.weight_versions)
             if lost and lost.get(record.rollout_id):
                 trajectory.metadata["lost_attempts"] = ",".join(lost[record.rollout_id])
+            if record.gui_trail:
+                trajectory.metadata["gui_trail"] = record.gui_trail
             group.trajectories.append(trajectory)
     return group
 

@@ -9,8 +9,8 @@ them with the environment service client and the scorer; each job runs as one as
 (:class:`orchard.rollout.runs.JobRun`) in the replica that claimed it.
 
 Bad input is INVALID_ARGUMENT with what to fix; a job that needs something this service was not
-configured with (a reward service) is FAILED_PRECONDITION. Both are raised as `OrchardError` and
-turned into a status by the server's error interceptor.
+configured with (a reward service, an artifact store for GUI trails) is FAILED_PRECONDITION.
+Both are raised as `OrchardError` and turned into a status by the server's error interceptor.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ from orchard.rollout.scripted_policy import script_from_proto
 from orchard.rollout.streams import GroupStreams
 from orchard.rollout.task_files import FileSource
 from orchard.rollout.tasks import CommandCheck, TaskSpec
+from orchard.rollout.trails import TrailWriter
 from orchard.rollout.v1 import rollout_service_pb2 as api
 from orchard.rollout.v1 import rollout_service_pb2_grpc
 from orchard.rollout.workers import RolloutWorkers, RunnerSpec
@@ -76,6 +77,7 @@ from orchard.tasks.gui.suite import task_by_id as gui_task_by_id
 from orchard.tasks.spec import GuiCheck
 
 if TYPE_CHECKING:
+    from orchard.core.artifacts import ArtifactStore
     from orchard.lm.weights import WeightRegistry
 
 __all__ = ["JOB_LABEL", "RolloutManager", "RolloutReason", "RolloutServicer", "validate_spec"]
@@ -117,6 +119,8 @@ class ValidSpec:
     budget: RolloutBudget
     concurrency: int
     job_policy: JobPolicyKey | None = None
+    keep_gui_trails: bool = False
+    """Write each GUI episode's screenshot trail to the artifact store (`TrailWriter`)."""
 
     @property
     def pairs(self) -> list[GroupKey]:
@@ -401,6 +405,7 @@ def validate_spec(
         budget=budget,
         concurrency=spec.concurrency or d.concurrency,
         job_policy=job_policy,
+        keep_gui_trails=spec.keep_gui_trails,
     )
 
 
@@ -417,6 +422,9 @@ class RolloutManager:
     harnesses: dict[str, Harness] = field(default_factory=dict)
     files: FileSource | None = None
     """Where task archives are read from (the artifact store)."""
+    trails: ArtifactStore | None = None
+    """Where GUI trails are written (the artifact store); None: jobs that ask to keep them are
+    refused."""
     workers: RolloutWorkers | None = None
     """Where rollouts run when not in this event loop (Ray actors)."""
     engines: EnginePool = field(init=False)
@@ -515,6 +523,14 @@ class RolloutManager:
 
     async def create(self, spec: api.RolloutJobSpec, request_id: str) -> JobState:
         valid = validate_spec(spec, self.config, self.harnesses)
+        if valid.keep_gui_trails and self.trails is None:
+            raise OrchardError(
+                Reason.FAILED_PRECONDITION,
+                "spec.keep_gui_trails asks for the screenshot trails of GUI episodes and this "
+                "rollout service has no artifact store to write them to: run it with "
+                "artifacts.root set (orchard-rollout opens the store it names; an embedded "
+                "RolloutManager needs trails=ArtifactStore(...)), or leave keep_gui_trails off",
+            )
         if valid.job_policy is not None:
             await self._check_job_policy(valid.job_policy)
         async with self._create_lock:
@@ -562,6 +578,7 @@ class RolloutManager:
                 budget=valid.budget,
                 retries=retries,
                 labels={JOB_LABEL: job.id},
+                trails_job_id=job.id if valid.keep_gui_trails else "",
             )
             rollouts = self.workers.job(
                 job.id, spec, capture=policy.capture, sandboxes=self.sandboxes
@@ -581,6 +598,11 @@ class RolloutManager:
             labels={JOB_LABEL: job.id},
             files=self.files,
             keep_records=False,  # the groups carry the records
+            trails=(
+                TrailWriter(self.trails, job.id)
+                if valid.keep_gui_trails and self.trails is not None
+                else None
+            ),
         )
         await self._job_run(job, valid, runner).run()
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import Field, model_validator
 
-from orchard.core.artifacts import ArtifactsConfig
+from orchard.core.artifacts import ArtifactsConfig, ArtifactStore
 from orchard.core.config import ConfigModel
 from orchard.core.local_ray import RAY_LOCAL_ENV, children, descendants, end_processes, import_ray
 from orchard.rollout.budgets import LayeredRetries, RolloutBudget
@@ -54,6 +54,7 @@ from orchard.rollout.runner import (
 from orchard.rollout.scoring import LocalScorer, RewardServiceScorer, TaskScorer
 from orchard.rollout.task_files import FileSource, StoreFiles
 from orchard.rollout.tasks import TaskSpec
+from orchard.rollout.trails import TrailWriter
 from orchard.sdk import AsyncSandboxClient
 from orchard.sdk import errors as sdk_errors
 from orchard.sdk.service_config import EnvClientConfig
@@ -167,6 +168,10 @@ class WorkerServices:
         files = StoreFiles(self.artifacts.store()) if self.artifacts is not None else None
         return sandboxes, scorer, files
 
+    def trail_store(self) -> ArtifactStore | None:
+        """Where this worker writes GUI trails (the artifact store); None without one."""
+        return self.artifacts.store() if self.artifacts is not None else None
+
 
 @dataclass(frozen=True, slots=True)
 class RunnerSpec:
@@ -181,6 +186,8 @@ class RunnerSpec:
     seed: int | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
     """Labels put on every sandbox (e.g. the job id)."""
+    trails_job_id: str = ""
+    """The job whose GUI trails are kept (`RolloutJobSpec.keep_gui_trails`); empty: none."""
 
     def runner(
         self,
@@ -189,7 +196,12 @@ class RunnerSpec:
         scorer: TaskScorer | None = None,
         files: FileSource | None = None,
         capture: CaptureSource | None = None,
+        trail_store: ArtifactStore | None = None,
     ) -> RolloutRunner:
+        """The job's runner; its GUI trails go to `trail_store` when the job keeps them."""
+        trails = None
+        if self.trails_job_id and trail_store is not None:
+            trails = TrailWriter(trail_store, self.trails_job_id)
         return RolloutRunner(
             sandboxes=sandboxes,
             endpoint=self.endpoint,
@@ -203,6 +215,7 @@ class RunnerSpec:
             labels=dict(self.labels),
             files=files,
             keep_records=False,
+            trails=trails,
         )
 
 
@@ -282,7 +295,13 @@ class InProcessWorkers:
         if self._opened is None:
             raise RuntimeError("the worker pool is not started (use `async with`)")
         own, scorer, files = self._opened
-        runner = spec.runner(own, scorer=scorer, files=files, capture=capture)
+        runner = spec.runner(
+            own,
+            scorer=scorer,
+            files=files,
+            capture=capture,
+            trail_store=self.services.trail_store(),
+        )
         return _InProcessJob(runner, self._limit)
 
 
@@ -327,7 +346,12 @@ class _RolloutActor:
             runner = self._runners.get(job_id)
             if runner is None:
                 sandboxes, scorer, files = self._opened
-                runner = self._runners[job_id] = spec.runner(sandboxes, scorer=scorer, files=files)
+                runner = self._runners[job_id] = spec.runner(
+                    sandboxes,
+                    scorer=scorer,
+                    files=files,
+                    trail_store=self._services.trail_store(),
+                )
             return runner
 
     async def rollout(

@@ -306,12 +306,22 @@ class RolloutJobSpec(_message.Message):
     BUDGET_FIELD_NUMBER: _builtins.int
     CONCURRENCY_FIELD_NUMBER: _builtins.int
     POLICY_SPEC_FIELD_NUMBER: _builtins.int
+    KEEP_GUI_TRAILS_FIELD_NUMBER: _builtins.int
     policy: _builtins.str
     """Name of a policy configured in the service (a local engine behind the capture proxy, or
     an OpenAI-compatible endpoint); empty: the service's default policy, or `policy_spec`.
     """
     concurrency: _builtins.int
     """Most rollouts running at once."""
+    keep_gui_trails: _builtins.bool
+    """Keep the screenshot trail of each GUI episode (tasks scored by `gui`): after it is scored,
+    each step's screenshot and a trail.json (intent, start page, each action with its result,
+    URL and screenshot, the answer, the reward) are written to the service's artifact store
+    under trails/<job id>/<rollout id>/, and the rollout's trajectories carry the trail.json
+    URL in metadata["gui_trail"]. A trail that cannot be written is logged and left out; the
+    rollout keeps its reward. Ignored for other tasks. FAILED_PRECONDITION where the service
+    has no artifact store. Off: nothing is written (training jobs run thousands of rollouts).
+    """
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RolloutTask]:
         """The tasks."""
@@ -345,10 +355,11 @@ class RolloutJobSpec(_message.Message):
         budget: Global___RolloutBudget | None = ...,
         concurrency: _builtins.int = ...,
         policy_spec: Global___PolicySpec | None = ...,
+        keep_gui_trails: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "policy_spec", b"policy_spec", "sampler", b"sampler"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "concurrency", b"concurrency", "harnesses", b"harnesses", "policy", b"policy", "policy_spec", b"policy_spec", "sampler", b"sampler", "tasks", b"tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "concurrency", b"concurrency", "harnesses", b"harnesses", "keep_gui_trails", b"keep_gui_trails", "policy", b"policy", "policy_spec", b"policy_spec", "sampler", b"sampler", "tasks", b"tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

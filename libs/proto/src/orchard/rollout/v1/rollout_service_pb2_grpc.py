@@ -78,10 +78,12 @@ class RolloutServiceServicer:
     def CreateRolloutJob(self, request, context):
         """Starts a rollout job: sandboxes, harness runs, scoring and group sampling in the
         background. Side effects: a job record in the state store; sandboxes and model calls while
-        it runs. A retry with the same `request_id` returns the same job.
+        it runs; with `keep_gui_trails`, GUI trails in the service's artifact store. A retry with
+        the same `request_id` returns the same job.
         Errors: INVALID_ARGUMENT (no tasks, unknown harness or sampler, bad budgets, a bad or
         oversized scripted policy, a policy seed with an endpoint or script), FAILED_PRECONDITION (a policy_spec where the service takes
-        none, a reward service it has not configured), NOT_FOUND (unpublished weights).
+        none, a reward service it has not configured, keep_gui_trails without an artifact store),
+        NOT_FOUND (unpublished weights).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -39,10 +39,12 @@ class RolloutServiceStub:
     CreateRolloutJob: _grpc.UnaryUnaryMultiCallable[_rollout_service_pb2.CreateRolloutJobRequest, _rollout_service_pb2.CreateRolloutJobResponse]
     """Starts a rollout job: sandboxes, harness runs, scoring and group sampling in the
     background. Side effects: a job record in the state store; sandboxes and model calls while
-    it runs. A retry with the same `request_id` returns the same job.
+    it runs; with `keep_gui_trails`, GUI trails in the service's artifact store. A retry with
+    the same `request_id` returns the same job.
     Errors: INVALID_ARGUMENT (no tasks, unknown harness or sampler, bad budgets, a bad or
     oversized scripted policy, a policy seed with an endpoint or script), FAILED_PRECONDITION (a policy_spec where the service takes
-    none, a reward service it has not configured), NOT_FOUND (unpublished weights).
+    none, a reward service it has not configured, keep_gui_trails without an artifact store),
+    NOT_FOUND (unpublished weights).
     """
     GetRolloutJob: _grpc.UnaryUnaryMultiCallable[_rollout_service_pb2.GetRolloutJobRequest, _rollout_service_pb2.GetRolloutJobResponse]
     """Returns a job with its progress. Changes nothing. Errors: NOT_FOUND."""
@@ -77,10 +79,12 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     CreateRolloutJob: _aio.UnaryUnaryMultiCallable[_rollout_service_pb2.CreateRolloutJobRequest, _rollout_service_pb2.CreateRolloutJobResponse]  # type: ignore[assignment]
     """Starts a rollout job: sandboxes, harness runs, scoring and group sampling in the
     background. Side effects: a job record in the state store; sandboxes and model calls while
-    it runs. A retry with the same `request_id` returns the same job.
+    it runs; with `keep_gui_trails`, GUI trails in the service's artifact store. A retry with
+    the same `request_id` returns the same job.
     Errors: INVALID_ARGUMENT (no tasks, unknown harness or sampler, bad budgets, a bad or
     oversized scripted policy, a policy seed with an endpoint or script), FAILED_PRECONDITION (a policy_spec where the service takes
-    none, a reward service it has not configured), NOT_FOUND (unpublished weights).
+    none, a reward service it has not configured, keep_gui_trails without an artifact store),
+    NOT_FOUND (unpublished weights).
     """
     GetRolloutJob: _aio.UnaryUnaryMultiCallable[_rollout_service_pb2.GetRolloutJobRequest, _rollout_service_pb2.GetRolloutJobResponse]  # type: ignore[assignment]
     """Returns a job with its progress. Changes nothing. Errors: NOT_FOUND."""
@@ -118,10 +122,12 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_rollout_service_pb2.CreateRolloutJobResponse, _abc.Awaitable[_rollout_service_pb2.CreateRolloutJobResponse]]:
         """Starts a rollout job: sandboxes, harness runs, scoring and group sampling in the
         background. Side effects: a job record in the state store; sandboxes and model calls while
-        it runs. A retry with the same `request_id` returns the same job.
+        it runs; with `keep_gui_trails`, GUI trails in the service's artifact store. A retry with
+        the same `request_id` returns the same job.
         Errors: INVALID_ARGUMENT (no tasks, unknown harness or sampler, bad budgets, a bad or
         oversized scripted policy, a policy seed with an endpoint or script), FAILED_PRECONDITION (a policy_spec where the service takes
-        none, a reward service it has not configured), NOT_FOUND (unpublished weights).
+        none, a reward service it has not configured, keep_gui_trails without an artifact store),
+        NOT_FOUND (unpublished weights).
         """
 
     @_abc_1.abstractmethod

@@ -60,6 +60,7 @@ def add_recipe_commands(subparsers: Any, formatter: type[argparse.HelpFormatter]
             "examples:\n"
             "  orchard up --detach && orchard recipe run          # the built-in recipe\n"
             "  orchard recipe run --builtin claw                  # Claw through agent programs\n"
+            "  orchard recipe run --builtin gui                   # web tasks in browsers\n"
             "  orchard recipe run my-recipe.yaml\n"
             "  orchard recipe run my-recipe.yaml --stage evaluate # evaluate again"
         ),
@@ -101,8 +102,9 @@ def _builtin_option(parser: argparse.ArgumentParser) -> None:
         choices=BUILTIN_RECIPES,
         default="swe",
         help="the built-in recipe used when no file is given: swe (software engineering, what "
-        "`make demo` runs) or claw (personal-assistant tasks through agent programs; needs "
-        "`make harnesses`); default swe",
+        "`make demo` runs), claw (personal-assistant tasks through agent programs; needs "
+        "`make harnesses`) or gui (web tasks in browser sandboxes; needs orchard-rollout's "
+        "gui.browser_dir, from `make gui-browser`); default swe",
     )
 
 

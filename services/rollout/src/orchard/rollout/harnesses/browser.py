@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from orchard.rollout.budgets import InfrastructureError
-from orchard.rollout.harnesses.episodes import BrowserRun
+from orchard.rollout.harnesses.episodes import BrowserRun, BrowserStep
 from orchard.rollout.harnesses.tool_loop import HarnessContext, HarnessOutcome, next_turn
 from orchard.rollout.provenance import FailureLayer, ToolEvent
 from orchard.tasks.gui.actions import TOOLS, ToolArgumentError, ToolSpec, validate_arguments
@@ -182,6 +182,8 @@ class BrowserHarness:
             raise InfrastructureError(FailureLayer.TOOL_EXEC, str(exc), 1) from None
         if observation.screenshot is not None:
             run.screenshots.append(observation.screenshot)
+        seen = _without_page(observation)
+        run.steps.append(BrowserStep(tool, arguments, seen))
         ctx.record.tool_events.append(
             ToolEvent(
                 started_at=started,
@@ -190,7 +192,7 @@ class BrowserHarness:
                 tool=tool,
                 arguments=arguments,
                 exit_code=0 if observation.ok else 1,
-                output=_without_page(observation).summary(),
+                output=seen.summary(),
                 call_id=call_id,
             )
         )

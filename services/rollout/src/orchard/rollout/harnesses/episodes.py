@@ -5,10 +5,22 @@ scoring: the episode's sandboxes, the page it starts on, and what the harness le
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from orchard.tasks.gui.episode import BrowserEpisode
+from orchard.tasks.gui.observation import Observation
 
-__all__ = ["BrowserRun"]
+__all__ = ["BrowserRun", "BrowserStep"]
+
+
+@dataclass(frozen=True, slots=True)
+class BrowserStep:
+    """One action the browser ran and what it returned (the page text left out: the trail
+    keeps what a person reads, the screenshot holds the page)."""
+
+    tool: str
+    arguments: dict[str, Any]
+    observation: Observation
 
 
 @dataclass(slots=True)
@@ -19,6 +31,9 @@ class BrowserRun:
     start_url: str
     screenshots: list[bytes] = field(default_factory=list)
     """Every screenshot the episode showed, oldest first (the judge reads the last ones)."""
+    steps: list[BrowserStep] = field(default_factory=list)
+    """Every action run, oldest first, the opening of the start page included: the trail
+    (`orchard.rollout.trails`). Its screenshots are the same bytes as `screenshots`."""
     response: str | None = None
     """The answer given to ``done``; None when the episode ended otherwise."""
     format_failures: int = 0
