@@ -108,11 +108,8 @@ class RecipeTask:
 def _builtin(recipe: Recipe, repos: Path) -> list[RecipeTask]:
     assert recipe.tasks.builtin is not None
     spec = recipe.tasks.builtin
-    split = recipe.tasks.split
     suite = generate_suite(spec.count, seed=spec.seed)
-    splits = split_suite(
-        suite, {"sft": split.sft, "rl": split.rl, "evaluate": split.evaluate}, seed=spec.seed
-    )
+    splits = split_suite(suite, _fractions(recipe), seed=spec.seed)
     out: list[RecipeTask] = []
     for name in SPLITS:
         for task in splits[name]:
@@ -156,17 +153,17 @@ def _published(task: RecipeTask, store: ArtifactStore) -> RecipeTask:
     return replace(task, archive_url=url)
 
 
+def _fractions(recipe: Recipe) -> dict[Split, float]:
+    """``tasks.split`` as the generated suites' ``split_suite`` takes it."""
+    split = recipe.tasks.split
+    return {"sft": split.sft, "rl": split.rl, "evaluate": split.evaluate}
+
+
 def _claw(recipe: Recipe, store: ArtifactStore) -> list[RecipeTask]:
     assert recipe.tasks.claw is not None
     spec = recipe.tasks.claw
-    split = recipe.tasks.split
     suite = claw_suite.generate_suite(spec.count, seed=spec.seed)
-    fractions: dict[claw_suite.Split, float] = {
-        "sft": split.sft,
-        "rl": split.rl,
-        "evaluate": split.evaluate,
-    }
-    splits = claw_suite.split_suite(suite, fractions, seed=spec.seed)
+    splits = claw_suite.split_suite(suite, _fractions(recipe), seed=spec.seed)
     files = claw_specs.publish_archives(store)
     return [
         RecipeTask(name, None, t.family, t.difficulty, claw_id=t.id, files=files)
@@ -178,14 +175,8 @@ def _claw(recipe: Recipe, store: ArtifactStore) -> list[RecipeTask]:
 def _gui(recipe: Recipe) -> list[RecipeTask]:
     assert recipe.tasks.gui is not None
     spec = recipe.tasks.gui
-    split = recipe.tasks.split
     suite = gui_suite.generate_suite(spec.count, seed=spec.seed)
-    fractions: dict[gui_suite.Split, float] = {
-        "sft": split.sft,
-        "rl": split.rl,
-        "evaluate": split.evaluate,
-    }
-    splits = gui_suite.split_suite(suite, fractions, seed=spec.seed)
+    splits = gui_suite.split_suite(suite, _fractions(recipe), seed=spec.seed)
     return [
         RecipeTask(name, None, t.family, t.difficulty, gui_id=t.id)
         for name in SPLITS

@@ -47,6 +47,7 @@ from orchard.recipes.recipe_tasks import RecipeTask, task_spec
 from orchard.recipes.rollout_client import RolloutJobs
 from orchard.recipes.swe_suite import teacher_script
 from orchard.recipes.trails import keeps_trails
+from orchard.recipes.trails import main_line as _main_line
 from orchard.recipes.trainer_client import TrainerJobs, step_entry
 from orchard.recipes.weights_client import WeightVersions
 from orchard.recipes.workspace import RunDir, StackEndpoints, write_json
@@ -198,20 +199,6 @@ def _rollout_bar(ctx: StageContext, total: int, desc: str) -> tuple[tqdm[Any], A
         bar.set_postfix(groups=job.groups_emitted, excluded=job.rollouts_excluded, refresh=True)
 
     return bar, progress
-
-
-def _main_line(group: trajectory_pb2.TrajectoryGroup) -> list[trajectory_pb2.Trajectory]:
-    """One trajectory per rollout, its first main-line path: auxiliary branches are left out,
-    and so are further paths of a rollout whose history forked (a re-tokenized turn), which
-    all carry the rollout's one reward."""
-    seen: set[str] = set()
-    out = []
-    for trajectory in group.trajectories:
-        if "branch" in trajectory.metadata or trajectory.rollout_id in seen:
-            continue
-        seen.add(trajectory.rollout_id)
-        out.append(trajectory)
-    return out
 
 
 def _scored(trajectory: trajectory_pb2.Trajectory) -> bool:

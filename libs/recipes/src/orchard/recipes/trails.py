@@ -83,8 +83,10 @@ def keeps_trails(tasks: Sequence[RecipeTask]) -> bool:
     return any(task.gui_id for task in tasks)
 
 
-def _main_line(group: trajectory_pb2.TrajectoryGroup) -> list[trajectory_pb2.Trajectory]:
-    """One trajectory per rollout (auxiliary branches and further paths left out)."""
+def main_line(group: trajectory_pb2.TrajectoryGroup) -> list[trajectory_pb2.Trajectory]:
+    """One trajectory per rollout, its first main-line path: auxiliary branches are left out,
+    and so are further paths of a rollout whose history forked (a re-tokenized turn), which
+    all carry the rollout's one reward."""
     seen: set[str] = set()
     out = []
     for trajectory in group.trajectories:
@@ -106,7 +108,7 @@ def choose_trails(
     groups give the same choice."""
     candidates = []
     for group in groups:
-        for trajectory in _main_line(group):
+        for trajectory in main_line(group):
             url = trajectory.metadata.get(TRAIL_METADATA, "")
             if not url or trajectory.reward.status != reward_pb2.REWARD_STATUS_SCORED:
                 continue
