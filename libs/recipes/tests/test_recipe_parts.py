@@ -240,6 +240,25 @@ def test_the_gui_teacher_is_the_rollout_service_s_own_policy(tmp_path: Path) -> 
     assert (ctx.registry_model, line.registry_model) == ("gui-student", "gui-student-from-base")
 
 
+def test_a_gui_report_says_how_the_student_saw_the_pages_and_what_judged_them() -> None:
+    from orchard.recipes.pipeline import gui_notes
+
+    base = {"name": "gui", "tasks": {"gui": {}}, "stages": {"credit": {"enabled": False}}}
+    text = gui_notes(Recipe.model_validate({**base, "harnesses": ["builtin:browser-text"]}))
+    assert len(text) == 2
+    assert "as text" in text[0] and "in place of the screenshot" in text[0]
+    assert "built-in state judge" in text[1] and "no model reads the screenshots" in text[1]
+    both = gui_notes(
+        Recipe.model_validate(
+            {**base, "harnesses": ["builtin:browser-text"],
+             "stages": {"credit": {"enabled": False},
+                        "evaluate": {"harnesses": ["builtin:browser"]}}}
+        )
+    )  # fmt: skip
+    assert any("as a screenshot" in n for n in both) and len(both) == 3
+    assert gui_notes(Recipe.model_validate({"name": "swe", "tasks": {"builtin": {}}})) == []
+
+
 def test_evaluation_counts_per_harness_give_each_task_its_attempts_and_successes() -> None:
     from orchard.recipes.stages import by_harness
 

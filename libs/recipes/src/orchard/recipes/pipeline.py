@@ -217,6 +217,26 @@ def _trails(ctx: StageContext, models: Sequence[str]) -> tuple[TrailLink, ...]:
     )
 
 
+def gui_notes(recipe: Recipe) -> list[str]:
+    """What a GUI run's report says plainly: how the models perceived the pages and what
+    judged the episodes."""
+    if recipe.tasks.gui is None:
+        return []
+    notes = []
+    if "builtin:browser-text" in recipe.evaluated_harnesses:
+        notes.append(
+            "builtin:browser-text: the student reads each page as text (its elements with role, "
+            "name, value and the point a click hits), in place of the screenshot's pixels"
+        )
+    if "builtin:browser" in recipe.evaluated_harnesses:
+        notes.append("builtin:browser: the student sees each page as a screenshot")
+    notes.append(
+        "GUI episodes are scored by orchard-reward's built-in state judge, which reads each "
+        "site's server-side state (no model reads the screenshots)"
+    )
+    return notes
+
+
 def build_report(ctx: StageContext) -> RunReport:
     run = ctx.run
     evaluations = []
@@ -280,6 +300,7 @@ def build_report(ctx: StageContext) -> RunReport:
     )
     seconds = {s: float(d["seconds"]) for s in STAGES if (d := run.done(s)) and "seconds" in d}
     notes = list(ctx.notes)
+    notes += gui_notes(ctx.recipe)
     sft_note = _sft_validation_note(run.done("sft") or {})
     if sft_note:
         notes.append(sft_note)
