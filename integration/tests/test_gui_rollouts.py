@@ -13,8 +13,10 @@ report's trail page made from one opens in a real headless Chromium.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -45,6 +47,25 @@ pytestmark = [pytest.mark.root, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 SUITE_SEED = 7
 JOB_LABEL = "orchard-rollout-job"
+VISION_JUDGE = "vision"
+"""A judge of orchard-reward's config: an OpenAI-compatible vision endpoint (here the reward
+tests' scripted chat server on loopback, a stand-in for a vision-language model, which this
+machine cannot serve)."""
+
+
+def _scripted_chat_server() -> Any:
+    """The reward tests' scripted OpenAI-compatible server module (loaded from its file: the
+    tests folder is not a package)."""
+    path = ROOT / "services" / "reward" / "tests" / "scripted_chat_server.py"
+    spec = importlib.util.spec_from_file_location("scripted_chat_server", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+CHAT = _scripted_chat_server()
 
 
 @dataclass
@@ -54,6 +75,9 @@ class GuiServices:
     tasks: list[GuiTask]
     artifacts: Path
     """The rollout service's artifact store (file://), where kept GUI trails go."""
+    vision: Any
+    """The vision judge's endpoint (a scripted chat server), configured in orchard-reward as
+    `VISION_JUDGE`."""
 
 
 def easy_tasks() -> list[GuiTask]:
@@ -73,8 +97,14 @@ def gui_services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuiServic
     root = tmp_path_factory.mktemp("gui-rollouts")
     artifacts = root / "artifacts"
     artifacts.mkdir()
-    with private_stack(tmp_path_factory, settings=['privileges.user_namespaces=["*"]']) as env:
-        reward_address, reward_process, reward_log = start_reward(root, env)
+    with (
+        CHAT.scripted_chat_server() as vision,
+        private_stack(tmp_path_factory, settings=['privileges.user_namespaces=["*"]']) as env,
+    ):
+        judge = {"base_url": vision.base_url, "model": "vlm-test", "timeout_s": 10.0}
+        reward_address, reward_process, reward_log = start_reward(
+            root, env, judges={VISION_JUDGE: judge}, default_judge=VISION_JUDGE
+        )
         address, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
         config: dict[str, Any] = {
             "server": {"listen": [address], "metrics_address": metrics, "grace_period_s": 2},
@@ -90,7 +120,7 @@ def gui_services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuiServic
         rollout = RolloutProcess(address, metrics, path, root / "rollout.log", env.token)
         rollout.start()
         try:
-            yield GuiServices(env, rollout, easy_tasks(), artifacts)
+            yield GuiServices(env, rollout, easy_tasks(), artifacts, vision)
         finally:
             rollout.stop()
             stop_process(reward_process, reward_log)
@@ -243,6 +273,58 @@ def check_trails(
                 )
         finally:
             browser.close()
+
+
+def test_a_vision_judge_is_asked_with_the_intent_the_answer_and_the_screenshot_trail(
+    gui_services: GuiServices, stub: rollout_service_pb2_grpc.RolloutServiceStub
+) -> None:
+    """A GUI task naming a configured judge is scored by JudgeOutcome against that endpoint:
+    it gets the task's intent, the episode's answer and the last screenshots as PNG images;
+    its verdict is the reward (+1 success with every turn parsed, 0 a failure), and a judge
+    that gives no verdict excludes the rollout instead of scoring it."""
+    server = gui_services.vision
+    server.requests.clear()
+    server.play(
+        CHAT.Step(reply='{"success": true, "reason": "done as asked"}'),
+        CHAT.Step(reply='{"success": false, "reason": "not what was asked"}'),
+    )
+    task = gui_services.tasks[0]
+    spec = api.RolloutJobSpec(
+        tasks=[gui_task(task, judge=VISION_JUDGE)],
+        harnesses=["builtin:browser-text"],
+        policy_spec=api.PolicySpec(
+            scripted=api.ScriptedPolicy(
+                gui_teacher=api.GuiTeacher(suite_seed=SUITE_SEED, count=60), seed=5
+            )
+        ),
+        sampler=fixed_n(2),
+        budget=api.RolloutBudget(max_steps=12),
+        concurrency=1,  # one verdict after the other: the script's order
+    )
+    job, groups = run_job(stub, spec)
+    assert (job.rollouts_done, job.rollouts_excluded) == (2, 0)
+    rewards = {t.rollout_id: t.reward for g in groups for t in g.trajectories}
+    assert sorted(r.value for r in rewards.values()) == [0.0, 1.0]
+    assert all(r.status == reward_pb2.REWARD_STATUS_SCORED for r in rewards.values())
+    assert len(server.requests) == 2
+    for request in server.requests:
+        assert request["model"] == "vlm-test"
+        parts = request["messages"][-1]["content"]
+        text = " ".join(p["text"] for p in parts if p["type"] == "text")
+        assert task.intent in text
+        images = [p["image_url"]["url"] for p in parts if p["type"] == "image_url"]
+        # Every action's screenshot (the start page, the actions, done), at most the last 16.
+        assert 3 <= len(images) <= 16
+        assert all(url.startswith("data:image/png;base64,") for url in images)
+
+    # No verdict at all (the endpoint fails every attempt): excluded, never a low score.
+    server.requests.clear()
+    spec.sampler.CopyFrom(fixed_n(1))
+    job, groups = run_job(stub, spec)
+    assert (job.rollouts_done, job.rollouts_excluded) == (1, 1)
+    (trajectory,) = {t.rollout_id: t for g in groups for t in g.trajectories}.values()
+    assert trajectory.reward.status != reward_pb2.REWARD_STATUS_SCORED
+    assert server.requests  # it was asked, and failed
 
 
 def test_a_policy_that_never_acts_ends_on_format_failures_scored_minus_one(

@@ -92,13 +92,18 @@ class RewardStack:
     instances: dict[str, SweInstance]
 
 
-def start_reward(root: Path, env: EnvStack) -> tuple[str, subprocess.Popen[bytes], Path]:
+def start_reward(
+    root: Path, env: EnvStack, **sections: Any
+) -> tuple[str, subprocess.Popen[bytes], Path]:
+    """orchard-reward on loopback, reaching ``env``; ``sections`` are more top-level config
+    sections (e.g. ``judges``)."""
     address = f"127.0.0.1:{free_port()}"
     config = {
         "server": {"listen": [address], "grace_period_s": 2},
         "env": {"endpoint": env.endpoint, "token_env": "ROLLOUT_TEST_ENV_TOKEN"},
         "tests": {"default_timeout_s": 120, "sandbox_heartbeat_timeout_s": 30},
         "tasks": {"write-report": REPORT_TASK},
+        **sections,
     }
     config_path = root / "reward.json"
     config_path.write_text(json.dumps(config))
