@@ -1,4 +1,4 @@
-"""Lint, render and validate every Helm chart in charts/, and lint the services' Dockerfiles.
+"""Lint, render and validate every Helm chart in charts/, and lint the images' Dockerfiles.
 
     python tools/charts.py            # what `make charts` runs
     python tools/charts.py --render-dir out/   # also write each rendering, one file per case
@@ -16,8 +16,10 @@ artifact store shared by the trainer, its workers and the rollout service, etcd 
 and persistent volumes, each service's config file accepted by that service's own
 configuration model (a service without one yet: its server section, and the output says so),
 alerting rules that pass ``promtool check rules`` and the chart's ``promtool test rules``
-cases, alerts and Grafana dashboards that query only metrics the env service exports), and
-that bad values fail with a message that names the problem.
+cases, alerts and Grafana dashboards that query only metrics the env service exports, the GUI
+domain's browser harnesses from the browser image as images/gui-browser builds it), and that
+bad values fail with a message that names the problem. The Dockerfiles: services/*/ and the
+sandbox images of images/*/ (with ``--chart``, those that ship with that service).
 
 Exit status 0 when everything passes, 1 with one line per failure otherwise.
 """
@@ -1003,6 +1005,84 @@ def check_dashboard(service: str) -> Callable[[list[Manifest], Report, str], Non
     return check
 
 
+BROWSER_IMAGE_DOCKERFILE = ROOT / "images" / "gui-browser" / "Dockerfile"
+
+
+def check_gui(
+    env_endpoint: str, chromium_sandbox: bool
+) -> Callable[[list[Manifest], Report, str], None]:
+    """The GUI domain as the rollout chart writes it: the service offers the browser harnesses
+    from the browser image at the rollout's version (the tag tools/images.sh gives it), which
+    holds the browser folder where the service looks in any image but ``host``; the browser
+    runs as the image's own unprivileged user; the rollout reaches ``env_endpoint`` with its
+    token from a Secret. With Chromium's own sandbox, orchard-env (when rendered) allows some
+    tenant user namespaces."""
+    from orchard.rollout.config import RolloutConfig  # noqa: PLC0415
+    from orchard.rollout.harnesses.browser import browser_harnesses  # noqa: PLC0415
+    from orchard.tasks.gui.browser_dir import IMAGE_BROWSER_DIR  # noqa: PLC0415
+
+    def check(docs: list[Manifest], report: Report, where: str) -> None:
+        name = f"{RELEASE}-rollout"
+        config = _config_of(docs, name)
+        version = yaml.safe_load((CHARTS / "rollout" / "Chart.yaml").read_text())["appVersion"]
+        dockerfile = BROWSER_IMAGE_DOCKERFILE.read_text()
+        uid = re.search(r"useradd [^\n]*--uid (\d+)", dockerfile)
+        report.check(
+            "browser_dir" not in (config.get("gui") or {}),
+            f"{where}: {name}: the chart writes no gui.browser_dir (the image holds the folder)",
+        )
+        try:
+            gui = RolloutConfig.model_validate(config).gui
+        except ValueError as exc:
+            report.check(False, f"{where}: {name}: RolloutConfig refuses the gui section: {exc}")
+            return
+        harnesses = browser_harnesses(gui)
+        report.check(
+            sorted(harnesses) == ["builtin:browser", "builtin:browser-text"]
+            and gui.resolved_browser_dir({}) == IMAGE_BROWSER_DIR
+            and f"COPY --from=build {IMAGE_BROWSER_DIR} {IMAGE_BROWSER_DIR}" in dockerfile,
+            f"{where}: {name}: want both browser harnesses from {IMAGE_BROWSER_DIR}, where "
+            f"images/gui-browser holds the folder; got {sorted(harnesses)} from "
+            f"{gui.resolved_browser_dir({})!r}",
+        )
+        report.check(
+            gui.image == f"ghcr.io/orchard-dev/orchard-gui-browser:{version}",
+            f"{where}: {name}: gui.image {gui.image!r} is not the browser image at {version}",
+        )
+        report.check(
+            uid is not None and gui.browser_user == int(uid.group(1)),
+            f"{where}: {name}: gui.browser_user {gui.browser_user} is not the browser image's "
+            f"user ({uid.group(1) if uid else 'none found'})",
+        )
+        report.check(
+            gui.chromium_sandbox == chromium_sandbox,
+            f"{where}: {name}: gui.chromium_sandbox is {gui.chromium_sandbox}",
+        )
+        report.check(
+            (config.get("env") or {}).get("endpoint") == env_endpoint,
+            f"{where}: {name}: env.endpoint {config.get('env')} is not {env_endpoint}",
+        )
+        rollout = [d for d in find(docs, "Deployment") if d["metadata"]["name"] == name]
+        variables = {
+            e["name"]: e
+            for d in rollout
+            for e in d["spec"]["template"]["spec"]["containers"][0].get("env", [])
+        }
+        report.check(
+            "secretKeyRef" in (variables.get("ORCHARD_TOKEN", {}).get("valueFrom") or {}),
+            f"{where}: {name}: $ORCHARD_TOKEN must come from the token Secret",
+        )
+        env_config = _config_of(docs, f"{RELEASE}-env")
+        if env_config and chromium_sandbox:
+            report.check(
+                bool((env_config.get("privileges") or {}).get("user_namespaces")),
+                f"{where}: orchard-env allows no tenant user namespaces, which the browser "
+                "sandboxes ask for",
+            )
+
+    return check
+
+
 def check_etcd(replicas: int) -> Callable[[list[Manifest], Report, str], None]:
     def check(docs: list[Manifest], report: Report, where: str) -> None:
         sets = find(docs, "StatefulSet", "etcd")
@@ -1128,6 +1208,33 @@ CASES = [
     ),
     Case("env", "agent-route", ("ci/agent-route-values.yaml",), (*GENERAL, *ENV)),
     Case(
+        "rollout",
+        "gui",
+        ("ci/gui-values.yaml",),
+        (*GENERAL, check_gui("orchard-env.orchard.svc:7100", chromium_sandbox=False)),
+    ),
+    Case(
+        UMBRELLA,
+        "gui",
+        ("ci/gui-values.yaml",),
+        (
+            *GENERAL,
+            *ENV,
+            check_etcd(3),
+            check_gui(f"{RELEASE}-env.{NAMESPACE}.svc:7100", chromium_sandbox=False),
+        ),
+    ),
+    Case(
+        UMBRELLA,
+        "gui-chromium-sandbox",
+        ("ci/gui-chromium-sandbox-values.yaml",),
+        (
+            *GENERAL,
+            *ENV,
+            check_gui(f"{RELEASE}-env.{NAMESPACE}.svc:7100", chromium_sandbox=True),
+        ),
+    ),
+    Case(
         "trainer",
         "workers-ray",
         ("ci/workers-ray-values.yaml",),
@@ -1225,6 +1332,13 @@ BAD_VALUES: list[tuple[str, dict[str, Any], str]] = [
         {**_ETCD, "sandbox": {"imageLocality": {"weight": 101}}},
         "weight",
     ),
+    (
+        UMBRELLA,
+        {"rollout": {"enabled": True, "gui": {"enabled": True, "chromiumSandbox": True}}},
+        "env.privileges.userNamespaces",
+    ),
+    ("rollout", {**_ETCD, "gui": {"enabled": True, "keepLast": 0}}, "keepLast"),
+    ("env", {**_ETCD, "privileges": {"userNamespaces": ["Team A"]}}, "userNamespaces"),
 ]
 
 
@@ -1310,8 +1424,22 @@ def run_bad_values(
             chart.close()
 
 
+_SHIPS_WITH = re.compile(r'^LABEL dev\.orchard\.ships-with="([a-z0-9-]+)"', re.MULTILINE)
+
+
+def dockerfiles_of(service: str | None = None) -> list[Path]:
+    """The Dockerfiles of ``service`` (every one when None): its own image and the sandbox
+    images under images/ that ship with it (``LABEL dev.orchard.ships-with``, tools/images.sh)."""
+    found = sorted(ROOT.glob(f"services/{service or '*'}/Dockerfile"))
+    for path in sorted(ROOT.glob("images/*/Dockerfile")):
+        ships = _SHIPS_WITH.search(path.read_text())
+        if service is None or (ships is not None and ships.group(1) == service):
+            found.append(path)
+    return found
+
+
 def hadolint(report: Report, service: str | None = None) -> int:
-    dockerfiles = sorted(ROOT.glob(f"services/{service or '*'}/Dockerfile"))
+    dockerfiles = dockerfiles_of(service)
     binary = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which(
         "hadolint"
     )

@@ -51,6 +51,34 @@ StatefulSet the umbrella chart runs in this release. */}}
 {{- end -}}
 {{- end -}}
 
+{{/* The env service's gRPC address (env.endpoint of the rollout config): the chart's own, else
+the umbrella's global.envService.endpoint, else the env Service the umbrella runs in this release
+(named as the env chart names it), else none (the service's default, 127.0.0.1:7100). */}}
+{{- define "rollout.envEndpoint" -}}
+{{- $global := (.Values.global | default dict).envService | default dict -}}
+{{- if .Values.envService.endpoint -}}
+{{- .Values.envService.endpoint -}}
+{{- else if $global.endpoint -}}
+{{- $global.endpoint -}}
+{{- else if $global.bundled -}}
+{{- $name := ternary .Release.Name (printf "%s-env" .Release.Name) (contains "env" .Release.Name) | trunc 63 | trimSuffix "-" -}}
+{{- printf "%s.%s.svc:%v" $name .Release.Namespace ($global.port | default 7100) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The gui section of the config, as JSON: browser episodes in sandboxes of the browser image
+(images/gui-browser), which holds the browser folder where the service looks for it in any
+image but `host` (/opt/orchard-browser), so no browser_dir is written. */}}
+{{- define "rollout.guiConfig" -}}
+{{- $gui := .Values.gui -}}
+{{- $image := printf "%s:%s" $gui.browserImage.repository (default .Chart.AppVersion $gui.browserImage.tag) -}}
+{{- $config := dict "image" $image "site_port" (int $gui.sitePort) "chromium_sandbox" $gui.chromiumSandbox "action_timeout_s" $gui.actionTimeoutS "keep_last" (int $gui.keepLast) "format_failure_limit" (int $gui.formatFailureLimit) -}}
+{{- $_ := set $config "viewport" (list (int $gui.viewport.width) (int $gui.viewport.height)) -}}
+{{- $_ := set $config "browser_user" (ternary nil $gui.browserUser (kindIs "invalid" $gui.browserUser)) -}}
+{{- with $gui.siteImage }}{{ $_ := set $config "site_image" . }}{{ end -}}
+{{- toJson $config -}}
+{{- end -}}
+
 {{/* ServiceMonitor or scrape annotations: "true"/"false" force, "auto" follows the cluster. */}}
 {{- define "rollout.serviceMonitor" -}}
 {{- $mode := toString .Values.metrics.serviceMonitor -}}

@@ -37,6 +37,7 @@ from orchard.sdk.cli.host_probe import remove_cgroup_parent
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 CLI = [sys.executable, "-m", "orchard.sdk.cli"]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _free_port() -> int:
@@ -72,6 +73,12 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         find_etcd_binary()
     except FileNotFoundError as exc:
         pytest.fail(f"{exc} (`make setup` installs etcd)")
+    from orchard.tasks.gui.browser_dir import LAUNCHER, build_browser_dir
+
+    # The browser folder `make gui-browser` builds (built here when missing).
+    browser = Path(os.environ.get("ORCHARD_GUI_BROWSER") or ROOT / ".cache" / "gui-browser")
+    if not (browser / LAUNCHER).exists():
+        build_browser_dir(browser)
     state = tmp_path_factory.mktemp("state")
     env = {
         k: v
@@ -102,6 +109,8 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
             f"127.0.0.1:{_free_port()}",
             "--trainer-listen",
             f"127.0.0.1:{_free_port()}",
+            "--gui-browser",
+            str(browser),
             *private,
         ],
         env=env,
@@ -116,7 +125,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     )
     started = json.loads(up.stdout)
     try:
-        yield {"env": env, "state": state, **started}
+        yield {"env": env, "state": state, "browser": browser.absolute(), **started}
     finally:
         down = subprocess.run(
             [*CLI, "down"], env=env, capture_output=True, text=True, timeout=60, check=False
@@ -221,6 +230,30 @@ def test_up_runs_the_rollout_and_trainer_services(service: dict[str, Any]) -> No
                 trainer_service_pb2.GetTrainingJobRequest(job_id="none"), timeout=10
             )
         assert caught.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT)
+
+
+def test_up_offers_the_browser_harnesses_with_a_browser_folder(
+    client: SandboxClient, service: dict[str, Any]
+) -> None:
+    """`--gui-browser` (what `orchard up` finds on its own in a checkout after `make
+    gui-browser`): orchard-rollout offers the browser harnesses, running the folder in the host
+    image, and the local tenant may give sandboxes user namespaces (Chromium's own sandbox)."""
+    import grpc
+
+    from orchard.rollout.v1 import rollout_service_pb2, rollout_service_pb2_grpc
+
+    folder = service["browser"]
+    harnesses = ["builtin:browser", "builtin:browser-text"]
+    assert service["gui"] == {"harnesses": harnesses, "browser_dir": str(folder), "tenant": "local"}
+    address = {c["name"]: c["address"] for c in service["components"]}
+    with grpc.insecure_channel(address["orchard-rollout"]) as channel:
+        listed = rollout_service_pb2_grpc.RolloutServiceStub(channel).ListHarnesses(
+            rollout_service_pb2.ListHarnessesRequest(), timeout=10
+        )
+    assert set(harnesses) <= {h.name for h in listed.harnesses}
+    with client.create(image="host", heartbeat_timeout=30, user_namespaces=True) as sb:
+        assert sb.exec(["unshare", "--user", "--map-root-user", "true"]).ok
+        assert sb.exec(["test", "-x", f"{folder}/bin/orchard-browser"]).ok
 
 
 def test_up_runs_the_reward_service_against_its_env_service(service: dict[str, Any]) -> None:

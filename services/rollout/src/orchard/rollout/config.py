@@ -22,11 +22,13 @@ from orchard.rollout.harnesses.builtin_programs import BUILTIN_PROGRAMS
 from orchard.rollout.proxy.server import CaptureProxyConfig
 from orchard.rollout.workers import WorkersConfig
 from orchard.sdk.service_config import EnvClientConfig
+from orchard.tasks.gui.browser_dir import IMAGE_BROWSER_DIR
 
 __all__ = [
     "ENV_NAME",
     "EnvServiceConfig",
     "EtcdConfig",
+    "GuiConfig",
     "HarnessesConfig",
     "JobPoliciesConfig",
     "JobsConfig",
@@ -40,6 +42,8 @@ __all__ = [
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 """What an environment variable's name may be."""
+HOST_IMAGE = "host"
+"""The local runtime's image that shows this host's root read-only."""
 
 
 def _env_name(value: str) -> str:
@@ -331,16 +335,26 @@ class HarnessesConfig(ConfigModel):
 
 class GuiConfig(ConfigModel):
     """Browser episodes of GUI tasks (the ``builtin:browser`` harnesses): a site sandbox and a
-    browser sandbox per rollout, both through the environment service."""
+    browser sandbox per rollout, both through the environment service.
+
+    The browser folder (`orchard.tasks.gui.browser_dir`) comes one of two ways: the ``host``
+    image of the local runtime shows the folder `make gui-browser` built on this host at its own
+    path ($ORCHARD_GUI_BROWSER_DIR); any other image is taken to be the browser image
+    (images/gui-browser), which holds it at /opt/orchard-browser."""
 
     browser_dir: str = Field(
         default="",
-        description="Where the images hold the browser folder (`make gui-browser` builds it; "
-        "the charts' browser image has it at /opt/orchard-browser; the local runtime's host "
-        "image shows the host root read-only, so the built folder's own path). Empty: "
-        "$ORCHARD_GUI_BROWSER_DIR, and without it no browser harness is offered.",
+        description="Where the images hold the browser folder (an absolute path). Empty: with "
+        "the host image, $ORCHARD_GUI_BROWSER_DIR (the folder `make gui-browser` built here), "
+        "and without it no browser harness is offered; with any other image, "
+        f"{IMAGE_BROWSER_DIR}, where the browser image holds it.",
     )
-    image: str = Field(default="host", min_length=1, description="The browser sandbox's image.")
+    image: str = Field(
+        default=HOST_IMAGE,
+        min_length=1,
+        description="The browser sandbox's image: `host`, or one built from images/gui-browser "
+        "(Chromium and the browser folder).",
+    )
     site_image: str = Field(
         default="", description="The site sandbox's image (python3 and the folder); empty: image."
     )
@@ -351,7 +365,8 @@ class GuiConfig(ConfigModel):
     browser_user: int | None = Field(
         default=65534,
         ge=1,
-        description="The uid the browser runs as; null keeps root (Chromium's sandbox off).",
+        description="The uid the browser runs as; null keeps root (Chromium's sandbox off). The "
+        "browser image's own user is 10001.",
     )
     chromium_sandbox: bool = Field(
         default=True,
@@ -374,9 +389,36 @@ class GuiConfig(ConfigModel):
         description="Turns that do not parse before the episode ends (scored -1 by the judge).",
     )
 
+    @field_validator("browser_dir")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if value and not value.startswith("/"):
+            raise ValueError(f"{value!r} is not an absolute path (a path in the images)")
+        return value
+
+    @model_validator(mode="after")
+    def _one_folder_path(self) -> GuiConfig:
+        # Both sandboxes run the folder from browser_dir: found by default, it must be one path.
+        site = self.site_image or self.image
+        if not self.browser_dir and (site == HOST_IMAGE) != (self.image == HOST_IMAGE):
+            raise ValueError(
+                f"image {self.image!r} and site_image {site!r} hold the browser folder at "
+                f"different paths (the host's folder, {IMAGE_BROWSER_DIR} in the browser "
+                "image): set browser_dir to the path both hold it at"
+            )
+        return self
+
     def resolved_browser_dir(self, environ: Mapping[str, str] | None = None) -> str:
+        """Where the browser sandbox's image holds the browser folder; empty: nowhere (no
+        browser harness)."""
+        if self.browser_dir:
+            return self.browser_dir
+        if self.image != HOST_IMAGE:
+            return IMAGE_BROWSER_DIR
         environ = os.environ if environ is None else environ
-        return self.browser_dir or environ.get("ORCHARD_GUI_BROWSER_DIR", "")
+        folder = environ.get("ORCHARD_GUI_BROWSER_DIR", "")
+        # A folder of this host, which the host image shows at its own absolute path.
+        return os.path.abspath(folder) if folder else ""
 
 
 class RolloutConfig(ServiceConfig):

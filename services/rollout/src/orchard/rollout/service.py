@@ -725,7 +725,7 @@ def _check_gui_pairs(
         offered = ", ".join(n for n, h in harnesses.items() if isinstance(h, BrowserHarness))
         raise _invalid(
             f"task {gui[0]!r} is a GUI task and runs with browser harnesses only, not {others} "
-            f"(this service offers {offered or 'none: set gui.browser_dir'})"
+            f"(this service offers {offered or 'none: set gui.image or gui.browser_dir'})"
         )
     if browsers and len(gui) != len(tasks):
         plain = next(t for t in tasks if t not in gui)

@@ -283,6 +283,10 @@ start order: rollout after reward, whose address it is given)."""
 SUBCOMMANDS: dict[str, tuple[str, ...]] = {"trainer": ("serve",)}
 """Arguments a service's command takes before its flags (``orchard-trainer serve``)."""
 
+SETTING_VARIABLES: dict[str, tuple[str, ...]] = {"rollout": ("ORCHARD_GUI_BROWSER_DIR",)}
+"""Variables besides ``ORCHARD_<NAME>_*`` a service takes settings from, kept from it like
+those: the browser folder comes with the user namespaces it needs (``orchard up``), or not."""
+
 
 class ServiceProcess:
     """One ``orchard-<name>`` child process: its config in ``state_dir/<name>.yaml``, its log
@@ -328,9 +332,13 @@ class ServiceProcess:
         command += [*SUBCOMMANDS.get(self.name, ()), "--config", str(self.config_path)]
         for setting in settings:
             command += ["--set", setting]
-        # Its settings come from its config file only, not from this shell's ORCHARD_<NAME>_*.
+        # Its settings come from its config file only, not from this shell's ORCHARD_<NAME>_*
+        # (nor SETTING_VARIABLES).
         prefix = f"ORCHARD_{self.name.upper()}_"
-        environ = {k: v for k, v in os.environ.items() if not k.startswith(prefix)}
+        unset = SETTING_VARIABLES.get(self.name, ())
+        environ = {
+            k: v for k, v in os.environ.items() if not k.startswith(prefix) and k not in unset
+        }
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(
                 command,

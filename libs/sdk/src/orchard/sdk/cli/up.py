@@ -9,6 +9,13 @@ the command line read by default, prints what runs where, and stays in the foreg
 Ctrl-C or SIGTERM; then it stops what it started, in reverse order. ``--detach`` runs the same
 in the background and returns once it serves; ``orchard down`` stops it.
 
+GUI tasks: when a browser folder is there (``--gui-browser DIR``, else
+``$ORCHARD_GUI_BROWSER_DIR``, else ``.cache/gui-browser`` of the checkout this orchard-sdk runs
+from, where ``make gui-browser`` builds it) and this host has Chromium, orchard-rollout runs
+browser episodes from it (``gui.browser_dir``: the ``host`` image shows the folder at its own
+path) and the local tenant may give sandboxes user namespaces (Chromium's own sandbox). ``--gui``
+insists, saying what is missing; ``--no-gui`` leaves them off.
+
 Everything lives under the state dir (``$ORCHARD_STATE_DIR``, else ``$XDG_STATE_HOME/orchard``,
 else ``~/.local/state/orchard``)::
 
@@ -39,11 +46,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from orchard.sdk.cli.output import print_json, print_table
+from orchard.sdk.cli.sandbox import UsageError
 from orchard.sdk.cli.stack import (
     SERVICES,
     START_TIMEOUT_S,
@@ -66,6 +75,23 @@ DEFAULT_SERVICE_LISTEN = {
     "trainer": "127.0.0.1:7400",
 }
 """Where the services beside orchard-env listen (the ports the charts use)."""
+
+BROWSER_LAUNCHER = "bin/orchard-browser"
+"""What makes a folder a browser folder (orchard.tasks.gui.browser_dir.LAUNCHER)."""
+CHROMIUM = Path("/usr/bin/chromium")
+"""The Chromium orchard-rollout's browser sandboxes start (gui.chromium) in the host image."""
+BROWSER_HARNESSES = ("builtin:browser", "builtin:browser-text")
+
+
+def _checkout_browser_folder() -> Path | None:
+    """Where `make gui-browser` builds the folder in the checkout this orchard-sdk runs from
+    (an editable install); None for an installed one."""
+    here = Path(__file__).resolve()
+    inside = Path("libs/sdk/src/orchard/sdk/cli/up.py")
+    if len(here.parents) < len(inside.parts):
+        return None
+    root = here.parents[len(inside.parts) - 1]
+    return root / ".cache" / "gui-browser" if here.relative_to(root) == inside else None
 
 
 class UpError(OrchardSDKError):
@@ -96,7 +122,14 @@ def add_up_commands(subparsers: Any, formatter: type[argparse.HelpFormatter]) ->
         epilog=(
             "examples:\n  orchard up\n  orchard up --detach && orchard sandbox create\n"
             "  orchard up --without reward --without rollout --without trainer\n"
-            "                                    # etcd and the environment service only"
+            "                                    # etcd and the environment service only\n"
+            "  make gui-browser && orchard up    # with the browser harnesses for GUI tasks\n"
+            "\n"
+            "GUI tasks: with a browser folder (--gui-browser DIR, else $ORCHARD_GUI_BROWSER_DIR,\n"
+            "else .cache/gui-browser of this checkout, which `make gui-browser` builds) and\n"
+            "Chromium (/usr/bin/chromium), orchard-rollout offers builtin:browser and\n"
+            "builtin:browser-text, and the local tenant may give sandboxes user namespaces\n"
+            "(Chromium's own sandbox). --gui insists and says what is missing; --no-gui: off."
         ),
         formatter_class=formatter,
     )
@@ -130,6 +163,20 @@ def add_up_commands(subparsers: Any, formatter: type[argparse.HelpFormatter]) ->
         metavar="KEY=VALUE",
         help="extra orchard-env setting, e.g. limits.default_heartbeat_timeout_s=600",
     )
+    up.add_argument(
+        "--gui",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="browser harnesses in orchard-rollout for GUI tasks; default: on when a browser "
+        "folder and Chromium are there; --gui fails saying what is missing",
+    )
+    up.add_argument(
+        "--gui-browser",
+        type=Path,
+        metavar="DIR",
+        help="the browser folder (default: $ORCHARD_GUI_BROWSER_DIR, else the checkout's "
+        ".cache/gui-browser, which `make gui-browser` builds)",
+    )
     up.add_argument("--json", action="store_true", help="print the components as JSON")
     up.set_defaults(run=_up)
 
@@ -155,14 +202,15 @@ def _up(args: argparse.Namespace) -> int:
             f"orchard up is already running here (pid {running['pid']}); "
             "stop it with `orchard down` or Ctrl-C in its terminal"
         )
+    browser = _browser_folder(args, os.environ)
     if args.detach:
-        return _detach(args, state)
+        return _detach(args, state, browser)
     stop = StopRequest()
     previous = {
         sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
     }
     try:
-        return _run(args, state, stop)
+        return _run(args, state, stop, browser)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -208,7 +256,50 @@ class StopRequest(threading.Event):
                 os.close(fd)
 
 
-def _run(args: argparse.Namespace, state: Path, stop: threading.Event) -> int:
+def _browser_folder(args: argparse.Namespace, environ: Mapping[str, str]) -> Path | None:
+    """The browser folder orchard-rollout runs GUI episodes from; None: no browser harness.
+
+    A folder named (the flag, the variable) must be one; the checkout's is taken when there.
+    Without Chromium the harnesses would fail every episode: off, saying so (``--gui``: an
+    error)."""
+    if args.gui is False:
+        if args.gui_browser is not None:
+            raise UsageError("--gui-browser and --no-gui contradict each other: give one")
+        return None
+    if "rollout" in args.without:
+        if args.gui or args.gui_browser is not None:
+            raise UsageError("the browser harnesses run in orchard-rollout: drop --without rollout")
+        return None
+    named = args.gui_browser or environ.get("ORCHARD_GUI_BROWSER_DIR")
+    folder = Path(named).absolute() if named else _checkout_browser_folder()
+    if folder is None or not (folder / BROWSER_LAUNCHER).is_file():
+        build = (
+            "`make gui-browser` in an Orchard checkout builds one (or `python -m "
+            "orchard.tasks.gui.browser_dir DIR`, with orchard-tasks[gui,claw])"
+        )
+        if named:
+            source = "--gui-browser" if args.gui_browser else "$ORCHARD_GUI_BROWSER_DIR"
+            raise UpError(
+                f"{source}: {folder} is not a browser folder (no {BROWSER_LAUNCHER}): {build}"
+            )
+        if args.gui and folder is not None:
+            raise UpError(
+                f"--gui: no browser folder at {folder}: run `make gui-browser` in the checkout "
+                "(it builds that folder), or give --gui-browser DIR"
+            )
+        if args.gui:
+            raise UpError(f"--gui: no browser folder: give --gui-browser DIR; {build}")
+        return None
+    if not CHROMIUM.exists():
+        missing = f"no Chromium at {CHROMIUM} (apt-get install --no-install-recommends chromium)"
+        if args.gui or named:
+            raise UpError(f"the browser harnesses need Chromium: {missing}")
+        sys.stderr.write(f"orchard: browser harnesses off: {missing}\n")
+        return None
+    return folder
+
+
+def _run(args: argparse.Namespace, state: Path, stop: threading.Event, browser: Path | None) -> int:
     profile_path = _profile_path(args, state)
     profile = read_profile(profile_path)
     token = profile.token if profile is not None and profile.token else secrets.token_urlsafe(32)
@@ -217,13 +308,20 @@ def _run(args: argparse.Namespace, state: Path, stop: threading.Event) -> int:
         for name in DEFAULT_SERVICE_LISTEN
         if name not in args.without
     }
+    settings, service_settings = list(args.set), {}
+    if browser is not None:
+        service_settings["rollout"] = {"gui": {"browser_dir": str(browser)}}
+        # Chromium keeps its own sandbox as an unprivileged user: a user namespace. First, so
+        # that a --set of the user's own wins.
+        settings.insert(0, f"privileges.user_namespaces={json.dumps([TENANT])}")
     stack = LocalStack(
         state,
         listen=args.listen,
         token=token,
-        settings=args.set,
+        settings=settings,
         stop_event=stop,
         services=services,
+        service_settings=service_settings,
         host_masked_paths=[profile_path],  # it holds the token; it may live outside the state
     )
     run_file = state / "up.json"
@@ -244,10 +342,11 @@ def _run(args: argparse.Namespace, state: Path, stop: threading.Event) -> int:
                     "components": [asdict(c) for c in components],
                     # where recipes put what they hand the services (StackEndpoints.artifacts)
                     "artifacts": stack.artifacts_url,
+                    "gui": _gui(browser),
                 }
             )
         )
-        _show(components, profile_path, args.json)
+        _show(components, profile_path, args.json, _gui(browser))
         while not stop.wait(0.5):
             exited = stack.exited()
             if exited is not None:
@@ -269,15 +368,31 @@ def _profile_path(args: argparse.Namespace, state: Path) -> Path:
     return state / "profile.json" if args.state_dir else default_profile_path()
 
 
-def _show(components: list[Component], profile: Path, as_json: bool) -> None:
+def _gui(browser: Path | None) -> dict[str, Any] | None:
+    """What ``orchard up`` says of the GUI domain (up.json, --json): None when it is off."""
+    if browser is None:
+        return None
+    return {"harnesses": list(BROWSER_HARNESSES), "browser_dir": str(browser), "tenant": TENANT}
+
+
+def _show(
+    components: list[Component], profile: Path, as_json: bool, gui: dict[str, Any] | None
+) -> None:
     if as_json:
-        print_json({"components": [asdict(c) for c in components], "profile": str(profile)})
+        print_json(
+            {"components": [asdict(c) for c in components], "profile": str(profile), "gui": gui}
+        )
     else:
         print_table(
             ["component", "address", "pid", "log"],
             [[c.name, c.address, c.pid, c.log] for c in components],
         )
         print(f"\nprofile: {profile} (the SDK and `orchard sandbox ...` use it by default)")
+        if gui is not None:
+            print(
+                f"gui:     {', '.join(gui['harnesses'])} (browser folder {gui['browser_dir']}; "
+                f"tenant {gui['tenant']} may give sandboxes user namespaces, for Chromium)"
+            )
         print("try:     orchard sandbox create --label demo=1")
         print("stop:    Ctrl-C" if sys.stdin.isatty() else "")
     sys.stdout.flush()
@@ -303,7 +418,7 @@ def _running(state: Path) -> dict[str, Any] | None:
     return running
 
 
-def _detach(args: argparse.Namespace, state: Path) -> int:
+def _detach(args: argparse.Namespace, state: Path, browser: Path | None) -> int:
     logs = state / "logs"
     logs.mkdir(parents=True, exist_ok=True, mode=0o700)
     log = logs / "up.log"
@@ -323,6 +438,8 @@ def _detach(args: argparse.Namespace, state: Path) -> int:
         command += [f"--{name}-listen", getattr(args, f"{name}_listen")]
     for name in args.without:
         command += ["--without", name]
+    # The folder found here, not one the child might find in its own way.
+    command += ["--gui-browser", str(browser)] if browser is not None else ["--no-gui"]
     with log.open("ab") as out:
         process = subprocess.Popen(
             command,
@@ -341,7 +458,7 @@ def _detach(args: argparse.Namespace, state: Path) -> int:
         time.sleep(0.1)
     components = [Component(**c) for c in running["components"]]
     components.append(Component("orchard up", "-", process.pid, str(log)))
-    _show(components, _profile_path(args, state), args.json)
+    _show(components, _profile_path(args, state), args.json, running.get("gui"))
     return 0
 
 
