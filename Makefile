@@ -75,7 +75,7 @@ release: setup $(BUF) $(if $(filter inagent,$(SERVICE)),inagent-binary) ## relea
 	@test -n "$(SERVICE)" || { echo "make release: name the service, e.g. make release SERVICE=reward"; exit 2; }
 	$(BIN)/python tools/release.py $(SERVICE) $(RELEASE_ARGS)
 
-images: setup inagent-binary ## build every service image where docker or podman runs (says so where none does)
+images: setup inagent-binary ## build every service image and the sandbox images that ship with them (images/) where docker or podman runs (says so where none does)
 	bash tools/images.sh
 
 # Third-party agent harnesses at pinned versions (tools/harnesses.py), offline for the rollout
