@@ -13,7 +13,12 @@ from orchard.lm.model_folder import (
     load_model_folder,
     save_model_folder,
 )
-from orchard.lm.models import tiny_causal_lm, tiny_causal_lm_for
+from orchard.lm.models import (
+    tiny_causal_lm,
+    tiny_causal_lm_for,
+    tiny_vision_language_model,
+    tiny_vision_processor,
+)
 
 
 def test_tiny_model_fits_its_tokenizer(tokenizer):
@@ -93,3 +98,22 @@ def test_a_failed_save_leaves_nothing(tokenizer, tmp_path):
 def test_not_a_model_folder(tmp_path):
     with pytest.raises(ModelFolderError, match=r"no config\.json"):
         load_model_folder(tmp_path)
+
+
+def test_a_vision_language_folder_loads_with_its_processor(tokenizer, tmp_path):
+    processor = tiny_vision_processor(image_size=16, patch_size=8)
+    model = tiny_vision_language_model(processor, image_size=16, patch_size=8, context=512)
+    loaded = load_model_folder(save_model_folder(tmp_path / "vlm", model, processor))
+    assert type(loaded.model).__name__ == "LlavaForConditionalGeneration"
+    assert not loaded.model.training
+    assert loaded.processor is not None
+    assert loaded.processor.image_token == processor.image_token
+    assert loaded.tokenizer is loaded.processor.tokenizer
+    assert len(loaded.tokenizer) == model.config.get_text_config().vocab_size
+    for name, weight in model.state_dict().items():
+        assert torch.equal(weight, loaded.model.state_dict()[name])
+    text_model = tiny_causal_lm_for(tokenizer)
+    assert (
+        load_model_folder(save_model_folder(tmp_path / "text", text_model, tokenizer)).processor
+        is None
+    )

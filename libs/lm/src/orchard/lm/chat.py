@@ -92,6 +92,15 @@ class ChatFormatError(ValueError):
     """A message or tool declaration that cannot be rendered; the message says which and why."""
 
 
+class ChatImageError(ChatFormatError):
+    """An image part given to a renderer that reads text only (a text model's)."""
+
+
+IMAGE_PART = "image_url"
+"""The OpenAI content-part type of an image:
+``{"type": "image_url", "image_url": {"url": ...}}``."""
+
+
 @dataclass(frozen=True, slots=True)
 class ToolCall:
     """One parsed tool call; `arguments` is the JSON text of the arguments object."""
@@ -118,25 +127,64 @@ class AssistantTurn:
     """`<tool_call>` blocks whose body was not a valid call; they stay in `content`."""
 
 
-def _text_content(index: int, content: Any) -> str:
+def image_part_url(part: Mapping[str, Any]) -> str:
+    """The URL of an ``image_url`` content part (``{"url": ...}``, or the URL itself)."""
+    image = part.get("image_url")
+    url = image.get("url") if isinstance(image, Mapping) else image
+    return url if isinstance(url, str) else ""
+
+
+def _content(index: int, content: Any, *, images: bool) -> str | list[dict[str, str]]:
+    """A message's content as the templates read it: text, or (with `images`, when it holds
+    an image) a list of ``{"type": "text", "text": ...}`` and ``{"type": "image"}`` parts."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
+        parts: list[dict[str, str]] = []
         for part in content:
-            if not isinstance(part, Mapping) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            if kind == "text" and isinstance(part, Mapping):
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+            elif kind == IMAGE_PART and isinstance(part, Mapping) and images:
+                if not image_part_url(part):
+                    raise ChatFormatError(f"messages[{index}].content: an image part has no url")
+                parts.append({"type": "image"})
+            elif kind == IMAGE_PART:
+                raise ChatImageError(
+                    f"messages[{index}].content: only text parts are supported, got {kind!r} "
+                    "(this model reads text; an image needs a vision-language model)"
+                )
+            else:
                 raise ChatFormatError(
                     f"messages[{index}].content: only text parts are supported, got {kind!r}"
                 )
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
+        if any(p["type"] == "image" for p in parts):
+            return parts
+        return "".join(p["text"] for p in parts)
     raise ChatFormatError(
         f"messages[{index}].content must be a string or a list of text parts, "
         f"got {type(content).__name__}"
     )
+
+
+def content_text(content: Any, *, image: str = "[image]") -> str:
+    """A message's content as plain text for people (logs, a turn's `input_text`): text parts
+    joined, each image part shown as `image` (never its data)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        pieces = []
+        for part in content:
+            if isinstance(part, Mapping) and part.get("type") == "text":
+                pieces.append(str(part.get("text", "")))
+            elif isinstance(part, Mapping) and part.get("type") == IMAGE_PART:
+                pieces.append(image)
+        return "".join(pieces)
+    return str(content)
 
 
 def _arguments_text(where: str, arguments: Any) -> str:
@@ -153,11 +201,16 @@ def _arguments_text(where: str, arguments: Any) -> str:
     raise ChatFormatError(f"{where}.arguments must be a JSON object or its text")
 
 
-def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def normalize_messages(
+    messages: Sequence[Mapping[str, Any]], *, images: bool = False
+) -> list[dict[str, Any]]:
     """OpenAI-style messages in the plain shape the template reads, checked.
 
     Content parts are joined, `tool_calls` become `{name, arguments}` with the arguments as
     JSON text, and anything that cannot be rendered raises `ChatFormatError` naming the field.
+    An image part raises `ChatImageError`, unless `images` (a vision-language model's
+    renderer): then a content that holds one stays a list of text and ``{"type": "image"}``
+    parts, in order.
     """
     if not messages:
         raise ChatFormatError("messages must hold at least one message")
@@ -189,7 +242,7 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
         out.append(
             {
                 "role": role,
-                "content": _text_content(index, message.get("content")),
+                "content": _content(index, message.get("content"), images=images),
                 "tool_calls": calls,
             }
         )
@@ -313,6 +366,10 @@ class ChatRenderer:
             ids.append(eos)
         return tuple(ids)
 
+    def _normalize(self, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """The messages as the template reads them (a text model's: image parts refused)."""
+        return normalize_messages(messages)
+
     def render_text(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -323,7 +380,7 @@ class ChatRenderer:
         """The prompt as text; raises `ChatFormatError` for messages it cannot render."""
         schemas: Any = normalize_tools(tools) or None
         text = self._tokenizer.apply_chat_template(
-            normalize_messages(messages),
+            self._normalize(messages),
             tools=schemas,
             chat_template=self.template,
             add_generation_prompt=add_generation_prompt,

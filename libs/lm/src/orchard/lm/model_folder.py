@@ -2,8 +2,10 @@
 
 A folder written by `save_model_folder` loads with `load_model_folder` here, and with plain
 `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` anywhere else (vLLM
-included). It is written next to its final path and renamed into place, so a reader that sees
-the folder sees all of it: the trainer may publish its location the moment this returns.
+included); a vision-language model's folder (`orchard.lm.vision.is_vision_language_folder`)
+with `AutoModelForImageTextToText` / `AutoProcessor`. It is written next to its final path and
+renamed into place, so a reader that sees the folder sees all of it: the trainer may publish its
+location the moment this returns.
 """
 
 from __future__ import annotations
@@ -15,15 +17,21 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
+    ProcessorMixin,
 )
+
+from orchard.lm.vision import is_vision_language_folder
 
 MANIFEST = "orchard-model.json"
 """Orchard's own small record in the folder: format and free-form metadata."""
@@ -42,16 +50,20 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerFast
     path: Path
     metadata: Mapping[str, str] = field(default_factory=dict)
+    processor: Any | None = None
+    """A vision-language model's processor (image processor, tokenizer, image token); None for
+    a text model."""
 
 
 def save_model_folder(
     directory: str | os.PathLike[str],
     model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: PreTrainedTokenizerBase | ProcessorMixin,
     *,
     metadata: Mapping[str, str] | None = None,
 ) -> Path:
-    """Write `model` (safetensors), its config and `tokenizer` into `directory`, atomically.
+    """Write `model` (safetensors), its config and `tokenizer` (or a vision-language model's
+    processor: its tokenizer, image processor and chat template) into `directory`, atomically.
 
     The folder must not exist yet: a published location never changes its contents.
     """
@@ -75,7 +87,9 @@ def save_model_folder(
 def load_model_folder(
     directory: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32
 ) -> LoadedModel:
-    """Load a model folder for inference (eval mode, on the CPU, in `dtype`)."""
+    """Load a model folder for inference (eval mode, on the CPU, in `dtype`): a causal LM and
+    its tokenizer, or a vision-language model (a ``vision_config`` in its config), its
+    processor and the processor's tokenizer."""
     path = Path(directory)
     if not (path / "config.json").is_file():
         raise ModelFolderError(f"{path} is not a model folder: it has no config.json")
@@ -84,12 +98,25 @@ def load_model_folder(
     if manifest.is_file():
         raw = json.loads(manifest.read_text())
         metadata = {str(k): str(v) for k, v in raw.get("metadata", {}).items()}
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    processor: Any | None = None
+    if is_vision_language_folder(path):
+        try:
+            processor = AutoProcessor.from_pretrained(str(path))  # type: ignore[no-untyped-call]
+        except (OSError, ValueError) as exc:
+            raise ModelFolderError(
+                f"{path} is a vision-language model without a processor it can load ({exc})"
+            ) from None
+        model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=dtype)
+        tokenizer = getattr(processor, "tokenizer", None)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
         raise ModelFolderError(f"{path} holds a slow tokenizer; Orchard needs a fast one")
     model.train(False)  # inference mode; `eval()` is untyped in transformers
-    return LoadedModel(model=model, tokenizer=tokenizer, path=path, metadata=metadata)
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, path=path, metadata=metadata, processor=processor
+    )
 
 
 def load_gguf_model(

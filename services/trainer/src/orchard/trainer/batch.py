@@ -3,12 +3,14 @@
 A causal LM's logits at position i predict token i + 1, so a sample of n tokens gives n - 1
 targets: `input_ids` is tokens[:-1], `targets` is tokens[1:], and `loss_mask` and
 `rollout_logprobs` are shifted with the targets. Padding is on the right and never in a mask.
+A vision-language student's batch also carries the model inputs of its images
+(`model_inputs`: ``pixel_values`` and the like, `orchard.trainer.vision`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +29,9 @@ class TokenBatch:
     """`[batch, tokens]`, bool: the target counts in the loss."""
     rollout_logprobs: torch.Tensor
     """`[batch, tokens]`, float32: the sampling policy's log-probability of each target."""
+    model_inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    """Further inputs of the model's forward pass, by argument name: the pixel values of a
+    vision-language student's images (empty for text)."""
 
 
 def collate(samples: Sequence[Sample], pad_id: int) -> TokenBatch:

@@ -5,9 +5,9 @@ A checkpoint is one folder, ``<root>/<version>/``, holding
 - ``deepspeed/`` — `DeepSpeedEngine.save_checkpoint` output (weights, optimizer, learning-rate
   scheduler, step count), which `load_checkpoint` restores into an engine built with the same
   `EngineConfig`, so training continues exactly where it stopped;
-- ``model/`` — the full weights, config and tokenizer in plain Hugging Face format
-  (`orchard.lm.model_folder.save_model_folder`; gathered from every rank under ZeRO-3), which
-  inference engines load;
+- ``model/`` — the full weights, config and tokenizer (a vision-language model's processor) in
+  plain Hugging Face format (`orchard.lm.model_folder.save_model_folder`; gathered from every
+  rank under ZeRO-3), which inference engines load;
 - ``critic/`` — only for PPO with a value model: the value model's engine, saved like
   ``deepspeed/`` (weights, its own optimizer, schedule and step) and restored by `load_critic`;
   it is never published;
@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
 from orchard.lm.model_folder import save_model_folder
 from orchard.lm.weights import WeightRegistry, WeightVersion
@@ -158,7 +158,7 @@ def step_version(step: int, prefix: str = "step") -> str:
 
 def save_checkpoint(
     engine: TrainingEngine,
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: PreTrainedTokenizerBase | ProcessorMixin,
     root: str | os.PathLike[str],
     *,
     version: str | None = None,

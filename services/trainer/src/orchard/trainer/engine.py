@@ -11,6 +11,14 @@ each rank passes its own micro-batches and DeepSpeed averages the gradients. The
 is the mean of its micro-batch losses over all ranks, which is also what the gradient is of,
 so a world of two with accumulation g and a world of one with accumulation 2g see the same
 numbers on the same micro-batches.
+
+A per-token loss (SFT's negative log-likelihood; the policy loss without length
+normalization) is weighted by tokens over the whole step (`step(..., token_weighted=True)`):
+each micro-batch's mean is scaled by its share of the step's loss tokens on all ranks, so the
+step's loss is the mean over every loss token of the step. No sequence is normalized by its own
+length: a long episode's tokens count as much as a short one's, whatever the micro-batches
+hold (with a plain mean of micro-batch means, a micro-batch of one long episode would weigh as
+much as one of a short episode, each of its tokens less).
 """
 
 from __future__ import annotations
@@ -255,12 +263,18 @@ class TrainingEngine:
 
     def _to_device(self, batch: TokenBatch) -> TokenBatch:
         device = self.device
+        dtype = self.config.dtype
         return TokenBatch(
             input_ids=batch.input_ids.to(device),
             attention_mask=batch.attention_mask.to(device),
             targets=batch.targets.to(device),
             loss_mask=batch.loss_mask.to(device),
             rollout_logprobs=batch.rollout_logprobs.to(device),
+            # Pixel values in the weights' dtype (a bf16 vision tower takes no float32).
+            model_inputs={
+                key: value.to(device, dtype) if value.is_floating_point() else value.to(device)
+                for key, value in batch.model_inputs.items()
+            },
         )
 
     def logits(self, batch: TokenBatch) -> torch.Tensor:
@@ -269,8 +283,9 @@ class TrainingEngine:
         Batches are right-padded (`collate`) and attention is causal, so no real token ever
         attends to padding and the mask is left out: given one, the model would build a full
         tokens x tokens mask per row (5 GiB for 16k + 8k tokens) where without it attention
-        stays linear in memory; the logits of real tokens are the same."""
-        out = self.engine(input_ids=batch.input_ids)
+        stays linear in memory; the logits of real tokens are the same. A vision-language
+        student's batch adds its images' inputs (`TokenBatch.model_inputs`)."""
+        out = self.engine(input_ids=batch.input_ids, **batch.model_inputs)
         logits: torch.Tensor = out.logits
         return logits
 
@@ -286,12 +301,19 @@ class TrainingEngine:
             self.engine.train(was_training)
 
     def step(
-        self, micro_batches: Sequence[TokenBatch], loss_fn: LossFn | Sequence[LossFn]
+        self,
+        micro_batches: Sequence[TokenBatch],
+        loss_fn: LossFn | Sequence[LossFn],
+        *,
+        token_weighted: bool = False,
     ) -> StepResult:
         """Forward, backward and one optimizer step over this rank's micro-batches.
 
         `loss_fn` is one function for all micro-batches, or one per micro-batch (when each
         carries numbers of its own, such as old log-probabilities and advantages).
+        `token_weighted`: each loss is a mean over its micro-batch's loss tokens, and the step
+        weighs micro-batches by those tokens (see the module docstring); otherwise every
+        micro-batch weighs the same.
         """
         if len(micro_batches) != self.config.gradient_accumulation:
             raise ValueError(
@@ -303,6 +325,7 @@ class TrainingEngine:
             raise ValueError(f"{len(loss_fns)} loss functions for {len(micro_batches)} batches")
         started = time.perf_counter()
         learning_rate = self.learning_rate
+        shares = self._token_shares(micro_batches) if token_weighted else None
         self.engine.train()
         loss_sum = 0.0
         loss_tokens = 0
@@ -312,6 +335,8 @@ class TrainingEngine:
         for k, (raw, fn) in enumerate(zip(micro_batches, loss_fns, strict=True)):
             batch = self._to_device(raw)
             loss, stats = fn(self.logits(batch), batch)
+            if shares is not None:
+                loss = loss * shares[k]
             self.engine.backward(loss)
             if k == len(micro_batches) - 1 and self.config.zero_stage == 0:
                 # Stage 0 keeps no global norm; the gradients are reduced by now.
@@ -344,9 +369,22 @@ class TrainingEngine:
             extra=reduced_extra,
         )
 
+    def _token_shares(self, micro_batches: Sequence[TokenBatch]) -> list[float]:
+        """Each micro-batch's weight when every loss token of the step (all ranks) counts the
+        same: its loss tokens x micro-batches on all ranks / the step's loss tokens. DeepSpeed
+        divides each backward by the accumulation steps and averages gradients over ranks, so
+        the gradient is that of the mean over the step's loss tokens."""
+        counts = [float(b.loss_mask.sum()) for b in micro_batches]
+        total = torch.tensor([sum(counts)], dtype=torch.float64)
+        if self.world_size > 1:
+            torch.distributed.all_reduce(total)
+        pieces = len(micro_batches) * self.world_size
+        return [n * pieces / max(float(total.item()), 1.0) for n in counts]
+
     def sft_step(self, micro_batches: Sequence[TokenBatch]) -> StepResult:
-        """One SFT optimizer step: masked negative log-likelihood of the policy tokens."""
-        return self.step(micro_batches, sft_step_loss)
+        """One SFT optimizer step: the negative log-likelihood of the policy tokens, a mean
+        over every loss token of the step (no sequence normalized by its own length)."""
+        return self.step(micro_batches, sft_step_loss, token_weighted=True)
 
     def sft_validation(self, micro_batches: Sequence[TokenBatch]) -> ValidationLoss:
         """The SFT loss of `micro_batches` (the whole validation set, the same on every rank)

@@ -26,7 +26,11 @@ Data (every rank holds the whole buffer and trains on its share of each step):
   `spec.advantage_estimator` ADVANTAGE_ESTIMATOR_CRITIC the ranks also hold a value model:
   samples keep their rewards (zero group advantages included), the job's first Step runs
   `spec.critic.value_pretrain_steps` value-model steps on its batch, and every Step is
-  `critic.ppo_update` (per-token advantages from the value model, then its own steps).
+  `critic.ppo_update` (per-token advantages from the value model, then its own steps). With
+  ADVANTAGE_ESTIMATOR_ON_POLICY_DISTILLATION the ranks hold `spec.distillation.teacher`
+  (fetched here like the model, its tokenizer checked against the student's before the job is
+  created), unscored trajectories and groups whose rewards agree are trainable, and every Step
+  is `distillation.opd_update` (per-token teacher-minus-student log-ratios).
 """
 
 from __future__ import annotations
@@ -40,8 +44,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
 from orchard.core.artifacts import ArtifactNotFound, ArtifactStore, parse_url
 from orchard.core.success import check_success_threshold
+from orchard.lm.tokenizer import build_tokenizer
 from orchard.lm.weights import InvalidWeightVersion, check_model_name
 from orchard.trainer.checkpoints import (
     MANIFEST,
@@ -51,6 +58,7 @@ from orchard.trainer.checkpoints import (
 )
 from orchard.trainer.critic import CriticConfig
 from orchard.trainer.datasets import DatasetError, parse_trajectories, write_trajectories
+from orchard.trainer.distillation import DistillationConfig, TeacherMismatch, check_same_vocabulary
 from orchard.trainer.engine import StepResult
 from orchard.trainer.masks import TrajectoryError, build_sft_samples
 from orchard.trainer.policy import BUILTIN_SIZES
@@ -293,17 +301,27 @@ def plan_validation(spec: api.TrainingJobSpec, store: ArtifactStore) -> api.Vali
     return progress
 
 
-_ESTIMATORS = (api.ADVANTAGE_ESTIMATOR_GROUP_RELATIVE, api.ADVANTAGE_ESTIMATOR_CRITIC)
+_ESTIMATORS = (
+    api.ADVANTAGE_ESTIMATOR_GROUP_RELATIVE,
+    api.ADVANTAGE_ESTIMATOR_CRITIC,
+    api.ADVANTAGE_ESTIMATOR_ON_POLICY_DISTILLATION,
+)
 
 
 def _resolve_advantages(out: api.TrainingJobSpec) -> None:
-    """Check `spec.advantage_estimator` and `spec.critic` and fill in their defaults."""
+    """Check `spec.advantage_estimator`, `spec.critic` and `spec.distillation` and fill in
+    their defaults."""
     estimator = out.advantage_estimator
     if out.mode != api.TRAINING_MODE_RL:
-        if estimator != api.ADVANTAGE_ESTIMATOR_UNSPECIFIED or out.HasField("critic"):
+        if (
+            estimator != api.ADVANTAGE_ESTIMATOR_UNSPECIFIED
+            or out.HasField("critic")
+            or out.HasField("distillation")
+        ):
             raise SpecError(
-                "spec.advantage_estimator and spec.critic are for RL jobs (TRAINING_MODE_RL); "
-                "leave them unset for SFT"
+                "spec.advantage_estimator, spec.critic and spec.distillation are for RL jobs "
+                "(TRAINING_MODE_RL); leave them unset for SFT (SFT on a teacher's rollouts: "
+                "PrepareDataset, then spec.dataset)"
             )
         return
     if estimator == api.ADVANTAGE_ESTIMATOR_UNSPECIFIED:
@@ -311,8 +329,10 @@ def _resolve_advantages(out: api.TrainingJobSpec) -> None:
     elif estimator not in _ESTIMATORS:
         raise SpecError(
             f"spec.advantage_estimator must be ADVANTAGE_ESTIMATOR_GROUP_RELATIVE (1, the "
-            f"default) or ADVANTAGE_ESTIMATOR_CRITIC (2), got {estimator}"
+            f"default), ADVANTAGE_ESTIMATOR_CRITIC (2) or "
+            f"ADVANTAGE_ESTIMATOR_ON_POLICY_DISTILLATION (3), got {estimator}"
         )
+    _resolve_distillation(out)
     if out.advantage_estimator != api.ADVANTAGE_ESTIMATOR_CRITIC:
         if out.HasField("critic"):
             raise SpecError(
@@ -360,28 +380,90 @@ def _resolve_advantages(out: api.TrainingJobSpec) -> None:
         raise SpecError(f"spec.critic: {exc}") from None
 
 
-def check_artifacts(spec: api.TrainingJobSpec, store: ArtifactStore, cache: Path) -> None:
-    """Refuse a resolved spec whose model or dataset URL the store does not allow or hold
-    (PERMISSION_DENIED, NOT_FOUND); reads the store (a model folder from a non-file store is
-    fetched into `cache` for the job), so it runs off the event loop."""
-    if not spec.model.startswith("builtin:"):
-        store.require(spec.model, what="spec.model", folder=True)
-        if not store.is_file(f"{spec.model}/config.json"):
-            raise ArtifactNotFound(
-                spec.model,
-                f"spec.model {spec.model!r} is not a model folder: it has no config.json (a "
-                "Hugging Face causal LM saved with save_pretrained)",
-            )
-        if not any(store.is_file(f"{spec.model}/{n}") for n in _TOKENIZER_FILES):
+def _resolve_distillation(out: api.TrainingJobSpec) -> None:
+    """Check `spec.distillation` against the estimator and fill in its coefficient."""
+    if out.advantage_estimator != api.ADVANTAGE_ESTIMATOR_ON_POLICY_DISTILLATION:
+        if out.HasField("distillation"):
             raise SpecError(
-                f"spec.model {spec.model!r} has no tokenizer; checkpoints are saved with the "
-                "model's tokenizer, so save it into the folder too"
+                "spec.distillation names the teacher of "
+                "ADVANTAGE_ESTIMATOR_ON_POLICY_DISTILLATION: set spec.advantage_estimator to "
+                "it, or leave spec.distillation unset"
             )
-        store.get_dir(spec.model, cache_dir=cache)  # a link in the folder out of the store
+        return
+    d = out.distillation
+    if not d.teacher:
+        raise SpecError(
+            "spec.distillation.teacher is required with "
+            'ADVANTAGE_ESTIMATOR_ON_POLICY_DISTILLATION: "builtin:<size>" '
+            f"({', '.join(BUILTIN_SIZES)}) or the artifact URL of a Hugging Face model folder "
+            "with the student's tokenizer (e.g. a published weight version's location)"
+        )
+    if d.teacher.startswith("builtin:"):
+        if d.teacher.removeprefix("builtin:") not in BUILTIN_SIZES:
+            raise SpecError(
+                f"spec.distillation.teacher {d.teacher!r}: unknown built-in size; known: "
+                f"{', '.join('builtin:' + s for s in BUILTIN_SIZES)}"
+            )
+    else:
+        d.teacher = parse_url(d.teacher, what="spec.distillation.teacher").url
+    if not d.HasField("coef"):
+        d.coef = DistillationConfig().coef
+    if not (math.isfinite(d.coef) and d.coef > 0):
+        raise SpecError(
+            f"spec.distillation.coef must be a finite number above 0 (unset: 1), got {d.coef}"
+        )
+
+
+def check_artifacts(spec: api.TrainingJobSpec, store: ArtifactStore, cache: Path) -> None:
+    """Refuse a resolved spec whose model, teacher or dataset URL the store does not allow or
+    hold (PERMISSION_DENIED, NOT_FOUND), or whose teacher's vocabulary is not the student's
+    (`SpecError`); reads the store (a model folder from a non-file store is fetched into
+    `cache` for the job), so it runs off the event loop."""
+    if not spec.model.startswith("builtin:"):
+        _check_model_folder(spec.model, "spec.model", store, cache)
+    if spec.distillation.teacher:
+        teacher = spec.distillation.teacher
+        if not teacher.startswith("builtin:"):
+            _check_model_folder(teacher, "spec.distillation.teacher", store, cache)
+        try:
+            check_same_vocabulary(
+                _tokenizer(spec.model, store, cache),
+                _tokenizer(teacher, store, cache),
+                teacher_name=teacher,
+            )
+        except TeacherMismatch as exc:
+            raise SpecError(str(exc)) from None
     if spec.dataset:
         store.require(spec.dataset, what="spec.dataset")
     if spec.validation.dataset:
         store.require(spec.validation.dataset, what="spec.validation.dataset")
+
+
+def _check_model_folder(url: str, what: str, store: ArtifactStore, cache: Path) -> None:
+    store.require(url, what=what, folder=True)
+    if not store.is_file(f"{url}/config.json"):
+        raise ArtifactNotFound(
+            url,
+            f"{what} {url!r} is not a model folder: it has no config.json (a Hugging Face "
+            "causal LM saved with save_pretrained)",
+        )
+    if not any(store.is_file(f"{url}/{n}") for n in _TOKENIZER_FILES):
+        raise SpecError(
+            f"{what} {url!r} has no tokenizer; checkpoints are saved with the model's "
+            "tokenizer, so save it into the folder too"
+        )
+    store.get_dir(url, cache_dir=cache)  # a link in the folder out of the store
+
+
+def _tokenizer(model: str, store: ArtifactStore, cache: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a checked model (the offline one of every built-in size)."""
+    if model.startswith("builtin:"):
+        return build_tokenizer()
+    folder = store.get_dir(model, cache_dir=cache)
+    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+        folder, local_files_only=True
+    )
+    return tokenizer
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -466,6 +548,9 @@ class JobRunner:
                     progress.trajectories = sum(1 for _ in rows)
             elif dataset is not None:  # a fraction: resolve_spec asks for spec.dataset
                 progress.trajectories = _hold_out(dataset, validation_set, progress.held_out_tasks)
+        teacher = spec.distillation.teacher or None
+        if teacher is not None and not teacher.startswith("builtin:"):
+            teacher = str(store.get_dir(teacher, cache_dir=self._cache))
         resume = None
         if resume_from is not None:
             resume = str(store.get_dir(resume_from, cache_dir=self._cache))
@@ -482,6 +567,7 @@ class JobRunner:
             dataset_name=spec.dataset,
             validation_dataset=None if validation_set is None else str(validation_set),
             resume_from=resume,
+            teacher=teacher,
         )
         self.group: WorkerGroup | RayWorkerGroup
         try:

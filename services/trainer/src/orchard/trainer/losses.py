@@ -76,7 +76,9 @@ class PolicyLossConfig:
     """Weight of the KL penalty to the reference policy; 0 turns it off."""
     length_normalization: bool = False
     """Average each sequence over its own tokens first, then over sequences; otherwise
-    average over all loss tokens of the batch."""
+    average over all loss tokens of the micro-batch, and the engine weighs micro-batches by
+    their loss tokens, so the step's loss is the mean over all its loss tokens (long episodes
+    are not down-weighted)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.clip_low < 1.0:

@@ -11,7 +11,8 @@ and marks which tokens count in the loss:
   threshold every service shares) trains on all its policy turns, a failed one only on the
   turns inside its credit-assignment rise segments (`TurnSpan`, inclusive at both ends);
 - for RL, every policy turn counts; the advantage carries the sign;
-- a trajectory whose reward is excluded, unscored or aborted never yields a sample.
+- a trajectory whose reward is excluded, unscored or aborted never yields a sample (on-policy
+  distillation needs no reward: there an unscored one does, `require_reward=False`).
 
 Builders return a `Skip` with a reason instead of a sample, so callers can count what was left
 out and why. A malformed trajectory raises `TrajectoryError` with a message naming the field.
@@ -113,14 +114,17 @@ class Skip:
     reason: SkipReason
 
 
-def trainable_reason(trajectory: trajectory_pb2.Trajectory) -> SkipReason | None:
-    """None when the trajectory may enter a loss, otherwise why not."""
+def trainable_reason(
+    trajectory: trajectory_pb2.Trajectory, *, require_reward: bool = True
+) -> SkipReason | None:
+    """None when the trajectory may enter a loss, otherwise why not. Without
+    `require_reward` an unscored trajectory may (excluded and aborted ones never do)."""
     if trajectory.outcome == trajectory_pb2.TRAJECTORY_OUTCOME_ABORTED:
         return SkipReason.ABORTED
     status = trajectory.reward.status
     if status == reward_pb2.REWARD_STATUS_EXCLUDED:
         return SkipReason.EXCLUDED
-    if status != reward_pb2.REWARD_STATUS_SCORED:
+    if require_reward and status != reward_pb2.REWARD_STATUS_SCORED:
         return SkipReason.UNSCORED
     return None
 
@@ -249,10 +253,14 @@ def sft_samples(
 
 
 def rl_sample(
-    trajectory: trajectory_pb2.Trajectory, config: SampleConfig = SampleConfig()
+    trajectory: trajectory_pb2.Trajectory,
+    config: SampleConfig = SampleConfig(),
+    *,
+    require_reward: bool = True,
 ) -> Sample | Skip:
-    """The policy-gradient sample of one trajectory: every policy output token counts."""
-    reason = trainable_reason(trajectory)
+    """The policy-gradient sample of one trajectory: every policy output token counts.
+    Without `require_reward` (on-policy distillation) an unscored trajectory gives one too."""
+    reason = trainable_reason(trajectory, require_reward=require_reward)
     if reason is not None:
         return Skip(trajectory.id, reason)
     _check_turns(trajectory)
@@ -278,10 +286,13 @@ def build_sft_samples(
 
 
 def build_rl_samples(
-    trajectories: Iterable[trajectory_pb2.Trajectory], config: SampleConfig = SampleConfig()
+    trajectories: Iterable[trajectory_pb2.Trajectory],
+    config: SampleConfig = SampleConfig(),
+    *,
+    require_reward: bool = True,
 ) -> SampleSet:
     """Policy-gradient samples of a batch, with skip counts by reason."""
-    return _collect(rl_sample(t, config) for t in trajectories)
+    return _collect(rl_sample(t, config, require_reward=require_reward) for t in trajectories)
 
 
 def _collect(results: Iterable[Sample | Skip]) -> SampleSet:

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from orchard.trainer.batch import TokenBatch, collate
 from orchard.trainer.masks import Sample
 
-__all__ = ["MicroBatchPlan"]
+__all__ = ["Collate", "MicroBatchPlan"]
+
+Collate = Callable[[Sequence[Sample], int], TokenBatch]
+"""(samples, pad id) -> a micro-batch: `batch.collate`, or a vision-language student's."""
 
 
 class MicroBatchPlan:
@@ -31,6 +34,7 @@ class MicroBatchPlan:
         world_size: int,
         pad_id: int,
         seed: int = 0,
+        collate_fn: Collate = collate,
     ) -> None:
         if not samples:
             raise ValueError("no samples to train on (every trajectory was skipped or filtered)")
@@ -40,6 +44,7 @@ class MicroBatchPlan:
         self.world_size = world_size
         self.pad_id = pad_id
         self.seed = seed
+        self.collate_fn = collate_fn
         self.micro_batches_per_epoch = math.ceil(len(self.samples) / micro_batch_size)
         self._orders: dict[int, list[int]] = {}
 
@@ -57,7 +62,7 @@ class MicroBatchPlan:
         order = self._order(epoch)
         start = within * self.micro_batch_size
         chosen = [self.samples[i] for i in order[start : start + self.micro_batch_size]]
-        return collate(chosen, pad_id=self.pad_id)
+        return self.collate_fn(chosen, self.pad_id)
 
     def for_step(self, step: int, rank: int) -> list[TokenBatch]:
         """The micro-batches rank `rank` trains on in optimizer step `step` (from 0)."""

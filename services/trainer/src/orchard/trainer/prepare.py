@@ -4,7 +4,10 @@ A client (a recipe) hands over the URL of trajectories as orchard-rollout gave t
 teacher's rollouts carry a conversation (`conversation_json`) and no turns, the student's own
 carry turns in its tokens. Each conversation is rendered in the model's tokenizer and chat
 template turn by turn (`orchard.trainer.teacher`); rows with turns are kept as they are, after
-a check that their ids lie in the model's vocabulary. The curation steps asked for
+a check that their ids lie in the model's vocabulary. A vision-language model folder (its
+config has a ``vision_config``) renders with its processor, screenshots included, and its rows
+keep their conversation (`orchard.trainer.vision`); a text model refuses rows with screenshots
+by the reason ``image_content``. The curation steps asked for
 (`orchard.trainer.curation`) then run over the rows, and the kept ones are written as JSON
 Lines at the output URL, whole, only when the call succeeds. The result says how many rows went
 in, were rendered, kept and dropped (by step and reason), how many SFT samples a job on the
@@ -48,7 +51,14 @@ from orchard.trainer.curation import (
     default_order,
 )
 from orchard.trainer.datasets import DatasetError, parse_numbered
-from orchard.trainer.masks import Overflow, SampleConfig, Skip, TrajectoryError, sft_samples
+from orchard.trainer.masks import (
+    Overflow,
+    Sample,
+    SampleConfig,
+    Skip,
+    TrajectoryError,
+    sft_samples,
+)
 from orchard.trainer.teacher import TrajectoryBuildError, teacher_trajectory
 from orchard.trainer.v1 import trainer_service_pb2 as api
 from orchard.types.v1 import trajectory_pb2
@@ -98,6 +108,9 @@ class PreparedRows:
 class _Tokenizer:
     renderer: ChatRenderer
     vocab_size: int
+    samples: Callable[[trajectory_pb2.Trajectory, SampleConfig], list[Sample | Skip]] = sft_samples
+    """How an SFT job on this model cuts a row's samples (a vision-language model's carry
+    images)."""
 
 
 @dataclass(frozen=True)
@@ -289,7 +302,7 @@ class DatasetPreparer:
         lines = self._read(source)
         rendering = _Rendering(tokenizer, tools, request.source_model or "unknown")
         prepared = self._render(lines, rendering, progress, stop)
-        counts = self._check_samples(prepared, lines, samples)
+        counts = self._check_samples(prepared, lines, samples, tokenizer.samples)
         result = curate(prepared.rows, steps)
         sft_total = sum(counts[id(row)][0] for row in result.rows)
         skipped: Counter[str] = Counter()
@@ -386,6 +399,10 @@ class DatasetPreparer:
                 "save the tokenizer into the model folder"
             )
         folder = self.store.get_dir(model, cache_dir=self.cache)
+        from orchard.lm.vision import is_vision_language_folder  # noqa: PLC0415
+
+        if is_vision_language_folder(folder):
+            return _vision_tokenizer(model, folder)
         from transformers import AutoTokenizer  # noqa: PLC0415
 
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
@@ -472,15 +489,17 @@ class DatasetPreparer:
         prepared: PreparedRows,
         lines: Sequence[tuple[int, trajectory_pb2.Trajectory]],
         config: SampleConfig,
+        cut: Callable[[trajectory_pb2.Trajectory, SampleConfig], list[Sample | Skip]],
     ) -> dict[int, tuple[int, Counter[str]]]:
-        """Each row's SFT sample count and skip reasons (by object id); a row whose turns or
-        credit spans cannot make a sample is moved to the unrendered ones."""
+        """Each row's SFT sample count and skip reasons (by object id), its samples cut by
+        `cut`; a row whose turns, credit spans or images cannot make a sample is moved to the
+        unrendered ones."""
         line_of = {row.id: line for line, row in lines}
         counts: dict[int, tuple[int, Counter[str]]] = {}
         kept = []
         for row in prepared.rows:
             try:
-                built = sft_samples(row, config)
+                built = cut(row, config)
             except TrajectoryError as exc:
                 prepared.fail(row, line_of.get(row.id, 0), "malformed_trajectory", str(exc))
                 continue
@@ -515,11 +534,33 @@ def _outside_vocabulary(row: trajectory_pb2.Trajectory, vocab_size: int) -> str:
     return ""
 
 
+def _vision_tokenizer(model: str, folder: Path) -> _Tokenizer:
+    """A vision-language model folder's renderer: its processor, screenshots included."""
+    from transformers import AutoProcessor  # noqa: PLC0415
+
+    from orchard.lm.vision import VisionChatRenderer  # noqa: PLC0415
+    from orchard.trainer.vision import VisionInputs  # noqa: PLC0415
+
+    try:
+        processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True)  # type: ignore[no-untyped-call]
+        renderer = VisionChatRenderer(processor)
+    except (OSError, ValueError) as exc:  # ChatFormatError is a ValueError
+        raise _invalid(
+            f"model {model!r} is a vision-language model whose processor cannot render the "
+            f"conversations: {exc}"
+        ) from None
+    vocab = _vocab_size(folder, len(renderer.tokenizer))
+    return _Tokenizer(renderer, vocab, VisionInputs(renderer).sft_samples)
+
+
 def _vocab_size(folder: Path, tokenizer_size: int) -> int:
     """The model's vocabulary: its config's `vocab_size` (embeddings may be padded past the
-    tokenizer), else the tokenizer's size."""
+    tokenizer; a vision-language config keeps it in `text_config`), else the tokenizer's
+    size."""
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        return max(int(config.get("vocab_size") or 0), tokenizer_size)
-    except (OSError, ValueError, TypeError):
+        text = config.get("text_config")
+        size = config.get("vocab_size") or (text.get("vocab_size") if isinstance(text, dict) else 0)
+        return max(int(size or 0), tokenizer_size)
+    except (OSError, ValueError, TypeError, AttributeError):
         return tokenizer_size

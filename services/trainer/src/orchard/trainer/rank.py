@@ -18,6 +18,9 @@ runs `critic.value_pretrain` on the Step's batch before `critic.ppo_update`; che
 the value model beside the policy and a resume restores it (no second pretraining then).
 An RL job whose `policy_loss.kl_coef` is above 0 also holds a frozen copy of its starting policy,
 the reference its KL penalty measures the policy against (the same copy after a resume).
+An RL job with ADVANTAGE_ESTIMATOR_ON_POLICY_DISTILLATION holds its frozen teacher
+(`distillation.load_teacher`, checked against the student's tokenizer) and every Step is
+`distillation.opd_update`; its buffer keeps unscored trajectories and groups whose rewards agree.
 
 The rank never touches the artifact store: the controller hands it local folders (model,
 dataset, checkpoint to resume from) and uploads what it saves. A rank exits when the
@@ -46,7 +49,7 @@ import torch
 from transformers import PreTrainedModel
 
 from orchard.core.success import DEFAULT_SUCCESS_THRESHOLD
-from orchard.trainer.batch import TokenBatch, collate
+from orchard.trainer.batch import TokenBatch
 from orchard.trainer.checkpoints import (
     CRITIC_DIR,
     CheckpointError,
@@ -60,10 +63,11 @@ from orchard.trainer.checkpoints import (
 from orchard.trainer.checkpoints import save_checkpoint as save_engine_checkpoint
 from orchard.trainer.critic import CriticConfig, build_critic, ppo_update, value_pretrain
 from orchard.trainer.datasets import parse_trajectories
+from orchard.trainer.distillation import DistillationConfig, load_teacher, opd_update
 from orchard.trainer.distributed import ProcessGroupSpec
 from orchard.trainer.engine import EngineConfig, StepResult, TrainingEngine
 from orchard.trainer.losses import PolicyLossConfig
-from orchard.trainer.masks import Overflow, Sample, SampleConfig, TrajectoryError, build_sft_samples
+from orchard.trainer.masks import Overflow, Sample, SampleConfig, TrajectoryError
 from orchard.trainer.microbatches import MicroBatchPlan
 from orchard.trainer.policy import Policy, load_policy
 from orchard.trainer.rl import RlBatch, RlConfig, StaleBatchError, StalePolicy, build_rl_batch
@@ -80,6 +84,7 @@ __all__ = [
     "SubmitCounts",
     "critic_config",
     "critic_engine_config",
+    "distillation_config",
     "main",
 ]
 
@@ -113,6 +118,8 @@ class RankSetup:
     """The dataset's URL, for messages."""
     resume_from: str | None = None
     """A local checkpoint folder to restore."""
+    teacher: str | None = None
+    """On-policy distillation: ``builtin:<size>`` or a local folder of the teacher model."""
     threads: int = 0
     """torch CPU threads of this rank; 0 leaves torch's default."""
 
@@ -212,6 +219,17 @@ def critic_config(spec: api.TrainingJobSpec) -> CriticConfig | None:
     )
 
 
+def distillation_config(spec: api.TrainingJobSpec) -> DistillationConfig | None:
+    """The teacher's settings of a spec; None unless it is RL with
+    ADVANTAGE_ESTIMATOR_ON_POLICY_DISTILLATION. Raises `ValueError` for a bad coefficient."""
+    if spec.mode != api.TRAINING_MODE_RL or (
+        spec.advantage_estimator != api.ADVANTAGE_ESTIMATOR_ON_POLICY_DISTILLATION
+    ):
+        return None
+    d = spec.distillation
+    return DistillationConfig(coef=d.coef if d.HasField("coef") else DistillationConfig().coef)
+
+
 def critic_engine_config(spec: api.TrainingJobSpec) -> EngineConfig:
     """The value model's engine settings: the policy's ZeRO stage and batch shape, its own
     learning rate, and a cosine schedule without warmup over every value-model step the job
@@ -241,7 +259,12 @@ class RankTrainer:
         if self.policy.tokenizer is None:
             raise ValueError(f"spec.model {spec.model!r} has no tokenizer")
         self.tokenizer = self.policy.tokenizer
-        self.vocab_size = int(self.policy.model.config.vocab_size)
+        if self.policy.vision is not None and self.mode == "rl":
+            raise ValueError(
+                f"spec.model {spec.model!r} is a vision-language model: it trains with SFT only "
+                "for now (the rollout engines do not sample with images yet)"
+            )
+        self.vocab_size = self.policy.vocab_size
         self.samples = sample_config(spec)
         self.sft_samples: list[Sample] = []
         self.rl_samples: list[Sample] = []
@@ -249,13 +272,23 @@ class RankTrainer:
         self.rl_rewards: list[float] = []
         self.rl_sample_rewards: list[float] = []
         """The reward of each buffered sample's trajectory (a value model's returns)."""
+        self.rl_sampled: list[bool] = []
+        """Whether each buffered sample's trajectory carries its sampling logprobs."""
         self.critic_config = critic_config(spec)
         self.critic: TrainingEngine | None = None
+        self.distillation = distillation_config(spec)
+        self.teacher: PreTrainedModel | None = None
+        if self.distillation is not None:
+            if setup.teacher is None:
+                raise ValueError("spec.distillation.teacher: no teacher model was handed over")
+            self.teacher = load_teacher(
+                setup.teacher, seed=spec.distillation.seed, student=self.policy
+            )
         self._plan: MicroBatchPlan | None = None
         if setup.dataset is not None:
             with open(setup.dataset, encoding="utf-8") as lines:
                 rows = parse_trajectories(lines, setup.dataset_name or setup.dataset)
-                self.sft_samples.extend(build_sft_samples(rows, self.samples).samples)
+                self.sft_samples.extend(self.policy.build_sft_samples(rows, self.samples).samples)
         self.validation_samples = 0
         self.validation_batches = self._validation_batches(setup)
         group = ProcessGroupSpec(
@@ -284,8 +317,9 @@ class RankTrainer:
                 config = replace(config, load_universal=True)
                 value_config = replace(value_config, load_universal=True)
         self.engine = TrainingEngine(self.policy.model, config, process_group=group)
-        if self.reference is not None:
-            torch.nn.Module.to(self.reference, self.engine.device)
+        for frozen in (self.reference, self.teacher):
+            if frozen is not None:
+                torch.nn.Module.to(frozen, self.engine.device)
         try:
             if value_model is not None:
                 self.critic = TrainingEngine(value_model, value_config, process_group=group)
@@ -320,7 +354,8 @@ class RankTrainer:
             return []
         name = self.spec.validation.dataset or "the held-out tasks"
         with open(setup.validation_dataset, encoding="utf-8") as lines:
-            samples = build_sft_samples(parse_trajectories(lines, name), self.samples).samples
+            rows = parse_trajectories(lines, name)
+            samples = self.policy.build_sft_samples(rows, self.samples).samples
         if not samples:
             raise ValueError(
                 f"spec.validation: the validation set ({name}) gives no SFT sample: its rows "
@@ -329,10 +364,7 @@ class RankTrainer:
             )
         size = self.spec.micro_batch_size
         self.validation_samples = len(samples)
-        return [
-            collate(samples[i : i + size], pad_id=self.policy.pad_id)
-            for i in range(0, len(samples), size)
-        ]
+        return [self.policy.collate(samples[i : i + size]) for i in range(0, len(samples), size)]
 
     def ready(self) -> RankReady:
         return RankReady(
@@ -351,7 +383,7 @@ class RankTrainer:
         for trajectory in trajectories:
             self._check_tokens(trajectory)
         if self.mode == "sft":
-            built = build_sft_samples(trajectories, self.samples)
+            built = self.policy.build_sft_samples(trajectories, self.samples)
             self.sft_samples.extend(built.samples)
             self._plan = None
             reasons = Counter({str(k): v for k, v in built.skipped.items()})
@@ -361,6 +393,7 @@ class RankTrainer:
         self.rl_samples.extend(batch.samples)
         self.rl_advantages.extend(batch.advantages)
         self.rl_sample_rewards.extend(batch.rewards)
+        self.rl_sampled.extend(batch.sampled)
         if not math.isnan(batch.reward_mean):
             self.rl_rewards.append(batch.reward_mean)
         return SubmitCounts(
@@ -386,6 +419,7 @@ class RankTrainer:
                     world_size=world,
                     pad_id=self.policy.pad_id,
                     seed=self.spec.seed,
+                    collate_fn=self.policy.collate,
                 )
             plan = self._plan
             results = []
@@ -408,9 +442,20 @@ class RankTrainer:
             advantages=tuple(self.rl_advantages),
             reward_mean=math.fsum(rewards) / len(rewards) if rewards else math.nan,
             rewards=tuple(self.rl_sample_rewards),
+            sampled=tuple(self.rl_sampled),
         )
         self.rl_samples, self.rl_advantages, self.rl_rewards = [], [], []
-        self.rl_sample_rewards = []
+        self.rl_sample_rewards, self.rl_sampled = [], []
+        if self.teacher is not None and self.distillation is not None:
+            return opd_update(
+                self.engine,
+                self.teacher,
+                batch,
+                self._rl_config(steps),
+                self.distillation,
+                pad_id=self.policy.pad_id,
+                reference=self.reference,
+            )
         if self.critic is None or self.critic_config is None:
             return run_rl_update(
                 self.engine,
@@ -443,7 +488,7 @@ class RankTrainer:
             torch.distributed.barrier()
         return save_engine_checkpoint(
             self.engine,
-            self.tokenizer,
+            self.policy.saved_with,
             root,
             version=version,
             metadata=metadata,
@@ -518,8 +563,10 @@ class RankTrainer:
             loss=policy_loss_config(self.spec),
             samples=self.samples,
             updates_per_batch=updates,
-            # A critic's advantages are per token: a group whose rewards agree still teaches.
-            skip_zero_advantage=self.critic_config is None,
+            # A critic's or a teacher's advantages are per token: a group whose rewards agree
+            # still teaches; a teacher needs no reward at all.
+            skip_zero_advantage=self.critic_config is None and self.distillation is None,
+            require_reward=self.distillation is None,
             max_staleness=self.spec.max_staleness if bounded else None,
             stale=StalePolicy.SKIP if self.spec.skip_stale else StalePolicy.REJECT,
         )

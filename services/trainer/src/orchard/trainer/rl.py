@@ -7,6 +7,9 @@
   the loss (and are counted by reason);
 - trajectories whose advantage is zero carry no policy gradient and are left out
   (`skip_zero_advantage`, on by default);
+- without `require_reward` (on-policy distillation, whose advantages come per token from a
+  teacher: `orchard.trainer.distillation`) unscored trajectories yield samples too, with a
+  batch advantage of 0;
 - shared prefixes count once: where trajectories of one rollout (same `rollout_id`) begin with
   the same tokens, only the first of them keeps those positions in its loss mask;
 - trajectories sampled by weights more than `max_staleness` versions behind the trainer are
@@ -16,7 +19,9 @@
 weights (no gradient), optionally the reference policy's, and runs `updates_per_batch`
 optimizer steps of the clipped objective (`losses.policy_loss`): the importance weight is
 between the rollout engine's log-probabilities and the recomputed old ones, the ratio between
-the current and the old ones.
+the current and the old ones. A sample whose trajectory lacks the rollout engine's
+log-probabilities on a policy turn (`RlBatch.sampled`; e.g. a teacher's turns) takes the
+recomputed old ones as its rollout log-probabilities: its importance weight is 1.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ __all__ = [
     "StalePolicy",
     "build_rl_batch",
     "count_shared_prefixes_once",
+    "has_rollout_logprobs",
     "rank_micro_batches",
     "rl_update",
     "staleness",
@@ -79,6 +85,9 @@ class RlConfig:
     updates_per_batch: int = 1
     """Optimizer steps per batch; the old log-probabilities are computed once before them."""
     skip_zero_advantage: bool = True
+    require_reward: bool = True
+    """False: unscored trajectories train too (their advantages come from elsewhere, per
+    token); excluded and aborted ones still never do."""
     max_staleness: int | None = None
     """Most weight versions a trajectory may lag behind the trainer; None is no bound."""
     stale: StalePolicy = StalePolicy.REJECT
@@ -103,6 +112,9 @@ class RlBatch:
     """Trajectories left out, by reason."""
     rewards: tuple[float, ...] = ()
     """The reward of each sample's trajectory, one per sample (for a critic's returns)."""
+    sampled: tuple[bool, ...] = ()
+    """Per sample: its trajectory carries the rollout engine's log-probabilities on every
+    policy turn with output tokens; empty: every sample does."""
 
 
 AdvantageFn = Callable[[TokenBatch, range], torch.Tensor]
@@ -150,15 +162,17 @@ def build_rl_batch(
             skipped["stale"] += 1
         batch = fresh
     advantages = group_advantages(batch, config.advantages)
-    sample_set = build_rl_samples(batch, config.samples)
+    sample_set = build_rl_samples(batch, config.samples, require_reward=config.require_reward)
     skipped.update({str(reason): n for reason, n in sample_set.skipped.items()})
     rollout_of = {t.id: t.rollout_id for t in batch}
     samples = count_shared_prefixes_once(sample_set.samples, rollout_of)
     kept: list[Sample] = []
     kept_advantages: list[float] = []
     reward_of = {t.id: t.reward.value for t in batch}
+    sampled_of = {t.id: has_rollout_logprobs(t) for t in batch}
     for sample in samples:
-        advantage = advantages[sample.trajectory_id]
+        # Without require_reward an unscored trajectory has no group advantage: 0.
+        advantage = advantages.get(sample.trajectory_id, 0.0)
         if config.skip_zero_advantage and advantage == 0.0:
             skipped["zero_advantage"] += 1
             continue
@@ -174,6 +188,17 @@ def build_rl_batch(
         reward_mean=math.fsum(rewards) / len(rewards) if rewards else math.nan,
         skipped=skipped,
         rewards=tuple(reward_of[s.trajectory_id] for s in kept),
+        sampled=tuple(sampled_of[s.trajectory_id] for s in kept),
+    )
+
+
+def has_rollout_logprobs(trajectory: trajectory_pb2.Trajectory) -> bool:
+    """Whether every policy turn with output tokens carries their sampling log-probabilities
+    (a teacher's turns, rendered from text, carry none)."""
+    return all(
+        len(turn.output_logprobs) == len(turn.output_token_ids)
+        for turn in trajectory.turns
+        if turn.kind == trajectory_pb2.TURN_KIND_POLICY and turn.output_token_ids
     )
 
 
@@ -285,6 +310,7 @@ def rl_update(
     for piece in mine:
         tokens = collate([batch.samples[i] for i in piece], pad_id=pad_id)
         old = engine.target_logprobs(tokens)
+        tokens = _fill_rollout_logprobs(tokens, old, [_sampled(batch, i) for i in piece])
         ref = None
         if reference is not None and config.loss.kl_coef > 0.0:
             ref = _reference_logprobs(reference, tokens, engine.device)
@@ -299,8 +325,33 @@ def rl_update(
     for update in range(config.updates_per_batch):
         chunk = micro[update * accumulation : (update + 1) * accumulation]
         loss_fns = [_policy_loss_fn(m, config.loss, batch.reward_mean) for m in chunk]
-        results.append(engine.step([m.tokens for m in chunk], loss_fns))
+        # Without length normalization every loss token of the step weighs the same, whatever
+        # micro-batch it is in (`TrainingEngine.step`): long episodes are not down-weighted.
+        results.append(
+            engine.step(
+                [m.tokens for m in chunk],
+                loss_fns,
+                token_weighted=not config.loss.length_normalization,
+            )
+        )
     return results
+
+
+def _sampled(batch: RlBatch, index: int) -> bool:
+    return not batch.sampled or batch.sampled[index]
+
+
+def _fill_rollout_logprobs(
+    tokens: TokenBatch, old: torch.Tensor, sampled: Sequence[bool]
+) -> TokenBatch:
+    """`tokens` with the rows that lack sampling log-probabilities (zeros from `collate`) set
+    to the recomputed old ones, so their importance weight is 1 rather than exp(old)."""
+    if all(sampled):
+        return tokens
+    rows = torch.tensor([not s for s in sampled], dtype=torch.bool)
+    filled = tokens.rollout_logprobs.clone()
+    filled[rows] = old.detach().to(filled.device, filled.dtype)[rows]
+    return replace(tokens, rollout_logprobs=filled)
 
 
 def _reference_logprobs(

@@ -25,7 +25,7 @@ from orchard.trainer.curation import CurationResult, CurationStep, curate
 from orchard.trainer.datasets import read_trajectories
 from orchard.trainer.distributed import ProcessGroupSpec
 from orchard.trainer.engine import EngineConfig, StepResult, TrainingEngine
-from orchard.trainer.masks import SampleConfig, build_sft_samples
+from orchard.trainer.masks import SampleConfig
 from orchard.trainer.microbatches import MicroBatchPlan
 from orchard.trainer.policy import load_policy
 from orchard.trainer.telemetry import StepRecord, StepRecorder, plot_run_log
@@ -42,7 +42,8 @@ class SftRunConfig:
     data: Path
     """JSONL of `orchard.types.v1.Trajectory`."""
     model: str
-    """`builtin:<size>` or a local Hugging Face model directory."""
+    """`builtin:<size>` or a local Hugging Face model directory (a vision-language model's
+    too: its samples carry their screenshots, `orchard.trainer.vision`)."""
     output_dir: Path
     """Run log, plot and checkpoints go here."""
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -86,13 +87,14 @@ def run_offline_sft(
     if config.curation:
         curated = curate(rows, config.curation)
         log.info("sft curation\n%s", curated.summary())
-    sample_set = build_sft_samples(rows if curated is None else curated.rows, config.samples)
+    policy = load_policy(config.model, vocab_size=config.vocab_size, seed=config.engine.seed)
+    # The policy cuts the samples: a vision-language model's carry their screenshots.
+    sample_set = policy.build_sft_samples(rows if curated is None else curated.rows, config.samples)
     skipped = Counter({str(reason): n for reason, n in sample_set.skipped.items()})
     log.info(
         "sft samples",
         extra={"samples": len(sample_set.samples), "skipped": dict(skipped)},
     )
-    policy = load_policy(config.model, vocab_size=config.vocab_size, seed=config.engine.seed)
     engine = TrainingEngine(policy.model, config.engine, process_group=process_group)
     plan = MicroBatchPlan(
         sample_set.samples,
@@ -101,6 +103,7 @@ def run_offline_sft(
         world_size=engine.world_size,
         pad_id=policy.pad_id,
         seed=config.engine.seed,
+        collate_fn=policy.collate,
     )
     main_rank = engine.rank == 0
     run_log = config.output_dir / "run.jsonl" if main_rank else None

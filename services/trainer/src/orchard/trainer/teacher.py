@@ -8,6 +8,13 @@ proxy would have rendered it had the student written the same words: each turn's
 the prompt added since the previous turn, its output the assistant message up to and including
 the end-of-turn token. Teacher turns have no logprobs (`output_logprobs` stays empty) and the
 weight version ``teacher:<model>``.
+
+Screenshots (``image_url`` content parts, the GUI domain's `builtin:browser` harness) render
+only for a vision-language student (`orchard.lm.vision.VisionChatRenderer`): their tokens are
+in the turns, and the row keeps its conversation so the images travel with it to SFT. A text
+student's renderer refuses them: the row fails with the reason ``image_content`` (a text student
+learns the GUI from the page as text, the `builtin:browser-text` harness; dropping the images
+would teach it actions on pages it never saw).
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from orchard.lm.chat import IM_END, ChatFormatError, ChatRenderer
+from orchard.lm.chat import IM_END, ChatFormatError, ChatImageError, ChatRenderer, content_text
+from orchard.lm.vision import message_image_urls
 from orchard.types.v1 import trajectory_pb2
 
 __all__ = [
@@ -69,6 +77,12 @@ def teacher_trajectory(
     schemas = [dict(t) for t in tools]
     try:
         return _render(source, messages, renderer, schemas, teacher_model)
+    except ChatImageError as exc:
+        raise TrajectoryBuildError(
+            "image_content",
+            f"rollout {source.rollout_id}: {exc}; train a text student on the page as text "
+            "(harness builtin:browser-text), or train a vision-language student",
+        ) from None
     except ChatFormatError as exc:
         raise TrajectoryBuildError(
             "bad_conversation", f"rollout {source.rollout_id}: {exc}"
@@ -109,7 +123,7 @@ def _render(
         if message.get("role") != "assistant":
             continue
         # What the turn saw that the previous one did not: the prompt or the tool outputs.
-        seen = "\n\n".join(str(m.get("content") or "") for m in messages[previous + 1 : index])
+        seen = "\n\n".join(content_text(m.get("content")) for m in messages[previous + 1 : index])
         previous = index
         history = messages[:index]
         prompt = list(renderer.render(history, schemas).token_ids)
@@ -148,8 +162,12 @@ def _render(
         consumed = prompt + output
     trajectory = trajectory_pb2.Trajectory()
     trajectory.CopyFrom(source)
-    trajectory.conversation_json = ""
+    images = len(message_image_urls(messages))
+    # The images travel with a vision-language student's row: SFT needs their pixels.
+    trajectory.conversation_json = source.conversation_json if images else ""
     del trajectory.turns[:]
     trajectory.turns.extend(turns)
     trajectory.metadata["source"] = "teacher"
+    if images:
+        trajectory.metadata["images"] = str(images)
     return trajectory

@@ -70,6 +70,15 @@ class _AdvantageEstimatorEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Ad
     step, then takes its own steps after each policy step. Every scored trajectory enters the
     loss, whatever its group's rewards.
     """
+    ADVANTAGE_ESTIMATOR_ON_POLICY_DISTILLATION: _AdvantageEstimator.ValueType  # 3
+    """On-policy distillation (`TrainingJobSpec.distillation`): a teacher model scores every
+    token the student sampled, and each loss token's advantage is
+    `DistillationConfig.coef` x (teacher log-probability - the student's sampling
+    log-probability) of that token in the same context: the negative of a per-token
+    estimate of the reverse KL from the student to the teacher. No reward is needed: every
+    trajectory with loss tokens that is not excluded or aborted enters the loss, scored or not,
+    whatever its group's rewards.
+    """
 
 class AdvantageEstimator(_AdvantageEstimator, metaclass=_AdvantageEstimatorEnumTypeWrapper):
     """How an RL job turns the rewards of its trajectories into advantages."""
@@ -88,6 +97,15 @@ The value model starts as the policy's trunk with a zero value head, is fitted t
 starting policy's returns by `CriticConfig.value_pretrain_steps` before the first policy
 step, then takes its own steps after each policy step. Every scored trajectory enters the
 loss, whatever its group's rewards.
+"""
+ADVANTAGE_ESTIMATOR_ON_POLICY_DISTILLATION: AdvantageEstimator.ValueType  # 3
+"""On-policy distillation (`TrainingJobSpec.distillation`): a teacher model scores every
+token the student sampled, and each loss token's advantage is
+`DistillationConfig.coef` x (teacher log-probability - the student's sampling
+log-probability) of that token in the same context: the negative of a per-token
+estimate of the reverse KL from the student to the teacher. No reward is needed: every
+trajectory with loss tokens that is not excluded or aborted enters the loss, scored or not,
+whatever its group's rewards.
 """
 Global___AdvantageEstimator: _TypeAlias = AdvantageEstimator  # noqa: Y015
 
@@ -126,6 +144,51 @@ TRAINING_JOB_STATE_FAILED: TrainingJobState.ValueType  # 4
 TRAINING_JOB_STATE_CANCELLED: TrainingJobState.ValueType  # 5
 """Cancelled."""
 Global___TrainingJobState: _TypeAlias = TrainingJobState  # noqa: Y015
+
+@_typing.final
+class DistillationConfig(_message.Message):
+    """The teacher of an RL job with ADVANTAGE_ESTIMATOR_ON_POLICY_DISTILLATION. It runs in every
+    rank beside the policy, frozen (no gradient, no dropout), one forward pass per micro-batch
+    on the student's own token ids; it is never trained, saved or published.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEACHER_FIELD_NUMBER: _builtins.int
+    COEF_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    teacher: _builtins.str
+    """"builtin:<size>" for a model built in code (from `seed`), or the artifact URL of a
+    Hugging Face causal LM folder with its tokenizer, under the trainer's artifact store or an
+    allowed prefix (a published weight version's `location` is one), as
+    `TrainingJobSpec.model` is given. Its tokenizer must be the student's (the same
+    vocabulary: the log-ratio compares the two models on the same token ids). Empty:
+    INVALID_ARGUMENT.
+    """
+    coef: _builtins.float
+    """The scale of the teacher-minus-student log-ratio that is the advantage; a finite number
+    above 0 (else INVALID_ARGUMENT); unset: 1.
+    """
+    seed: _builtins.int
+    """Seed of a built-in teacher's weights (the same seed as the job's gives the student's own
+    starting weights); ignored for a model folder.
+    """
+    def __init__(
+        self,
+        *,
+        teacher: _builtins.str = ...,
+        coef: _builtins.float | None = ...,
+        seed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_coef", b"_coef", "coef", b"coef"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_coef", b"_coef", "coef", b"coef", "seed", b"seed", "teacher", b"teacher"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__coef: _TypeAlias = _typing.Literal["coef"]  # noqa: Y015
+    _WhichOneofArgType__coef: _TypeAlias = _typing.Literal["_coef", b"_coef"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__coef) -> _WhichOneofReturnType__coef | None: ...
+
+Global___DistillationConfig: _TypeAlias = DistillationConfig  # noqa: Y015
 
 @_typing.final
 class PolicyLossConfig(_message.Message):
@@ -266,6 +329,7 @@ class TrainingJobSpec(_message.Message):
     SUCCESS_THRESHOLD_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     VALIDATION_FIELD_NUMBER: _builtins.int
+    DISTILLATION_FIELD_NUMBER: _builtins.int
     mode: Global___TrainingMode.ValueType
     """SFT or RL."""
     model: _builtins.str
@@ -310,7 +374,8 @@ class TrainingJobSpec(_message.Message):
     `workers.ranks`; more than `workers.max_ranks` is INVALID_ARGUMENT.
     """
     advantage_estimator: Global___AdvantageEstimator.ValueType
-    """RL: how advantages are estimated, GRPO or PPO with a value model; unset:
+    """RL: how advantages are estimated, GRPO, PPO with a value model or on-policy
+    distillation from a teacher; unset:
     ADVANTAGE_ESTIMATOR_GROUP_RELATIVE. Set on an SFT job: INVALID_ARGUMENT.
     """
     success_threshold: _builtins.float
@@ -342,6 +407,13 @@ class TrainingJobSpec(_message.Message):
         validation. Set on an RL job: INVALID_ARGUMENT.
         """
 
+    @_builtins.property
+    def distillation(self) -> Global___DistillationConfig:
+        """RL with ADVANTAGE_ESTIMATOR_ON_POLICY_DISTILLATION: the teacher and the advantage's scale
+        (the spec shows the resolved coefficient). Required with that estimator; set with another
+        estimator or on an SFT job: INVALID_ARGUMENT.
+        """
+
     def __init__(
         self,
         *,
@@ -366,10 +438,11 @@ class TrainingJobSpec(_message.Message):
         success_threshold: _builtins.float | None = ...,
         seed: _builtins.int = ...,
         validation: Global___ValidationConfig | None = ...,
+        distillation: Global___DistillationConfig | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "_success_threshold", b"_success_threshold", "critic", b"critic", "max_staleness", b"max_staleness", "policy_loss", b"policy_loss", "success_threshold", b"success_threshold", "validation", b"validation"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "_success_threshold", b"_success_threshold", "critic", b"critic", "distillation", b"distillation", "max_staleness", b"max_staleness", "policy_loss", b"policy_loss", "success_threshold", b"success_threshold", "validation", b"validation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "_success_threshold", b"_success_threshold", "advantage_estimator", b"advantage_estimator", "critic", b"critic", "dataset", b"dataset", "drop_long", b"drop_long", "gradient_accumulation", b"gradient_accumulation", "learning_rate", b"learning_rate", "max_sequence_tokens", b"max_sequence_tokens", "max_staleness", b"max_staleness", "micro_batch_size", b"micro_batch_size", "mode", b"mode", "model", b"model", "policy_loss", b"policy_loss", "ranks", b"ranks", "seed", b"seed", "skip_stale", b"skip_stale", "success_threshold", b"success_threshold", "total_steps", b"total_steps", "validation", b"validation", "warmup_steps", b"warmup_steps", "weight_model", b"weight_model", "zero_stage", b"zero_stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "_success_threshold", b"_success_threshold", "advantage_estimator", b"advantage_estimator", "critic", b"critic", "dataset", b"dataset", "distillation", b"distillation", "drop_long", b"drop_long", "gradient_accumulation", b"gradient_accumulation", "learning_rate", b"learning_rate", "max_sequence_tokens", b"max_sequence_tokens", "max_staleness", b"max_staleness", "micro_batch_size", b"micro_batch_size", "mode", b"mode", "model", b"model", "policy_loss", b"policy_loss", "ranks", b"ranks", "seed", b"seed", "skip_stale", b"skip_stale", "success_threshold", b"success_threshold", "total_steps", b"total_steps", "validation", b"validation", "warmup_steps", b"warmup_steps", "weight_model", b"weight_model", "zero_stage", b"zero_stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_staleness: _TypeAlias = _typing.Literal["max_staleness"]  # noqa: Y015
     _WhichOneofArgType__max_staleness: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness"]  # noqa: Y015
@@ -496,7 +569,10 @@ class StepMetrics(_message.Message):
         value_loss, value_mean, return_mean, value_clip_fraction, value_grad_norm and
         value_learning_rate of the value-model steps after this policy step (averaged over them);
         on the first step of the Step that ran value pretraining also value_pretrain_steps,
-        value_pretrain_loss_first and value_pretrain_loss_last.
+        value_pretrain_loss_first and value_pretrain_loss_last. With on-policy distillation:
+        distill_reverse_kl (mean student minus teacher log-probability over the step's loss
+        tokens), distill_tokens (tokens the teacher scored) and distill_student_recomputed
+        (samples without sampling logprobs, scored against the current policy's).
         """
 
     def __init__(

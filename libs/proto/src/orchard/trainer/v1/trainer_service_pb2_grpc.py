@@ -115,9 +115,10 @@ class TrainerServiceServicer:
         `spec.validation.fraction`, the dataset is read to hold out its tasks.
         A retry with the same `request_id` returns the same job.
         Errors: INVALID_ARGUMENT (bad hyperparameters, unknown built-in model, bad validation
-        settings or a dataset too small to hold tasks out of, a model or dataset
-        that is not an artifact URL: reason ARTIFACT_URL_INVALID), PERMISSION_DENIED (a model or
-        dataset URL outside the service's artifact store and allowed prefixes:
+        settings or a dataset too small to hold tasks out of, a distillation teacher whose
+        tokenizer is not the student's, a model, teacher or dataset
+        that is not an artifact URL: reason ARTIFACT_URL_INVALID), PERMISSION_DENIED (a model,
+        teacher or dataset URL outside the service's artifact store and allowed prefixes:
         ARTIFACT_ACCESS_DENIED), NOT_FOUND (nothing at that URL, or a model folder without
         config.json: ARTIFACT_NOT_FOUND), RESOURCE_EXHAUSTED.
         """
