@@ -34,9 +34,9 @@ def shapes(monkeypatch) -> list[tuple[int, ...]]:
     seen: list[tuple[int, ...]] = []
     forward = sampling._Forward.__call__
 
-    def recording(self, input_ids, attention, positions, past):
+    def recording(self, input_ids, attention, positions, past, **images):
         seen.append(tuple(input_ids.shape))
-        return forward(self, input_ids, attention, positions, past)
+        return forward(self, input_ids, attention, positions, past, **images)
 
     monkeypatch.setattr(sampling._Forward, "__call__", recording)
     return seen

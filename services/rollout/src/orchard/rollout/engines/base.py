@@ -3,7 +3,8 @@ sampled token ids with their logprobs, the finish reason and the weight version 
 
 Engines see tokens only. Chat templates, tool-call parsing and text live in the capture proxy,
 so what the trainer later reads (the prompt ids and the sampled ids) is exactly what the engine
-was given and produced.
+was given and produced. An engine that can serve a vision-language model (`VisionEngine`) also
+takes a prompt's images, as encoded bytes beside the ids that already hold their image tokens.
 """
 
 from __future__ import annotations
@@ -159,4 +160,29 @@ class TurnEngine(Protocol):
     ) -> tuple[str, tuple[ToolCall, ...]]:
         """The next turn's text and tool calls (`params`: the call's sampling, as bounded by the
         proxy)."""
+        ...
+
+
+@runtime_checkable
+class VisionEngine(Protocol):
+    """An engine that may serve a vision-language model: `generate` then also takes the images
+    of a prompt whose token ids the model's processor rendered (each image's tokens expanded,
+    `orchard.lm.vision.VisionChatRenderer`)."""
+
+    @property
+    def processor(self) -> Any | None:
+        """The loaded vision-language model's processor; None for a text model or before weights
+        are loaded (never raises)."""
+        ...
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        images: Sequence[bytes] = (),
+    ) -> Generation:
+        """`InferenceEngine.generate`, with `images` (PNG, JPEG... bytes) in the order of their
+        tokens in the prompt. Raises `InvalidRequest` when the model reads text only or the
+        prompt's image tokens are not those of `images`."""
         ...

@@ -6,6 +6,11 @@ folder loaded at start, or the versions the trainer publishes in the weight regi
 version is loaded in the background and used from the next batch on, so every generation was
 sampled by exactly one version, the one it reports. That lifecycle (start, following the
 registry, `load_version`, close) is `orchard.rollout.engines.versioned.VersionedEngine`'s.
+
+A vision-language model folder (a ``vision_config`` in its config: LLaVA and the like) loads with
+its processor; a request may then bring images with its prompt (`generate(..., images=...)`),
+whose token ids the processor rendered. Its prefill runs alone, with the pixel values the
+processor makes of its images, and its decoding joins the batch like any text row (KV cache).
 """
 
 from __future__ import annotations
@@ -15,10 +20,14 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from orchard.lm.chat import ChatFormatError
 from orchard.lm.model_folder import load_model_folder
+from orchard.lm.vision import VisionChatRenderer
 from orchard.lm.weights import WeightRegistry
 from orchard.rollout.engines.base import (
     EngineClosed,
@@ -28,7 +37,7 @@ from orchard.rollout.engines.base import (
     SamplingParams,
 )
 from orchard.rollout.engines.config import LocalEngineConfig
-from orchard.rollout.engines.sampling import sample_batch
+from orchard.rollout.engines.sampling import RowResult, sample_batch
 from orchard.rollout.engines.versioned import VersionedEngine, fetch_model_folder
 
 __all__ = ["LoadedWeights", "LocalEngine", "LocalEngineConfig", "fetch_model_folder"]
@@ -43,10 +52,19 @@ class LoadedWeights:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     version: str
+    vision: VisionChatRenderer | None = None
+    """A vision-language model's renderer (its processor's images and image token); None for a
+    text model."""
 
     @property
     def context_length(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+        # A vision-language model keeps its language model's settings in `text_config`.
+        text = self.model.config.get_text_config()
+        return int(getattr(text, "max_position_embeddings", 2048))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.get_text_config().vocab_size)
 
 
 @dataclass(eq=False, slots=True)
@@ -54,6 +72,7 @@ class _Request:
     prompt: tuple[int, ...]
     params: SamplingParams
     future: asyncio.Future[Generation]
+    images: tuple[bytes, ...] = ()
 
 
 class LocalEngine(VersionedEngine[LocalEngineConfig]):
@@ -110,6 +129,11 @@ class LocalEngine(VersionedEngine[LocalEngineConfig]):
     def context_length(self) -> int:
         return self._weights().context_length
 
+    @property
+    def processor(self) -> Any | None:
+        current = self._current
+        return current.vision.processor if current is not None and current.vision else None
+
     def _weights(self) -> LoadedWeights:
         if self._current is None:
             raise NoWeightsLoaded("the engine has no model loaded yet")
@@ -128,14 +152,22 @@ class LocalEngine(VersionedEngine[LocalEngineConfig]):
 
     # -- sampling -------------------------------------------------------------------------
 
-    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Generation:
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        images: Sequence[bytes] = (),
+    ) -> Generation:
+        """Sample one completion of `prompt_token_ids`; a vision-language model's prompt may
+        bring `images` (encoded bytes, in the order of their tokens in the prompt)."""
         if not self.running:
             raise EngineClosed("the engine is not running")
         weights = self._weights()
         prompt = tuple(int(t) for t in prompt_token_ids)
         if not prompt:
             raise InvalidRequest("the prompt must hold at least one token")
-        vocab = int(weights.model.config.vocab_size)
+        vocab = weights.vocab_size
         if any(t < 0 or t >= vocab for t in prompt):
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
         if len(prompt) >= weights.context_length:
@@ -143,7 +175,17 @@ class LocalEngine(VersionedEngine[LocalEngineConfig]):
                 f"the prompt has {len(prompt)} tokens; the model's context holds "
                 f"{weights.context_length} (prompt and output together)"
             )
-        request = _Request(prompt, params, asyncio.get_running_loop().create_future())
+        pictures = tuple(bytes(i) for i in images)
+        if weights.vision is not None and pictures:
+            # A mismatch would fail the model's forward pass, and with it the whole batch.
+            await asyncio.to_thread(_check_image_tokens, weights.vision, prompt, pictures)
+        elif weights.vision is not None:
+            _check_image_tokens(weights.vision, prompt, pictures)
+        elif pictures:
+            raise InvalidRequest(
+                f"weight version {weights.version!r} is a text model: it cannot take images"
+            )
+        request = _Request(prompt, params, asyncio.get_running_loop().create_future(), pictures)
         self._queue.append(request)
         self._wakeup.set()
         return await request.future
@@ -167,15 +209,7 @@ class LocalEngine(VersionedEngine[LocalEngineConfig]):
         self.batches += 1
         self.batch_sizes.append(len(batch))
         try:
-            rows = await asyncio.to_thread(
-                sample_batch,
-                weights.model,
-                weights.tokenizer,
-                [r.prompt for r in batch],
-                [r.params for r in batch],
-                context_length=weights.context_length,
-                stop_event=self._stop,
-            )
+            rows = await asyncio.to_thread(_sample, weights, batch, self._stop)
         except asyncio.CancelledError:
             for request in batch:
                 if not request.future.done():
@@ -200,8 +234,53 @@ class LocalEngine(VersionedEngine[LocalEngineConfig]):
                 )
 
 
+def _check_image_tokens(
+    vision: VisionChatRenderer, prompt: tuple[int, ...], images: tuple[bytes, ...]
+) -> None:
+    """Raise `InvalidRequest` unless the prompt holds exactly the image tokens of `images`."""
+    try:
+        expected = sum(vision.image_tokens(image) for image in images)
+    except ChatFormatError as e:
+        raise InvalidRequest(str(e)) from None
+    found = sum(1 for t in prompt if t == vision.image_token_id)
+    if found != expected:
+        raise InvalidRequest(
+            f"the prompt holds {found} image tokens, its {len(images)} image(s) make "
+            f"{expected}: render the prompt with the model's processor "
+            "(orchard.lm.vision.VisionChatRenderer)"
+        )
+
+
+def _sample(
+    weights: LoadedWeights, batch: Sequence[_Request], stop: threading.Event
+) -> list[RowResult]:
+    """`sample_batch` of the batch, each row's images run through the processor first."""
+    image_inputs: list[dict[str, torch.Tensor]] | None = None
+    if weights.vision is not None and any(r.images for r in batch):
+        dtype = weights.model.dtype
+        image_inputs = [
+            {
+                key: value.to(dtype) if value.is_floating_point() else value
+                for key, value in weights.vision.pixel_inputs([r.images]).items()
+            }
+            for r in batch
+        ]
+    return sample_batch(
+        weights.model,
+        weights.tokenizer,
+        [r.prompt for r in batch],
+        [r.params for r in batch],
+        context_length=weights.context_length,
+        stop_event=stop,
+        image_inputs=image_inputs,
+    )
+
+
 def _load_folder(location: str, version: str) -> LoadedWeights:
     """Load the model folder at `location`: an artifact URL (a published version) or, for an
     operator's `model_folder`, a path on this machine."""
     loaded = load_model_folder(fetch_model_folder(location))
-    return LoadedWeights(model=loaded.model, tokenizer=loaded.tokenizer, version=version)
+    vision = VisionChatRenderer(loaded.processor) if loaded.processor is not None else None
+    return LoadedWeights(
+        model=loaded.model, tokenizer=loaded.tokenizer, version=version, vision=vision
+    )

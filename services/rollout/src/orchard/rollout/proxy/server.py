@@ -22,6 +22,14 @@ sampled ids once into content and tool calls, record, and encode the answer in t
 dialect. Streaming requests get the same single parse: the proxy buffers the whole turn, sending
 keep-alives (SSE comments; Anthropic's ``ping`` events) while the engine samples, then sends the
 turn as events.
+
+When the engine serves a vision-language model (`engines.base.VisionEngine` with a processor),
+a chat-completions conversation is rendered with the processor
+(`orchard.lm.vision.VisionChatRenderer`, as the trainer's PrepareDataset renders it): each
+``image_url`` part (a ``data:image/...;base64`` URL) becomes its image tokens in the prompt ids,
+and the images' bytes go to the engine with them. The call's record keeps the ids (image tokens
+expanded) and the messages (data URLs included). A text policy answers a conversation with
+images HTTP 400 naming the fix.
 """
 
 from __future__ import annotations
@@ -38,7 +46,14 @@ from types import TracebackType
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchard.lm.chat import ChatFormatError, ChatRenderer, RenderedPrompt, format_assistant_text
+from orchard.lm.chat import (
+    ChatFormatError,
+    ChatImageError,
+    ChatRenderer,
+    RenderedPrompt,
+    format_assistant_text,
+)
+from orchard.lm.vision import RenderedVisionPrompt, VisionChatRenderer
 from orchard.rollout.capture import CallRecord
 from orchard.rollout.engines.base import (
     EngineClosed,
@@ -49,6 +64,7 @@ from orchard.rollout.engines.base import (
     NoWeightsLoaded,
     SamplingParams,
     TurnEngine,
+    VisionEngine,
 )
 from orchard.rollout.proxy.anthropic_api import parse_messages_request
 from orchard.rollout.proxy.http import (
@@ -305,17 +321,37 @@ class CaptureProxy:
         return session
 
     def _renderer(self) -> ChatRenderer:
-        tokenizer = self.engine.tokenizer
-        renderer = self._renderers.get(id(tokenizer))
+        """The renderer of the loaded model: its processor's for a vision-language model, else
+        its tokenizer's (one kept, rebuilt when the engine loads another model)."""
+        engine = self.engine
+        processor = engine.processor if isinstance(engine, VisionEngine) else None
+        source = processor if processor is not None else engine.tokenizer
+        renderer = self._renderers.get(id(source))
         if renderer is None:
-            renderer = ChatRenderer(tokenizer)
-            self._renderers = {id(tokenizer): renderer}
+            try:
+                renderer = (
+                    VisionChatRenderer(processor)
+                    if processor is not None
+                    else ChatRenderer(engine.tokenizer)
+                )
+            except ChatFormatError as e:
+                raise ApiError(500, str(e), type="server_error") from None
+            self._renderers = {id(source): renderer}
         return renderer
 
-    @staticmethod
-    def _render(renderer: ChatRenderer, turn: TurnRequest) -> RenderedPrompt:
+    def _render(self, renderer: ChatRenderer, turn: TurnRequest) -> RenderedPrompt:
         try:
             return renderer.render(turn.messages, turn.tools)
+        except ChatImageError as e:
+            where = str(e).split(":", 1)[0]
+            raise bad_request(
+                f"{where} holds an image, but the policy is a text model: run the GUI task "
+                "with the `builtin:browser-text` "
+                "harness (the page as text), or serve a vision-language model folder (a "
+                "`vision_config` in its config.json) with the local engine",
+                "messages",
+                code="image_input_unsupported",
+            ) from None
         except ChatFormatError as e:
             raise bad_request(str(e), "messages" if "messages" in str(e) else "tools") from None
 
@@ -370,8 +406,9 @@ class CaptureProxy:
             )
         record: CallRecord | None = None
         response: web.StreamResponse | None = None
+        images = prompt.images if isinstance(prompt, RenderedVisionPrompt) else ()
         generation = asyncio.ensure_future(
-            self._sample(turn_request, prompt.token_ids, params, renderer)
+            self._sample(turn_request, prompt.token_ids, params, renderer, images)
         )
         try:
             if turn_request.stream:
@@ -402,6 +439,7 @@ class CaptureProxy:
                 started_at=started_at,
                 started=started,
                 branch=request.headers.get(BRANCH_HEADER, ""),
+                images=len(images),
             )
             if not turn_request.stream:
                 return web.json_response(dialect.answer(turn, turn_request))
@@ -430,9 +468,13 @@ class CaptureProxy:
         prompt_ids: tuple[int, ...],
         params: SamplingParams,
         renderer: ChatRenderer,
+        images: tuple[bytes, ...] = (),
     ) -> Generation:
-        """The engine's sample; a turn engine's decided turn written in the chat template's
-        tokens, as a model of its tokenizer would have sampled it (logprobs 0.0)."""
+        """The engine's sample (with the prompt's images for a vision-language model); a turn
+        engine's decided turn written in the chat template's tokens, as a model of its
+        tokenizer would have sampled it (logprobs 0.0)."""
+        if images and isinstance(self.engine, VisionEngine):
+            return await self.engine.generate(prompt_ids, params, images=images)
         if not isinstance(self.engine, TurnEngine):
             return await self.engine.generate(prompt_ids, params)
         content, calls = await self.engine.decide(request.messages, request.tools, params)
@@ -491,12 +533,16 @@ class CaptureProxy:
         started_at: float,
         started: float,
         branch: str,
+        images: int = 0,
     ) -> CallRecord:
         metadata = {
             "api": request.api,
             "model": request.model,
             "stream": str(request.stream).lower(),
         }
+        if images:
+            # The prompt ids hold the images' tokens; the pixels stay in request_messages.
+            metadata["images"] = str(images)
         if request.ignored_tools:
             metadata["ignored_tools"] = ",".join(request.ignored_tools)
         if unparsed_tool_calls and request.parse_tool_calls:
