@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from orchard.recipes.workspace import StackEndpoints
 from orchard.sdk.cli.host_probe import remove_cgroup_parent
 from orchard.sdk.cli.stack import LocalStack, StackError
 
@@ -40,6 +41,20 @@ class EnvStack:
     @property
     def endpoint(self) -> str:
         return self.stack.endpoint
+
+    def endpoints(self) -> StackEndpoints:
+        """The stack as a recipe talks to it (the services it started beside orchard-env)."""
+        services = self.stack.extra_services
+        return StackEndpoints(
+            env=self.endpoint,
+            env_token=self.token,
+            reward=services.get("reward", ""),
+            etcd=self.stack.etcd_endpoint,
+            trainer=services.get("trainer", ""),
+            rollout=services.get("rollout", ""),
+            env_metrics=self.metrics_address,
+            artifacts=self.stack.artifacts_url,
+        )
 
 
 @contextlib.contextmanager

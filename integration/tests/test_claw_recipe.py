@@ -21,7 +21,6 @@ import yaml
 
 from orchard.recipes.pipeline import run_recipe
 from orchard.recipes.stages import read_groups
-from orchard.recipes.workspace import StackEndpoints
 from orchard.rollout.harnesses.sandboxed import MANIFEST, host_address
 from orchard.sdk.recipe import Recipe, builtin_recipe, load_recipe
 from orchard.trainer.datasets import read_trajectories
@@ -100,18 +99,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, stack: EnvStack) -> Run:
     folder = tmp_path_factory.mktemp("claw-recipe")
     (folder / "claw.yaml").write_text(yaml.safe_dump(_recipe(f"builtin:{long[0]}")))
     recipe = load_recipe(folder / "claw.yaml", workdir=folder)
-    services = stack.stack.extra_services
-    endpoints = StackEndpoints(
-        env=stack.endpoint,
-        env_token=stack.token,
-        reward=services["reward"],
-        etcd=stack.stack.etcd_endpoint,
-        trainer=services["trainer"],
-        rollout=services["rollout"],
-        env_metrics=stack.metrics_address,
-        artifacts=stack.stack.artifacts_url,
-    )
-    report = run_recipe(recipe, endpoints, progress=False, workers=3, say=lambda _: None)
+    report = run_recipe(recipe, stack.endpoints(), progress=False, workers=3, say=lambda _: None)
     return Run(recipe, report)
 
 

@@ -70,19 +70,7 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
     trainer = f"127.0.0.1:{free_port()}"
     components = {"reward": reward, "rollout": rollout, "trainer": trainer}
     with private_stack(tmp_path_factory, components) as env:
-        yield Services(
-            env,
-            StackEndpoints(
-                env=env.endpoint,
-                env_token=env.token,
-                reward=reward,
-                etcd=env.stack.etcd_endpoint,
-                trainer=trainer,
-                rollout=rollout,
-                env_metrics=env.metrics_address,
-                artifacts=env.stack.artifacts_url,
-            ),
-        )
+        yield Services(env, env.endpoints())
 
 
 @pytest.fixture(scope="module")
