@@ -200,6 +200,27 @@ def test_v2_limits_and_oom_count_land_in_their_files(tmp_path: Path) -> None:
     assert (directory / "pids.max").read_text() == "max"
 
 
+def test_v1_takes_the_least_cpu_the_service_allows() -> None:
+    """The smallest `cpu_millis` orchard-env accepts is a quota the kernel takes (1 ms per
+    100 ms period); one below it is what the kernel refuses (EINVAL), as the fuzzer found."""
+    from orchard.env.validation import MIN_RESOURCES
+
+    least = MIN_RESOURCES["cpu_millis"]
+    driver = CgroupV1.discover(f"orchard-test-{uuid.uuid4().hex[:8]}")
+    driver.prepare()
+    try:
+        dirs = driver.create("sandbox", RuntimeResources(cpu_millis=least))
+        cpu = dirs[driver.parents.index(driver.by_controller["cpu"])]
+        assert int(Path(cpu, "cpu.cfs_quota_us").read_text()) == least * 100
+        with pytest.raises(OSError):
+            driver._limit(dirs, RuntimeResources(cpu_millis=least - 1))
+        assert driver.remove(dirs)
+    finally:
+        for parent in driver.parents:
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(parent)
+
+
 async def test_v1_freezer_freezes_thaws_and_kills(tmp_path: Path) -> None:
     driver = CgroupV1.discover(f"orchard-test-{uuid.uuid4().hex[:8]}")
     assert "freezer" in driver.by_controller  # mounted on this machine

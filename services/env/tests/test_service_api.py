@@ -120,6 +120,10 @@ def _timeout(seconds: float) -> env_pb2.SandboxSpec:
         (_spec(labels={"Bad Key": "x"}), "spec.labels['Bad Key']"),
         (_spec(labels={"k": "v" * 64}), "spec.labels['k']"),
         (_spec(resources=resources_pb2.Resources(cpu_millis=-1)), "spec.resources.cpu_millis"),
+        # Under 10 millicores the CPU quota is below the kernel's 1 ms: found by the fuzzer as a
+        # sandbox failing INTERNAL with a traceback; now refused up front.
+        (_spec(resources=resources_pb2.Resources(cpu_millis=1)), "spec.resources.cpu_millis"),
+        (_spec(resources=resources_pb2.Resources(cpu_millis=9)), "spec.resources.cpu_millis"),
         (
             _spec(resources=resources_pb2.Resources(memory_bytes=1 << 60)),
             "spec.resources.memory_bytes",

@@ -132,9 +132,11 @@ def heartbeat_timeout_s(spec: env_pb2.SandboxSpec, limits: LimitsConfig) -> int:
 
 # The least a sandbox can start and run a command with (0 still means the service default):
 # the agent alone takes ~30 MiB and 8 tasks when executed from its bundle, and a layer file
-# system needs room for its own metadata. Below these a start fails in ways that read as bugs.
+# system needs room for its own metadata; the kernel refuses a CPU quota under 1 ms per period
+# (cgroup v1 `cpu.cfs_quota_us`, v2 `cpu.max`), which is 10 millicores of the 100 ms period the
+# local runtime uses. Below these a start fails in ways that read as bugs.
 MIN_RESOURCES = {
-    "cpu_millis": 1,
+    "cpu_millis": 10,
     "memory_bytes": 32 * 1024**2,
     "pids": 16,
     "disk_bytes": 16 * 1024**2,
