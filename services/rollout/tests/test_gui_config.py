@@ -31,7 +31,7 @@ def test_the_host_image_offers_browsers_only_with_a_folder_of_this_host(
 
 def test_a_browser_image_needs_no_folder_of_this_host(monkeypatch: pytest.MonkeyPatch) -> None:
     # The variable names a folder of this host: it means nothing inside another image.
-    monkeypatch.setenv("ORCHARD_GUI_BROWSER_DIR", "/work/.cache/gui-browser")
+    monkeypatch.setenv("ORCHARD_GUI_BROWSER_DIR", "/srv/host-only/gui-browser")
     config = RolloutConfig(
         gui={"image": IMAGE, "browser_user": 10001, "chromium_sandbox": False, "keep_last": 2}
     ).gui
