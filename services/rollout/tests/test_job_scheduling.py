@@ -23,7 +23,7 @@ import grpc
 import pytest
 
 from orchard.core.errors import OrchardError, Reason
-from orchard.core.etcd import EmbeddedEtcd, EmbeddedEtcdCluster, EtcdStore
+from orchard.core.etcd import EmbeddedEtcd, EmbeddedEtcdCluster, EtcdStore, LeaseNotFound
 from orchard.rollout.config import RolloutConfig
 from orchard.rollout.errors import RolloutReason
 from orchard.rollout.job_events import JobEvents
@@ -313,6 +313,75 @@ async def test_a_stopped_replicas_job_is_adopted_at_once_and_a_dead_ones_after_i
             assert time.monotonic() - cancelled < 1.0
             assert a.launcher.stopped == [job.id]
             assert d.launcher.resumed == []  # never adopted twice
+
+
+async def test_a_replica_that_lost_its_lease_takes_a_new_one_and_keeps_its_jobs(
+    etcd: EmbeddedEtcd, namespace: str
+) -> None:
+    # What a busy machine did: the process missed its refreshes and etcd let the lease expire
+    # (every claim on it went). Before, each later CreateRolloutJob failed INTERNAL for good.
+    options: dict[str, Any] = {"recheck_s": 3600, "lease_ttl_s": 2}
+    async with Replica(etcd.endpoint, namespace, **options) as a:
+        running = await a.create()
+        lost = a.scheduler.lease_id
+        await a.store.revoke_lease(lost)  # what an expiry does: every key under it goes
+        # Renewed (and its jobs claimed again) once the keep-alive finds the lease gone.
+        await _until(lambda: a.metric("lease_renewals_total") == 1, timeout_s=10)
+        assert a.scheduler.lease_id != lost
+        # Its running job is claimed again on the new lease, and it still runs here.
+        claim = await a.store.get(OWNERS + running.id)
+        assert claim is not None and claim.lease == a.scheduler.lease_id
+        assert claim.value_str == a.scheduler.owner and a.scheduler.running == {running.id}
+        # New jobs are created on the new lease.
+        later = await a.create()
+        claim = await a.store.get(OWNERS + later.id)
+        assert claim is not None and claim.lease == a.scheduler.lease_id
+        assert a.launcher.stopped == []
+
+
+async def test_a_job_another_replica_took_while_the_lease_was_lost_stops_here(
+    etcd: EmbeddedEtcd, namespace: str
+) -> None:
+    options: dict[str, Any] = {"recheck_s": 3600, "lease_ttl_s": 2}
+    async with Replica(etcd.endpoint, namespace, **options) as a:
+        job = await a.create()
+        async with Replica(etcd.endpoint, namespace, **options) as b:
+            # a's keep-alive is stopped, so a does not notice at once; its lease goes and b
+            # adopts the job (its claim vanished) before a takes a new lease.
+            lost = a.scheduler.lease_id
+            keepalive = a.scheduler._keepalive
+            assert keepalive is not None
+            await keepalive.stop()
+            await a.store.revoke_lease(lost)
+            async with asyncio.timeout(5):
+                await b.launcher.adopted.wait()
+            await a.scheduler.renew_lease(lost)
+            assert a.scheduler.lease_id != lost
+            await _until(lambda: job.id not in a.scheduler.running)
+            assert a.launcher.stopped == [job.id] and b.scheduler.running == {job.id}
+            claim = await b.store.get(OWNERS + job.id)
+            assert claim is not None and claim.value_str == b.scheduler.owner
+
+
+async def test_a_lease_found_lost_by_a_call_is_renewed_once(
+    etcd: EmbeddedEtcd, namespace: str
+) -> None:
+    # CreateRolloutJob's path when the lease ran out before the keep-alive noticed: the write
+    # fails on the lease, the service renews it (once, whoever asks) and writes again.
+    async with Replica(etcd.endpoint, namespace, recheck_s=3600, lease_ttl_s=30) as a:
+        lost = a.scheduler.lease_id
+        keepalive = a.scheduler._keepalive
+        assert keepalive is not None
+        await keepalive.stop()  # expired in etcd, not yet noticed here
+        await a.store.revoke_lease(lost)
+        job = JobState(id=new_job_id(), spec=spec())
+        with pytest.raises(LeaseNotFound):
+            await a.jobs.create(job, owner=a.scheduler.owner, lease=lost)
+        await a.scheduler.renew_lease(lost)
+        await a.scheduler.renew_lease(lost)  # a second caller with the same lost lease: no-op
+        assert a.metric("lease_renewals_total") == 1
+        stored = await a.jobs.create(job, owner=a.scheduler.owner, lease=a.scheduler.lease_id)
+        assert stored.id == job.id
 
 
 # -- streams ---------------------------------------------------------------------------------

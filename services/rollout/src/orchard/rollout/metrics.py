@@ -57,6 +57,12 @@ class RolloutMetrics:
             "Jobs this process took over from a process that stopped or died (resumed, or "
             "marked FAILED when it cannot resume them).",
         )
+        self.lease_renewals = m.counter(
+            "lease_renewals_total",
+            "New leases this process took after its lease was lost (etcd away longer than the "
+            "lease's TTL, or the process too busy to refresh it); its running jobs are claimed "
+            "again on the new one.",
+        )
         self.jobs_removed = m.counter(
             "jobs_removed_total",
             "Ended jobs this process removed from etcd, with their groups, after the "

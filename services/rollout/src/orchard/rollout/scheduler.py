@@ -7,6 +7,11 @@ or died and its lease ran out) makes every replica try to claim the job, and the
 adopts it; a cancel written through any replica stops the job where it runs. A slow re-read of
 every job (`recheck_s`) is the safety net under the watch; a sweep removes ended jobs, with
 their groups, once they are older than the retention.
+
+A replica whose lease is lost (etcd away longer than the lease's TTL, or the process too busy to
+refresh it in time) takes a new one and claims its running jobs again on it; a job another
+replica claimed meanwhile stops here (that one runs it). Without that, every later job of the
+replica would fail on a lease that no longer exists.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import uuid
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
-from orchard.core.etcd import EtcdError, EventType, Lease, WatchEvent
+from orchard.core.etcd import EtcdError, EventType, Lease, LeaseKeepAlive, WatchEvent
 from orchard.rollout.job_events import JobEvents
 from orchard.rollout.job_store import CANCELS, JOBS, OWNERS, JobState, JobStore
 from orchard.rollout.metrics import RolloutMetrics
@@ -67,6 +72,10 @@ class JobScheduler:
         self.retention_s = retention_s
         self.sweep_interval_s = sweep_interval_s
         self._lease: Lease | None = None
+        self._keepalive: LeaseKeepAlive | None = None
+        self._renewing = asyncio.Lock()
+        self._unclaimed: set[str] = set()
+        """Jobs running here whose claim a lease renewal could not put back yet."""
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._checks: asyncio.Queue[str | None] = asyncio.Queue()
         self._loops: list[asyncio.Task[None]] = []
@@ -79,10 +88,11 @@ class JobScheduler:
         then follows the watch. Start `events` first: nothing between them is missed."""
         store = self.jobs.store
         self._lease = await store.grant_lease(self.lease_ttl_s)
-        store.keep_alive(self._lease)
+        self._keepalive = store.keep_alive(self._lease)
         self.events.listen(self)
         await self.recheck()
         self._loops = [
+            asyncio.create_task(self._lease_loop(), name="rollout-scheduler-lease"),
             asyncio.create_task(self._check_loop(), name="rollout-scheduler-checks"),
             asyncio.create_task(self._recheck_loop(), name="rollout-scheduler-recheck"),
         ]
@@ -125,6 +135,69 @@ class JobScheduler:
         assert self._lease is not None, "open() the scheduler first"
         return self._lease.id
 
+    async def renew_lease(self, lost: int) -> None:
+        """Replaces the lease ``lost`` (found gone by a call that used it) with a new one and
+        claims this replica's running jobs on it; nothing when it was replaced already."""
+        async with self._renewing:
+            if self._lease is None or self._lease.id != lost or self._closing:
+                return
+            store = self.jobs.store
+            delay = 0.1
+            while not self._closing:
+                try:
+                    lease = await store.grant_lease(self.lease_ttl_s)
+                except EtcdError as exc:
+                    log.warning("could not take a new lease yet: %s", exc)
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, 5.0)
+                    continue
+                old = self._keepalive
+                self._lease, self._keepalive = lease, store.keep_alive(lease)
+                if old is not None:
+                    await old.stop()
+                break
+            kept, lost_jobs = await self._reclaim()
+            self.metrics.lease_renewals.inc()
+            log.info(
+                "took a new lease",
+                extra={"lease": f"{self.lease_id:x}", "jobs_kept": kept, "jobs_lost": lost_jobs},
+            )
+
+    async def _reclaim(self) -> tuple[int, int]:
+        """Claims this replica's running jobs on its new lease (their claims went with the old
+        one); a job another replica holds now stops here."""
+        kept = lost = 0
+        for job_id, task in list(self._tasks.items()):
+            if task.done():
+                continue
+            try:
+                mine = await self.claim(job_id)
+            except EtcdError as exc:
+                log.warning(
+                    "could not claim job %s again yet (the re-check tries): %s", job_id, exc
+                )
+                self._unclaimed.add(job_id)
+                continue
+            self._unclaimed.discard(job_id)
+            if mine:
+                kept += 1
+            else:
+                lost += 1
+                self._cancel_here(job_id, "claimed by another replica while this one had no lease")
+        return kept, lost
+
+    async def _lease_loop(self) -> None:
+        while True:
+            keepalive, lease = self._keepalive, self._lease
+            assert keepalive is not None and lease is not None
+            with contextlib.suppress(EtcdError):
+                await keepalive.wait()
+            if self._closing:
+                return
+            if self._lease is lease:
+                log.error("this replica's lease was lost; taking a new one")
+                await self.renew_lease(lease.id)
+
     async def claim(self, job_id: str) -> bool:
         """Makes this replica the job's runner unless another live one is."""
         assert self._lease is not None, "open() the scheduler first"
@@ -139,6 +212,7 @@ class JobScheduler:
 
     def _ended(self, job_id: str) -> None:
         self._tasks.pop(job_id, None)
+        self._unclaimed.discard(job_id)
         self.metrics.jobs_running.dec()
 
     async def stop(self, job_id: str) -> bool:
@@ -198,6 +272,10 @@ class JobScheduler:
             if job.id in self._tasks:
                 if job.state == api.ROLLOUT_JOB_STATE_CANCELLED:
                     self._cancel_here(job.id, "cancelled")
+                elif job.id in self._unclaimed:
+                    self._unclaimed.discard(job.id)
+                    if not await self.claim(job.id):
+                        self._cancel_here(job.id, "claimed by another replica")
             elif not job.ended:
                 await self._adopt(job)
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from orchard.core.errors import OrchardError, Reason
+from orchard.core.etcd import LeaseNotFound
 from orchard.core.success import DEFAULT_SUCCESS_THRESHOLD
 from orchard.lm.weights import InvalidWeightVersion, check_model_name
 from orchard.rollout.batches import GroupFilter
@@ -541,7 +542,15 @@ class RolloutManager:
                 pairs_total=len(valid.pairs),
             )
             scheduler = self.scheduler
-            stored = await self.jobs.create(job, owner=scheduler.owner, lease=scheduler.lease_id)
+            lease = scheduler.lease_id
+            try:
+                stored = await self.jobs.create(job, owner=scheduler.owner, lease=lease)
+            except LeaseNotFound:
+                # This replica's lease ran out before its keep-alive noticed: a new one, once.
+                await scheduler.renew_lease(lease)
+                stored = await self.jobs.create(
+                    job, owner=scheduler.owner, lease=scheduler.lease_id
+                )
             if stored.id == job.id:
                 scheduler.start(job.id, self._run(job, valid))
             return stored
