@@ -298,14 +298,15 @@ def test_orchard_envs_own_credential_is_minted_once_and_renewed_before_it_expire
     agent = CredentialCheck(key, "sb-1", clock=lambda: now[0])
     first = credential.metadata()
     assert credential.metadata() is first  # no HMAC per call
-    (name, value), *_ = first
+    assert isinstance(first, grpc.aio.Metadata)  # not converted from a tuple on every call
+    ((name, value),) = tuple(first)
     assert name == "authorization" and agent.check(value.removeprefix("Bearer ")) is True
     now[0] += CREDENTIAL_TTL_S - CREDENTIAL_RENEW_S - 1
     assert credential.metadata() is first
     now[0] += 1
-    renewed = credential.metadata()
-    assert renewed != first and agent.check(renewed[0][1].removeprefix("Bearer ")) is True
+    ((_, renewed),) = tuple(credential.metadata())
+    assert renewed != value and agent.check(renewed.removeprefix("Bearer ")) is True
     now[0] = 1000.0 + CREDENTIAL_TTL_S  # the first one has expired; the renewed one has not
     with pytest.raises(OrchardError, match="expired"):
-        agent.check(first[0][1].removeprefix("Bearer "))
-    assert agent.check(renewed[0][1].removeprefix("Bearer ")) is True
+        agent.check(value.removeprefix("Bearer "))
+    assert agent.check(renewed.removeprefix("Bearer ")) is True

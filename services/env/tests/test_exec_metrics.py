@@ -19,7 +19,8 @@ def _scrape(metrics: EnvMetrics) -> str:
 
 
 async def _observe(metrics: EnvMetrics, error: BaseException | None) -> None:
-    async with metrics.exec_observation():
+    with metrics.exec_observation():  # the plain form, as Exec and ExecStream use it
+        await asyncio.sleep(0)
         if error is not None:
             raise error
 
@@ -44,6 +45,8 @@ def test_exec_codes_and_in_flight() -> None:
         await task
 
         await _observe(metrics, None)
+        async with metrics.exec_observation():  # the async form records the same
+            await asyncio.sleep(0)
         with pytest.raises(OrchardError):
             await _observe(metrics, OrchardError(Reason.NOT_FOUND, "no such sandbox"))
         with pytest.raises(grpc.aio.AbortError):
@@ -54,7 +57,7 @@ def test_exec_codes_and_in_flight() -> None:
     asyncio.run(run())
     text = _scrape(metrics)
     for line in (
-        'orchard_env_exec_seconds_count{code="OK"} 2.0',
+        'orchard_env_exec_seconds_count{code="OK"} 3.0',
         'orchard_env_exec_seconds_count{code="NOT_FOUND"} 1.0',
         'orchard_env_exec_seconds_count{code="AGENT_ERROR"} 1.0',
         'orchard_env_exec_seconds_count{code="CANCELLED"} 1.0',

@@ -285,7 +285,7 @@ class Agent:
         self._credential: ServiceCredential | None = None
         self._looked_up = False
 
-    async def metadata(self) -> tuple[tuple[str, str], ...]:
+    async def metadata(self) -> grpc.aio.Metadata | tuple[()]:
         if not self._looked_up:
             key = await self.runtime.agent_key(self.sandbox_id)
             self._credential = None if key is None else ServiceCredential(key, self.sandbox_id)

@@ -57,14 +57,16 @@ class ServiceCredential:
         self._sandbox_id = sandbox_id
         self._clock = clock
         self._renew_at = 0.0
-        self._metadata: tuple[tuple[str, str], ...] = ()
+        self._metadata = grpc.aio.Metadata()
 
-    def metadata(self) -> tuple[tuple[str, str], ...]:
+    def metadata(self) -> grpc.aio.Metadata:
+        # Built once per renewal as grpc's own Metadata: a tuple would be converted on every
+        # call. grpc reads it and never changes it (no compression is set on these calls).
         now = self._clock()
         if now >= self._renew_at:
             expire = int(now) + CREDENTIAL_TTL_S
             credential = service_credential(self._key, self._sandbox_id, expire)
-            self._metadata = (("authorization", f"Bearer {credential}"),)
+            self._metadata = grpc.aio.Metadata(("authorization", f"Bearer {credential}"))
             self._renew_at = expire - CREDENTIAL_RENEW_S
         return self._metadata
 

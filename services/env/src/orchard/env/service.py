@@ -11,7 +11,7 @@ import hashlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
@@ -179,30 +179,40 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
         """
         try:
             yield
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, grpc.aio.AioRpcError) as exc:
+            await self._agent_failed(link, context, exc)
+
+    async def _agent_failed(
+        self,
+        link: AgentLink,
+        context: grpc.aio.ServicerContext,
+        exc: asyncio.CancelledError | grpc.aio.AioRpcError,
+    ) -> NoReturn:
+        """Raise what a call to the agent that ended in ``exc`` ends in (see _agent_call)."""
+        if isinstance(exc, asyncio.CancelledError):
             task = asyncio.current_task()
             if not link.closed or (task is not None and task.cancelling()):
-                raise
+                raise exc
             raise OrchardError(
                 EnvReason.SANDBOX_NOT_READY,
                 f"sandbox {link.sandbox_id!r} stopped being READY during the call "
                 f"({link.closed}); what the call had done in it is unknown",
                 metadata={"sandbox_id": link.sandbox_id},
             ) from None
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                tenant = self._auth.tenant(context)
-                self.controller.check_alive(tenant, link.sandbox_id)
-                raise OrchardError(
-                    EnvReason.AGENT_UNAVAILABLE,
-                    f"the agent of sandbox {link.sandbox_id!r} did not answer "
-                    f"({exc.details()}); the sandbox may have died",
-                    metadata={"sandbox_id": link.sandbox_id},
-                ) from None
-            trailing = tuple(
-                (k, v) for k, v in (exc.trailing_metadata() or ()) if k == _STATUS_DETAILS_KEY
-            )
-            await context.abort(exc.code(), exc.details() or "", trailing_metadata=trailing)
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            tenant = self._auth.tenant(context)
+            self.controller.check_alive(tenant, link.sandbox_id)
+            raise OrchardError(
+                EnvReason.AGENT_UNAVAILABLE,
+                f"the agent of sandbox {link.sandbox_id!r} did not answer "
+                f"({exc.details()}); the sandbox may have died",
+                metadata={"sandbox_id": link.sandbox_id},
+            ) from None
+        trailing = tuple(
+            (k, v) for k, v in (exc.trailing_metadata() or ()) if k == _STATUS_DETAILS_KEY
+        )
+        await context.abort(exc.code(), exc.details() or "", trailing_metadata=trailing)
+        raise AssertionError("unreachable")  # abort raises
 
     async def _unary(
         self,
@@ -221,20 +231,24 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
     async def Exec(
         self, request: env_service_pb2.ExecRequest, context: grpc.aio.ServicerContext
     ) -> env_service_pb2.ExecResponse:
-        async with self._exec_metrics():
-            reply = await self._unary(
-                context,
-                request.sandbox_id,
-                lambda link, timeout: link.stub.Exec(
-                    agent_pb2.ExecRequest(command=request.command), timeout=timeout
-                ),
-            )
+        # _unary and _agent_call written out: the hot path then makes no async generator,
+        # lambda or extra coroutine per call.
+        with self._exec_metrics():
+            link = await self._link(context, request.sandbox_id)
+            async with link.lock:
+                try:
+                    reply = await link.stub.Exec(
+                        agent_pb2.ExecRequest(command=request.command),
+                        timeout=self._timeout(context),
+                    )
+                except (asyncio.CancelledError, grpc.aio.AioRpcError) as exc:
+                    await self._agent_failed(link, context, exc)
             return env_service_pb2.ExecResponse(result=reply.result)
 
     async def ExecStream(
         self, request: env_service_pb2.ExecStreamRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[env_service_pb2.ExecStreamResponse]:
-        async with self._exec_metrics():
+        with self._exec_metrics():
             link = await self._link(context, request.sandbox_id)
             async with link.lock, self._agent_call(link, context):
                 call = link.stub.ExecStream(

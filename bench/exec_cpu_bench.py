@@ -1,0 +1,241 @@
+"""Where an exec's CPU goes: exec of `true` through orchard-env, by process, beside the load.
+
+    .venv/bin/python bench/exec_cpu_bench.py [--sandboxes 50] [--calls 3000] [--rounds 4]
+        [--concurrency 32] [--narrow 4] [--json FILE]
+
+Starts a private etcd + orchard-env (local runtime: needs root), creates ``--sandboxes``
+sandboxes of the host image, then runs ``--rounds`` rounds of ``--calls`` execs of `true` with
+``--concurrency`` in flight, as `orchard bench env` does for its sustained figure. With
+``--narrow K`` every other round sends its execs to only K of the sandboxes, so each agent
+sees its next call while it is still busy instead of waking from idle for it: the difference
+between the two kinds of round is what waking a sleeping agent costs.
+
+Each round reports, per exec: CPU ms of this client process (getrusage), orchard-env and the
+agents (/proc/PID/stat; every agent is counted whether it got calls or not), the commands (the
+agents' reaped children), and context switches of orchard-env and of the agents (all their
+threads). The whole host's busy CPU per exec and its load (busy cores, from /proc/stat) show
+how much other work shared the machine: compare rounds only at a similar load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from orchard.sdk import AsyncSandboxClient
+from orchard.sdk.cli.bench import _free_port
+from orchard.sdk.cli.host_probe import remove_cgroup_parent
+from orchard.sdk.cli.stack import LocalStack
+
+_TICK = os.sysconf("SC_CLK_TCK")
+PARTS = ("client", "orchard_env", "agents", "commands")
+
+
+def process_cpu_s(pid: int, children: bool = False) -> float:
+    """User + system CPU seconds of ``pid``, or of the children it reaped."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as file:
+        fields = file.read().rpartition(")")[2].split()
+    first = 13 if children else 11
+    return (int(fields[first]) + int(fields[first + 1])) / _TICK
+
+
+def context_switches(pid: int) -> int:
+    """Voluntary and involuntary context switches of every thread of ``pid``."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/status", encoding="ascii") as file:
+                for line in file:
+                    name, _, value = line.partition(":")
+                    if name.endswith("ctxt_switches"):  # voluntary and nonvoluntary
+                        total += int(value)
+        except OSError:  # the thread ended meanwhile
+            continue
+    return total
+
+
+def host_busy_s() -> tuple[float, float]:
+    """(busy, all) CPU seconds of the whole host since boot."""
+    with open("/proc/stat", encoding="ascii") as file:
+        ticks = [int(value) for value in file.readline().split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    return (sum(ticks) - idle) / _TICK, sum(ticks) / _TICK
+
+
+def self_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class Snapshot:
+    """The counters one round compares."""
+
+    def __init__(self, env_pid: int, agent_pids: list[int]) -> None:
+        self.cpu = {
+            "client": self_cpu_s(),
+            "orchard_env": process_cpu_s(env_pid),
+            "agents": sum(process_cpu_s(pid) for pid in agent_pids),
+            "commands": sum(process_cpu_s(pid, children=True) for pid in agent_pids),
+        }
+        self.switches = {
+            "orchard_env": context_switches(env_pid),
+            "agents": sum(context_switches(pid) for pid in agent_pids),
+        }
+        self.host = host_busy_s()
+        self.at = time.perf_counter()
+
+
+def agent_pid(state_dir: str, sandbox_id: str) -> int:
+    with open(os.path.join(state_dir, f"{sandbox_id}.json"), encoding="utf-8") as file:
+        return int(json.load(file)["pid"])
+
+
+async def measure(
+    endpoint: str, token: str, env_pid: int, state_dir: str, args: Any
+) -> list[dict[str, Any]]:
+    async with AsyncSandboxClient(endpoint, token=token) as client:
+        sandboxes = await asyncio.gather(
+            *(client.create(image="host") for _ in range(args.sandboxes))
+        )
+        try:
+            await asyncio.gather(*(sandbox.wait() for sandbox in sandboxes))
+            agents = [agent_pid(state_dir, sandbox.id) for sandbox in sandboxes]
+            spread = [len(sandboxes)]
+
+            async def one(index: int) -> None:
+                result = await sandboxes[index % spread[0]].exec(["true"], timeout=60)
+                if result.exit_code != 0:
+                    raise RuntimeError(f"`true` exited {result.exit_code}")
+
+            for index in range(2 * len(sandboxes)):  # warm every channel and agent
+                await one(index)
+            rounds = []
+            for number in range(args.rounds):
+                narrow = args.narrow and number % 2 == 1
+                spread[0] = min(args.narrow, len(sandboxes)) if narrow else len(sandboxes)
+                calls = iter(range(args.calls))
+                before = Snapshot(env_pid, agents)
+                await asyncio.gather(*(_worker(one, calls) for _ in range(args.concurrency)))
+                after = Snapshot(env_pid, agents)
+                rounds.append(_round(before, after, args.calls, spread[0]))
+                print(json.dumps(rounds[-1]), file=sys.stderr)
+            return rounds
+        finally:
+            await asyncio.gather(*(s.delete() for s in sandboxes), return_exceptions=True)
+
+
+async def _worker(one: Callable[[int], Awaitable[None]], calls: Iterator[int]) -> None:
+    for index in calls:  # shared by the workers: each index once
+        await one(index)
+
+
+def _round(before: Snapshot, after: Snapshot, calls: int, spread: int) -> dict[str, Any]:
+    wall = after.at - before.at
+    cpu = {part: (after.cpu[part] - before.cpu[part]) / calls * 1e3 for part in PARTS}
+    busy = after.host[0] - before.host[0]
+    return {
+        "sandboxes_used": spread,
+        "execs_per_s": round(calls / wall, 1),
+        "cpu_ms_per_exec": {
+            **{k: round(v, 3) for k, v in cpu.items()},
+            "all": round(sum(cpu.values()), 3),
+        },
+        "context_switches_per_exec": {
+            part: round((after.switches[part] - before.switches[part]) / calls, 1)
+            for part in after.switches
+        },
+        "host_busy_ms_per_exec": round(busy / calls * 1e3, 3),
+        "host_load": round(busy / wall, 2),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--sandboxes", type=int, default=50)
+    parser.add_argument("--calls", type=int, default=3000, help="execs per round")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--narrow", type=int, default=4, help="every other round: K sandboxes")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        print("needs root (the local runtime)", file=sys.stderr)
+        return 2
+    tag = secrets.token_hex(3)
+    state = Path(tempfile.mkdtemp(prefix="orchard-exec-cpu-bench-"))
+    run_dir = f"/run/orchard-exec-cpu-{tag}"
+    token = secrets.token_urlsafe(24)
+    stack = LocalStack(
+        state,
+        listen=f"127.0.0.1:{_free_port()}",
+        token=token,
+        runtime={"cgroup_parent": f"orchard-exec-cpu-bench-{tag}", "run_dir": run_dir},
+    )
+    try:
+        stack.start()
+        runtime = stack.runtime_settings()
+        rounds = asyncio.run(
+            measure(stack.endpoint, token, stack.env_pid, runtime["state_dir"], args)
+        )
+    finally:
+        stack.stop()
+        remove_cgroup_parent(f"orchard-exec-cpu-bench-{tag}")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(state, ignore_errors=True)
+    heads = (
+        "used",
+        "execs/s",
+        "client",
+        "env",
+        "agents",
+        "command",
+        "all",
+        "env cs",
+        "agent cs",
+        "host",
+        "load",
+    )
+    print(" ".join(f"{head:>8}" for head in heads))
+    for row in rounds:
+        cpu, switches = row["cpu_ms_per_exec"], row["context_switches_per_exec"]
+        values = (
+            row["sandboxes_used"],
+            row["execs_per_s"],
+            cpu["client"],
+            cpu["orchard_env"],
+            cpu["agents"],
+            cpu["commands"],
+            cpu["all"],
+            switches["orchard_env"],
+            switches["agents"],
+            row["host_busy_ms_per_exec"],
+            row["host_load"],
+        )
+        print(" ".join(f"{value:>8}" for value in values))
+    print(
+        "(CPU in ms per exec of `true`; cs: context switches per exec, all threads; host: the "
+        "whole machine's busy CPU ms per exec, others' work included; load: busy cores)"
+    )
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {"arguments": vars(args) | {"json": str(args.json)}, "rounds": rounds}, indent=2
+            )
+            + "\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
