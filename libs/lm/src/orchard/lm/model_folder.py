@@ -122,13 +122,24 @@ def load_model_folder(
 def load_gguf_model(
     gguf_file: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32
 ) -> LoadedModel:
-    """Load a GGUF file (weights dequantized) with the tokenizer and config it carries."""
+    """Load a GGUF file (weights dequantized) with the tokenizer and config it carries, as a
+    plain model: it trains and saves with `save_model_folder` like any other."""
     path = Path(gguf_file)
     if not path.is_file():
         raise ModelFolderError(f"{path} is not a file")
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=dtype
+    )
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
         raise ModelFolderError(f"{path} gave a slow tokenizer; Orchard needs a fast one")
+    # transformers keeps its GGUF quantizer on the model even with every weight dequantized,
+    # and then refuses to save it: copy the weights into a model built from the config alone.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    del loaded
     model.train(False)  # inference mode; `eval()` is untyped in transformers
     return LoadedModel(model=model, tokenizer=tokenizer, path=path)

@@ -3,8 +3,9 @@
 `model` names are the `TrainingJobSpec.model` strings:
 
 - `builtin:<size>` — a small Qwen2 model built from a config in code with seeded weights
-  (`tiny`, `small`, and `tiny-32k`: tiny's shape with a 32,768-token context, enough for the
-  12-23k tokens of system prompt and tool schemas real agent programs send), with Orchard's
+  (`tiny` 0.2 M parameters, `small` 0.85 M, `medium` 5.3 M, `large` 20 M, and `tiny-32k`:
+  tiny's shape with a 32,768-token context, enough for the 12-23k tokens of system prompt and
+  tool schemas real agent programs send), with Orchard's
   offline tokenizer (`orchard.lm.tokenizer`, the one the local inference engine uses), which
   reports the size's context as its `model_max_length`; nothing is downloaded;
 - anything else — a local directory holding a Hugging Face causal LM (`config.json` and
@@ -67,6 +68,10 @@ class BuiltinSize:
 BUILTIN_SIZES: dict[str, BuiltinSize] = {
     "tiny": BuiltinSize(hidden_size=64, layers=2, heads=4, kv_heads=2, context=2048),
     "small": BuiltinSize(hidden_size=128, layers=4, heads=4, kv_heads=2, context=2048),
+    # A few million parameters: a student with room to learn a suite of a few hundred tasks.
+    "medium": BuiltinSize(hidden_size=256, layers=8, heads=8, kv_heads=4, context=2048),
+    # Twice medium's width: a teacher for a medium student (on-policy distillation).
+    "large": BuiltinSize(hidden_size=512, layers=8, heads=8, kv_heads=4, context=2048),
     # Holds an agent program's whole prompt. SDPA keeps attention memory linear in the length
     # when nothing is padded: 1.1 GiB to train on one 32k sequence (bench/context_bench.py).
     "tiny-32k": BuiltinSize(hidden_size=64, layers=2, heads=4, kv_heads=2, context=32768),
