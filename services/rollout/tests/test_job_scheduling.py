@@ -11,6 +11,7 @@ processes are in integration/tests/test_rollout_service.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import statistics
 import time
@@ -346,8 +347,12 @@ async def test_a_job_another_replica_took_while_the_lease_was_lost_stops_here(
     async with Replica(etcd.endpoint, namespace, **options) as a:
         job = await a.create()
         async with Replica(etcd.endpoint, namespace, **options) as b:
-            # a's keep-alive is stopped, so a does not notice at once; its lease goes and b
+            # a is stalled (a process too busy to run its lease loop): its lease goes and b
             # adopts the job (its claim vanished) before a takes a new lease.
+            lease_loop = a.scheduler._loops[0]
+            lease_loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await lease_loop
             lost = a.scheduler.lease_id
             keepalive = a.scheduler._keepalive
             assert keepalive is not None
