@@ -14,7 +14,12 @@ import pytest
 
 from orchard.core.config import ConfigError, ServerConfig, load_config
 from orchard.core.errors import error_info
-from orchard.reward.config import JudgeConfig, RewardConfig, ScriptedJudgeConfig
+from orchard.reward.config import (
+    JudgeConfig,
+    RewardConfig,
+    RubricDimensionConfig,
+    ScriptedJudgeConfig,
+)
 from orchard.reward.credit import credit_curve
 from orchard.reward.main import RewardApplication
 from orchard.reward.scripted_judge import judge_reply
@@ -126,7 +131,7 @@ async def test_the_scripted_judge_answers_credit_only(
         stub.JudgeOutcome(api.JudgeOutcomeRequest(intent="buy milk", judge="scripted"))
     )
     assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "FAILED_PRECONDITION")
-    assert "answers AssignCredit only" in details and "model" in details
+    assert "answers AssignCredit and GradeRubric only" in details and "model" in details
     code, details, _ = await _code(
         stub.AssignCredit(api.AssignCreditRequest(trajectory=_teacher_failure(), judge="oracle"))
     )
@@ -134,7 +139,7 @@ async def test_the_scripted_judge_answers_credit_only(
     assert "unknown judge 'oracle'" in details and "model, scripted" in details
 
 
-async def test_a_scripted_default_judge_refuses_rubric_grades() -> None:
+async def test_a_scripted_default_judge_grades_rubrics_it_knows_and_answers_credit() -> None:
     config = RewardConfig(
         server=ServerConfig(listen=["127.0.0.1:0"]),
         judges={"default": ScriptedJudgeConfig(kind="scripted")},
@@ -144,12 +149,24 @@ async def test_a_scripted_default_judge_refuses_rubric_grades() -> None:
         async with grpc.aio.insecure_channel(server.addresses[0]) as channel:
             stub = reward_service_pb2_grpc.RewardServiceStub(channel)
             request = api.GradeRubricRequest(trajectory=_teacher_failure())
-            code, details, _ = await _code(stub.GradeRubric(request))
-            assert code == grpc.StatusCode.FAILED_PRECONDITION
-            assert "none configured" in details
+            reply = await stub.GradeRubric(request)
+            assert reply.reward.status == reward_pb2.REWARD_STATUS_SCORED
+            assert sorted(reply.reward.components) == [f"R{i}" for i in range(1, 8)]
             # The default judge answers credit with no name given.
             reply = await stub.AssignCredit(api.AssignCreditRequest(trajectory=_teacher_failure()))
             assert reply.credit.estimator == "judge:scripted-judge"
+    # A configured rubric of other dimensions is the operator's to fix.
+    config = config.model_copy(
+        update={"rubric": [RubricDimensionConfig(id="Q1", text="Polite.", weight=1.0)]}
+    )
+    async with RewardApplication(config).server() as server:
+        await server.set_serving()
+        async with grpc.aio.insecure_channel(server.addresses[0]) as channel:
+            stub = reward_service_pb2_grpc.RewardServiceStub(channel)
+            request = api.GradeRubricRequest(trajectory=_teacher_failure())
+            code, details, _ = await _code(stub.GradeRubric(request))
+            assert code == grpc.StatusCode.FAILED_PRECONDITION
+            assert "R1, R2, R3, R4, R5, R6, R7" in details and "Q1" in details
 
 
 def test_every_service_has_the_scripted_judge_unless_its_judges_are_set() -> None:

@@ -109,7 +109,8 @@ class JudgeConfig(ConfigModel):
 class ScriptedJudgeConfig(ConfigModel):
     """The scripted credit judge, answered in this process: no model, no network. It values
     each turn of a failed trajectory by what its action does (reading and testing raise the
-    value, the last edit is the critical error); it answers AssignCredit only."""
+    value, the last edit is the critical error) and grades rubrics with the scripted rubric
+    grader (`orchard.reward.scripted_rubric`); it answers AssignCredit and GradeRubric."""
 
     kind: Literal["scripted"] = Field(description="scripted.")
     model: str = Field(
@@ -243,10 +244,10 @@ class RewardConfig(ServiceConfig):
     judges: dict[str, AnyJudgeConfig] = Field(
         default_factory=_default_judges,
         min_length=1,
-        description="Judges by name: model endpoints (kind openai) or the scripted credit "
-        "judge (kind scripted); requests pick one by name (JudgeOutcome.judge, "
-        "AssignCredit.judge). Default: `default` (the local engine) and `scripted`; a file "
-        "that sets `judges` replaces both.",
+        description="Judges by name: model endpoints (kind openai) or the scripted judge "
+        "(kind scripted: credit and rubric grades); requests pick one by name "
+        "(JudgeOutcome.judge, GradeRubric.judge, AssignCredit.judge). Default: `default` (the "
+        "local engine) and `scripted`; a file that sets `judges` replaces both.",
     )
     default_judge: str = Field(default="default", description="The judge a request names none.")
     last_screenshots: int = Field(

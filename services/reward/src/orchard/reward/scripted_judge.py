@@ -11,7 +11,8 @@ and valuing each turn by what its action does:
 
 It is a heuristic standing in for a judge model so credit assignment runs on embedded defaults
 (a recipe's ``judge_endpoint: builtin:scripted``); anything else points a judge at a model.
-Outcome verdicts and rubric grades need a model: asked for them it is FAILED_PRECONDITION.
+Rubric grades from a judge of this kind come from :mod:`orchard.reward.scripted_rubric`;
+outcome verdicts need a model: asked for them it is FAILED_PRECONDITION.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ class ScriptedJudge:
     """
 
     scripted = True
-    """Asked for outcome verdicts or rubric grades, the service refuses (it answers credit)."""
+    """Asked for outcome verdicts the service refuses; it answers credit here and rubric grades
+    with the scripted rubric grader."""
 
     def __init__(self, model: str = DEFAULT_MODEL) -> None:
         self.model = model

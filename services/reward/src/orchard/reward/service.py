@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,7 @@ from orchard.reward.metrics import RewardMetrics
 from orchard.reward.outcome import Exclusion, ScoreResult, excluded, scored
 from orchard.reward.rubric import Dimension
 from orchard.reward.sandbox_tests import TestRun, TestRunResult, run_tests_in_sandbox
+from orchard.reward.scripted_rubric import grade_scripted
 from orchard.reward.task_checks import score_task_in_sandbox
 from orchard.reward.task_suites import task_suites
 from orchard.reward.tests_score import SCORER as TESTS_SCORER
@@ -85,8 +86,9 @@ class RewardServicer(reward_service_pb2_grpc.RewardServiceServicer):
             raise OrchardError(Reason.UNAVAILABLE, "the reward service is starting or stopping")
         return self._resources
 
-    def _judge(self, name: str, *, credit: bool = False) -> Judge:
-        """The judge named (empty: the default); a scripted one only for credit questions."""
+    def _judge(self, name: str, *, credit: bool = False, rubric: bool = False) -> Judge:
+        """The judge named (empty: the default); a scripted one only for credit questions and
+        rubric grades (its scripted rubric grader)."""
         chosen = name or self.config.default_judge
         judge = self.resources.judges.get(chosen)
         if judge is None:
@@ -100,12 +102,12 @@ class RewardServicer(reward_service_pb2_grpc.RewardServiceServicer):
                 f"JudgeOutcome: {GUI_STATE_JUDGE} (a built-in GUI task's check on its site's "
                 "server-side state: task_id, site_sandbox_id)"
             )
-        if judge.scripted and not credit:
+        if judge.scripted and not (credit or rubric):
             models = sorted(n for n, j in self.resources.judges.items() if not j.scripted)
             raise OrchardError(
                 Reason.FAILED_PRECONDITION,
-                f"judge {chosen!r} is the scripted credit judge: it answers AssignCredit only; "
-                f"name a model judge ({', '.join(models) or 'none configured'})",
+                f"judge {chosen!r} is the scripted judge: it answers AssignCredit and "
+                f"GradeRubric only; name a model judge ({', '.join(models) or 'none configured'})",
             )
         return judge
 
@@ -306,21 +308,39 @@ class RewardServicer(reward_service_pb2_grpc.RewardServiceServicer):
     async def GradeRubric(
         self, request: api.GradeRubricRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> api.GradeRubricResponse:
-        dimensions = (
-            tuple(Dimension(d.id, d.text, d.weight) for d in request.dimensions)
-            or self.config.rubric_dimensions()
-        )
-        steps = convert.transcript(request.trajectory)
-        judge = self._judge("")
+        dimensions = self._rubric(request.dimensions)
+        judge = self._judge(request.judge, rubric=True)
+        task = convert.task_text(request.trajectory, request.task)
         started = time.monotonic()
-        result = await grade_rubric(
-            judge,
-            steps,
-            task=convert.task_text(request.trajectory, request.task),
-            dimensions=dimensions,
-        )
+        if judge.scripted:
+            # The configured rubric is the operator's to fix; a request's, the caller's.
+            reason = Reason.INVALID_ARGUMENT if request.dimensions else Reason.FAILED_PRECONDITION
+            result = grade_scripted(
+                request.trajectory, task=task, dimensions=dimensions, reason=reason
+            )
+        else:
+            steps = convert.transcript(request.trajectory)
+            result = await grade_rubric(judge, steps, task=task, dimensions=dimensions)
         self._record(result, started)
         return api.GradeRubricResponse(reward=convert.reward_message(result))
+
+    def _rubric(self, given: Sequence[api.RubricDimension]) -> tuple[Dimension, ...]:
+        """The request's rubric (a dimension without text takes the configured one's of its
+        id), else the configured rubric."""
+        configured = {d.id: d for d in self.config.rubric_dimensions()}
+        dimensions = []
+        for d in given:
+            text = d.text
+            if not text.strip():
+                known = configured.get(d.id)
+                if known is None:
+                    raise _invalid(
+                        f"rubric dimension {d.id!r} has no text and the configured rubric has "
+                        f"no dimension of that id ({', '.join(configured)}): give its text"
+                    )
+                text = known.text
+            dimensions.append(Dimension(d.id, text, d.weight))
+        return tuple(dimensions) or tuple(configured.values())
 
     # -- ScoreTask ---------------------------------------------------------------------------
 

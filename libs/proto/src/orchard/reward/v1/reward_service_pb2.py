@@ -27,7 +27,7 @@ from orchard.types.v1 import reward_pb2 as orchard_dot_types_dot_v1_dot_reward__
 from orchard.types.v1 import trajectory_pb2 as orchard_dot_types_dot_v1_dot_trajectory__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&orchard/reward/v1/reward_service.proto\x12\x11orchard.reward.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1dorchard/types/v1/reward.proto\x1a!orchard/types/v1/trajectory.proto\"\xb7\x01\n\x08TestTask\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04repo\x18\x02 \x01(\t\x12\x13\n\x0b\x62\x61se_commit\x18\x03 \x01(\t\x12\x12\n\ntest_patch\x18\x04 \x01(\t\x12\x14\n\x0c\x66\x61il_to_pass\x18\x05 \x03(\t\x12\x14\n\x0cpass_to_pass\x18\x06 \x03(\t\x12\x14\n\x0ctest_command\x18\x07 \x01(\t\x12\x0e\n\x06parser\x18\x08 \x01(\t\x12\r\n\x05image\x18\t \x01(\t\"\xaa\x01\n\x11ScoreTestsRequest\x12\x12\n\nsandbox_id\x18\x01 \x01(\t\x12)\n\x04task\x18\x02 \x01(\x0b\x32\x1b.orchard.reward.v1.TestTask\x12\x17\n\x0f\x63\x61ndidate_patch\x18\x03 \x01(\t\x12*\n\x07timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x11\n\trepo_path\x18\x05 \x01(\t\"K\n\nTestResult\x12\x0c\n\x04name\x18\x01 \x01(\t\x12/\n\x07outcome\x18\x02 \x01(\x0e\x32\x1e.orchard.reward.v1.TestOutcome\"\x85\x01\n\x12ScoreTestsResponse\x12(\n\x06reward\x18\x01 \x01(\x0b\x32\x18.orchard.types.v1.Reward\x12.\n\x07results\x18\x02 \x03(\x0b\x32\x1d.orchard.reward.v1.TestResult\x12\x15\n\rpatch_applied\x18\x03 \x01(\x08\"\xd6\x01\n\x13JudgeOutcomeRequest\x12\x0e\n\x06intent\x18\x01 \x01(\t\x12\x16\n\x0e\x66inal_response\x18\x02 \x01(\t\x12\x13\n\x0bscreenshots\x18\x03 \x03(\x0c\x12\r\n\x05judge\x18\x04 \x01(\t\x12\x16\n\x0e\x66ormat_variant\x18\x05 \x01(\x08\x12\x1e\n\x16policy_format_failures\x18\x06 \x01(\x05\x12\x0f\n\x07task_id\x18\x07 \x01(\t\x12\x17\n\x0fsite_sandbox_id\x18\x08 \x01(\t\x12\x11\n\tsite_port\x18\t \x01(\x05\"@\n\x14JudgeOutcomeResponse\x12(\n\x06reward\x18\x01 \x01(\x0b\x32\x18.orchard.types.v1.Reward\";\n\x0fRubricDimension\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\"\x8c\x01\n\x12GradeRubricRequest\x12\x30\n\ntrajectory\x18\x01 \x01(\x0b\x32\x1c.orchard.types.v1.Trajectory\x12\x36\n\ndimensions\x18\x02 \x03(\x0b\x32\".orchard.reward.v1.RubricDimension\x12\x0c\n\x04task\x18\x03 \x01(\t\"?\n\x13GradeRubricResponse\x12(\n\x06reward\x18\x01 \x01(\x0b\x32\x18.orchard.types.v1.Reward\"7\n\x10ScoreTaskRequest\x12\x12\n\nsandbox_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\"=\n\x11ScoreTaskResponse\x12(\n\x06reward\x18\x01 \x01(\x0b\x32\x18.orchard.types.v1.Reward\"\xbc\x01\n\x13\x41ssignCreditRequest\x12\x30\n\ntrajectory\x18\x01 \x01(\x0b\x32\x1c.orchard.types.v1.Trajectory\x12\x0f\n\x07\x65psilon\x18\x02 \x01(\x01\x12\x0c\n\x04task\x18\x03 \x01(\t\x12\x0f\n\x07\x66\x61ilure\x18\x04 \x01(\t\x12\r\n\x05judge\x18\x05 \x01(\t\x12\x1e\n\x11success_threshold\x18\x06 \x01(\x01H\x00\x88\x01\x01\x42\x14\n\x12_success_threshold\"t\n\x14\x41ssignCreditResponse\x12\x32\n\x06\x63redit\x18\x01 \x01(\x0b\x32\".orchard.types.v1.CreditAssignment\x12(\n\x06reward\x18\x02 \x01(\x0b\x32\x18.orchard.types.v1.Reward\"C\n\nTaskFamily\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\ndifficulty\x18\x02 \x01(\x05\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\"\xad\x01\n\tTaskSuite\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12/\n\x08\x66\x61milies\x18\x03 \x03(\x0b\x32\x1d.orchard.reward.v1.TaskFamily\x12\x11\n\tmin_tasks\x18\x04 \x01(\x05\x12\x11\n\tmax_tasks\x18\x05 \x01(\x05\x12\x11\n\tscored_by\x18\x06 \x01(\t\x12\x13\n\x0btest_parser\x18\x07 \x01(\t\"\x17\n\x15ListTaskSuitesRequest\"F\n\x16ListTaskSuitesResponse\x12,\n\x06suites\x18\x01 \x03(\x0b\x32\x1c.orchard.reward.v1.TaskSuite*\x8f\x01\n\x0bTestOutcome\x12\x1c\n\x18TEST_OUTCOME_UNSPECIFIED\x10\x00\x12\x17\n\x13TEST_OUTCOME_PASSED\x10\x01\x12\x17\n\x13TEST_OUTCOME_FAILED\x10\x02\x12\x16\n\x12TEST_OUTCOME_ERROR\x10\x03\x12\x18\n\x14TEST_OUTCOME_SKIPPED\x10\x04\x32\xc9\x04\n\rRewardService\x12Y\n\nScoreTests\x12$.orchard.reward.v1.ScoreTestsRequest\x1a%.orchard.reward.v1.ScoreTestsResponse\x12_\n\x0cJudgeOutcome\x12&.orchard.reward.v1.JudgeOutcomeRequest\x1a\'.orchard.reward.v1.JudgeOutcomeResponse\x12\\\n\x0bGradeRubric\x12%.orchard.reward.v1.GradeRubricRequest\x1a&.orchard.reward.v1.GradeRubricResponse\x12V\n\tScoreTask\x12#.orchard.reward.v1.ScoreTaskRequest\x1a$.orchard.reward.v1.ScoreTaskResponse\x12_\n\x0c\x41ssignCredit\x12&.orchard.reward.v1.AssignCreditRequest\x1a\'.orchard.reward.v1.AssignCreditResponse\x12\x65\n\x0eListTaskSuites\x12(.orchard.reward.v1.ListTaskSuitesRequest\x1a).orchard.reward.v1.ListTaskSuitesResponseB\x19\n\x15\x64\x65v.orchard.reward.v1P\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&orchard/reward/v1/reward_service.proto\x12\x11orchard.reward.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1dorchard/types/v1/reward.proto\x1a!orchard/types/v1/trajectory.proto\"\xb7\x01\n\x08TestTask\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04repo\x18\x02 \x01(\t\x12\x13\n\x0b\x62\x61se_commit\x18\x03 \x01(\t\x12\x12\n\ntest_patch\x18\x04 \x01(\t\x12\x14\n\x0c\x66\x61il_to_pass\x18\x05 \x03(\t\x12\x14\n\x0cpass_to_pass\x18\x06 \x03(\t\x12\x14\n\x0ctest_command\x18\x07 \x01(\t\x12\x0e\n\x06parser\x18\x08 \x01(\t\x12\r\n\x05image\x18\t \x01(\t\"\xaa\x01\n\x11ScoreTestsRequest\x12\x12\n\nsandbox_id\x18\x01 \x01(\t\x12)\n\x04task\x18\x02 \x01(\x0b\x32\x1b.orchard.reward.v1.TestTask\x12\x17\n\x0f\x63\x61ndidate_patch\x18\x03 \x01(\t\x12*\n\x07timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x11\n\trepo_path\x18\x05 \x01(\t\"K\n\nTestResult\x12\x0c\n\x04name\x18\x01 \x01(\t\x12/\n\x07outcome\x18\x02 \x01(\x0e\x32\x1e.orchard.reward.v1.TestOutcome\"\x85\x01\n\x12ScoreTestsResponse\x12(\n\x06reward\x18\x01 \x01(\x0b\x32\x18.orchard.types.v1.Reward\x12.\n\x07results\x18\x02 \x03(\x0b\x32\x1d.orchard.reward.v1.TestResult\x12\x15\n\rpatch_applied\x18\x03 \x01(\x08\"\xd6\x01\n\x13JudgeOutcomeRequest\x12\x0e\n\x06intent\x18\x01 \x01(\t\x12\x16\n\x0e\x66inal_response\x18\x02 \x01(\t\x12\x13\n\x0bscreenshots\x18\x03 \x03(\x0c\x12\r\n\x05judge\x18\x04 \x01(\t\x12\x16\n\x0e\x66ormat_variant\x18\x05 \x01(\x08\x12\x1e\n\x16policy_format_failures\x18\x06 \x01(\x05\x12\x0f\n\x07task_id\x18\x07 \x01(\t\x12\x17\n\x0fsite_sandbox_id\x18\x08 \x01(\t\x12\x11\n\tsite_port\x18\t \x01(\x05\"@\n\x14JudgeOutcomeResponse\x12(\n\x06reward\x18\x01 \x01(\x0b\x32\x18.orchard.types.v1.Reward\";\n\x0fRubricDimension\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\"\x9b\x01\n\x12GradeRubricRequest\x12\x30\n\ntrajectory\x18\x01 \x01(\x0b\x32\x1c.orchard.types.v1.Trajectory\x12\x36\n\ndimensions\x18\x02 \x03(\x0b\x32\".orchard.reward.v1.RubricDimension\x12\x0c\n\x04task\x18\x03 \x01(\t\x12\r\n\x05judge\x18\x04 \x01(\t\"?\n\x13GradeRubricResponse\x12(\n\x06reward\x18\x01 \x01(\x0b\x32\x18.orchard.types.v1.Reward\"7\n\x10ScoreTaskRequest\x12\x12\n\nsandbox_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\"=\n\x11ScoreTaskResponse\x12(\n\x06reward\x18\x01 \x01(\x0b\x32\x18.orchard.types.v1.Reward\"\xbc\x01\n\x13\x41ssignCreditRequest\x12\x30\n\ntrajectory\x18\x01 \x01(\x0b\x32\x1c.orchard.types.v1.Trajectory\x12\x0f\n\x07\x65psilon\x18\x02 \x01(\x01\x12\x0c\n\x04task\x18\x03 \x01(\t\x12\x0f\n\x07\x66\x61ilure\x18\x04 \x01(\t\x12\r\n\x05judge\x18\x05 \x01(\t\x12\x1e\n\x11success_threshold\x18\x06 \x01(\x01H\x00\x88\x01\x01\x42\x14\n\x12_success_threshold\"t\n\x14\x41ssignCreditResponse\x12\x32\n\x06\x63redit\x18\x01 \x01(\x0b\x32\".orchard.types.v1.CreditAssignment\x12(\n\x06reward\x18\x02 \x01(\x0b\x32\x18.orchard.types.v1.Reward\"C\n\nTaskFamily\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\ndifficulty\x18\x02 \x01(\x05\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\"\xad\x01\n\tTaskSuite\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12/\n\x08\x66\x61milies\x18\x03 \x03(\x0b\x32\x1d.orchard.reward.v1.TaskFamily\x12\x11\n\tmin_tasks\x18\x04 \x01(\x05\x12\x11\n\tmax_tasks\x18\x05 \x01(\x05\x12\x11\n\tscored_by\x18\x06 \x01(\t\x12\x13\n\x0btest_parser\x18\x07 \x01(\t\"\x17\n\x15ListTaskSuitesRequest\"F\n\x16ListTaskSuitesResponse\x12,\n\x06suites\x18\x01 \x03(\x0b\x32\x1c.orchard.reward.v1.TaskSuite*\x8f\x01\n\x0bTestOutcome\x12\x1c\n\x18TEST_OUTCOME_UNSPECIFIED\x10\x00\x12\x17\n\x13TEST_OUTCOME_PASSED\x10\x01\x12\x17\n\x13TEST_OUTCOME_FAILED\x10\x02\x12\x16\n\x12TEST_OUTCOME_ERROR\x10\x03\x12\x18\n\x14TEST_OUTCOME_SKIPPED\x10\x04\x32\xc9\x04\n\rRewardService\x12Y\n\nScoreTests\x12$.orchard.reward.v1.ScoreTestsRequest\x1a%.orchard.reward.v1.ScoreTestsResponse\x12_\n\x0cJudgeOutcome\x12&.orchard.reward.v1.JudgeOutcomeRequest\x1a\'.orchard.reward.v1.JudgeOutcomeResponse\x12\\\n\x0bGradeRubric\x12%.orchard.reward.v1.GradeRubricRequest\x1a&.orchard.reward.v1.GradeRubricResponse\x12V\n\tScoreTask\x12#.orchard.reward.v1.ScoreTaskRequest\x1a$.orchard.reward.v1.ScoreTaskResponse\x12_\n\x0c\x41ssignCredit\x12&.orchard.reward.v1.AssignCreditRequest\x1a\'.orchard.reward.v1.AssignCreditResponse\x12\x65\n\x0eListTaskSuites\x12(.orchard.reward.v1.ListTaskSuitesRequest\x1a).orchard.reward.v1.ListTaskSuitesResponseB\x19\n\x15\x64\x65v.orchard.reward.v1P\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'orchard.reward.v1.reward_se
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\025dev.orchard.reward.v1P\001'
-  _globals['_TESTOUTCOME']._serialized_start=2055
-  _globals['_TESTOUTCOME']._serialized_end=2198
+  _globals['_TESTOUTCOME']._serialized_start=2070
+  _globals['_TESTOUTCOME']._serialized_end=2213
   _globals['_TESTTASK']._serialized_start=160
   _globals['_TESTTASK']._serialized_end=343
   _globals['_SCORETESTSREQUEST']._serialized_start=346
@@ -52,25 +52,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RUBRICDIMENSION']._serialized_start=1014
   _globals['_RUBRICDIMENSION']._serialized_end=1073
   _globals['_GRADERUBRICREQUEST']._serialized_start=1076
-  _globals['_GRADERUBRICREQUEST']._serialized_end=1216
-  _globals['_GRADERUBRICRESPONSE']._serialized_start=1218
-  _globals['_GRADERUBRICRESPONSE']._serialized_end=1281
-  _globals['_SCORETASKREQUEST']._serialized_start=1283
-  _globals['_SCORETASKREQUEST']._serialized_end=1338
-  _globals['_SCORETASKRESPONSE']._serialized_start=1340
-  _globals['_SCORETASKRESPONSE']._serialized_end=1401
-  _globals['_ASSIGNCREDITREQUEST']._serialized_start=1404
-  _globals['_ASSIGNCREDITREQUEST']._serialized_end=1592
-  _globals['_ASSIGNCREDITRESPONSE']._serialized_start=1594
-  _globals['_ASSIGNCREDITRESPONSE']._serialized_end=1710
-  _globals['_TASKFAMILY']._serialized_start=1712
-  _globals['_TASKFAMILY']._serialized_end=1779
-  _globals['_TASKSUITE']._serialized_start=1782
-  _globals['_TASKSUITE']._serialized_end=1955
-  _globals['_LISTTASKSUITESREQUEST']._serialized_start=1957
-  _globals['_LISTTASKSUITESREQUEST']._serialized_end=1980
-  _globals['_LISTTASKSUITESRESPONSE']._serialized_start=1982
-  _globals['_LISTTASKSUITESRESPONSE']._serialized_end=2052
-  _globals['_REWARDSERVICE']._serialized_start=2201
-  _globals['_REWARDSERVICE']._serialized_end=2786
+  _globals['_GRADERUBRICREQUEST']._serialized_end=1231
+  _globals['_GRADERUBRICRESPONSE']._serialized_start=1233
+  _globals['_GRADERUBRICRESPONSE']._serialized_end=1296
+  _globals['_SCORETASKREQUEST']._serialized_start=1298
+  _globals['_SCORETASKREQUEST']._serialized_end=1353
+  _globals['_SCORETASKRESPONSE']._serialized_start=1355
+  _globals['_SCORETASKRESPONSE']._serialized_end=1416
+  _globals['_ASSIGNCREDITREQUEST']._serialized_start=1419
+  _globals['_ASSIGNCREDITREQUEST']._serialized_end=1607
+  _globals['_ASSIGNCREDITRESPONSE']._serialized_start=1609
+  _globals['_ASSIGNCREDITRESPONSE']._serialized_end=1725
+  _globals['_TASKFAMILY']._serialized_start=1727
+  _globals['_TASKFAMILY']._serialized_end=1794
+  _globals['_TASKSUITE']._serialized_start=1797
+  _globals['_TASKSUITE']._serialized_end=1970
+  _globals['_LISTTASKSUITESREQUEST']._serialized_start=1972
+  _globals['_LISTTASKSUITESREQUEST']._serialized_end=1995
+  _globals['_LISTTASKSUITESRESPONSE']._serialized_start=1997
+  _globals['_LISTTASKSUITESRESPONSE']._serialized_end=2067
+  _globals['_REWARDSERVICE']._serialized_start=2216
+  _globals['_REWARDSERVICE']._serialized_end=2801
 # @@protoc_insertion_point(module_scope)

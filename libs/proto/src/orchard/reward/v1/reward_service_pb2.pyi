@@ -311,7 +311,9 @@ class RubricDimension(_message.Message):
     id: _builtins.str
     """Short id, e.g. "R1"."""
     text: _builtins.str
-    """What the grader looks for."""
+    """What the grader looks for; empty takes the text of the configured rubric's dimension
+    with this id.
+    """
     weight: _builtins.float
     """Weight in the total; weights of a rubric sum to 1."""
     def __init__(
@@ -338,8 +340,13 @@ class GradeRubricRequest(_message.Message):
     TRAJECTORY_FIELD_NUMBER: _builtins.int
     DIMENSIONS_FIELD_NUMBER: _builtins.int
     TASK_FIELD_NUMBER: _builtins.int
+    JUDGE_FIELD_NUMBER: _builtins.int
     task: _builtins.str
     """The task as the grader reads it; empty uses the first turn's `input_text`."""
+    judge: _builtins.str
+    """Judge to use, by configured name (e.g. "scripted": the scripted rubric grader); empty
+    means the default.
+    """
     @_builtins.property
     def trajectory(self) -> _trajectory_pb2.Trajectory:
         """The trajectory to grade."""
@@ -354,10 +361,11 @@ class GradeRubricRequest(_message.Message):
         trajectory: _trajectory_pb2.Trajectory | None = ...,
         dimensions: _abc.Iterable[Global___RubricDimension] | None = ...,
         task: _builtins.str = ...,
+        judge: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["trajectory", b"trajectory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dimensions", b"dimensions", "task", b"task", "trajectory", b"trajectory"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dimensions", b"dimensions", "judge", b"judge", "task", b"task", "trajectory", b"trajectory"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -107,9 +107,14 @@ class RewardServiceServicer:
 
     def GradeRubric(self, request, context):
         """Grades a whole trajectory on weighted rubric dimensions (each 0.0–1.0 with cited evidence)
-        and combines them by weighted mean, with the default judge. Changes nothing.
-        Errors: INVALID_ARGUMENT (weights do not sum to 1, empty trajectory), FAILED_PRECONDITION
-        (the default judge is a scripted one, which answers credit questions only).
+        and combines them by weighted mean, with the named judge (empty: the default). A judge of
+        kind scripted answers with the scripted rubric grader: a deterministic stand-in for a judge
+        model that grades the default rubric's dimensions (R1–R7) from what the agent did. A judge
+        that gives no usable grades is EXCLUDED (judge unavailable). Changes nothing.
+        Errors: INVALID_ARGUMENT (weights do not sum to 1, empty trajectory, unknown judge, a
+        dimension without text that the configured rubric does not name, a dimension the scripted
+        grader does not grade), FAILED_PRECONDITION (the scripted grader is the default judge and
+        the configured rubric has a dimension it does not grade).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -60,9 +60,14 @@ class RewardServiceStub:
     """
     GradeRubric: _grpc.UnaryUnaryMultiCallable[_reward_service_pb2.GradeRubricRequest, _reward_service_pb2.GradeRubricResponse]
     """Grades a whole trajectory on weighted rubric dimensions (each 0.0–1.0 with cited evidence)
-    and combines them by weighted mean, with the default judge. Changes nothing.
-    Errors: INVALID_ARGUMENT (weights do not sum to 1, empty trajectory), FAILED_PRECONDITION
-    (the default judge is a scripted one, which answers credit questions only).
+    and combines them by weighted mean, with the named judge (empty: the default). A judge of
+    kind scripted answers with the scripted rubric grader: a deterministic stand-in for a judge
+    model that grades the default rubric's dimensions (R1–R7) from what the agent did. A judge
+    that gives no usable grades is EXCLUDED (judge unavailable). Changes nothing.
+    Errors: INVALID_ARGUMENT (weights do not sum to 1, empty trajectory, unknown judge, a
+    dimension without text that the configured rubric does not name, a dimension the scripted
+    grader does not grade), FAILED_PRECONDITION (the scripted grader is the default judge and
+    the configured rubric has a dimension it does not grade).
     """
     ScoreTask: _grpc.UnaryUnaryMultiCallable[_reward_service_pb2.ScoreTaskRequest, _reward_service_pb2.ScoreTaskResponse]
     """Scores a personal-assistant workflow by running the configured task's checks in the
@@ -119,9 +124,14 @@ class RewardServiceAsyncStub(RewardServiceStub):
     """
     GradeRubric: _aio.UnaryUnaryMultiCallable[_reward_service_pb2.GradeRubricRequest, _reward_service_pb2.GradeRubricResponse]  # type: ignore[assignment]
     """Grades a whole trajectory on weighted rubric dimensions (each 0.0–1.0 with cited evidence)
-    and combines them by weighted mean, with the default judge. Changes nothing.
-    Errors: INVALID_ARGUMENT (weights do not sum to 1, empty trajectory), FAILED_PRECONDITION
-    (the default judge is a scripted one, which answers credit questions only).
+    and combines them by weighted mean, with the named judge (empty: the default). A judge of
+    kind scripted answers with the scripted rubric grader: a deterministic stand-in for a judge
+    model that grades the default rubric's dimensions (R1–R7) from what the agent did. A judge
+    that gives no usable grades is EXCLUDED (judge unavailable). Changes nothing.
+    Errors: INVALID_ARGUMENT (weights do not sum to 1, empty trajectory, unknown judge, a
+    dimension without text that the configured rubric does not name, a dimension the scripted
+    grader does not grade), FAILED_PRECONDITION (the scripted grader is the default judge and
+    the configured rubric has a dimension it does not grade).
     """
     ScoreTask: _aio.UnaryUnaryMultiCallable[_reward_service_pb2.ScoreTaskRequest, _reward_service_pb2.ScoreTaskResponse]  # type: ignore[assignment]
     """Scores a personal-assistant workflow by running the configured task's checks in the
@@ -193,9 +203,14 @@ class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_reward_service_pb2.GradeRubricResponse, _abc.Awaitable[_reward_service_pb2.GradeRubricResponse]]:
         """Grades a whole trajectory on weighted rubric dimensions (each 0.0–1.0 with cited evidence)
-        and combines them by weighted mean, with the default judge. Changes nothing.
-        Errors: INVALID_ARGUMENT (weights do not sum to 1, empty trajectory), FAILED_PRECONDITION
-        (the default judge is a scripted one, which answers credit questions only).
+        and combines them by weighted mean, with the named judge (empty: the default). A judge of
+        kind scripted answers with the scripted rubric grader: a deterministic stand-in for a judge
+        model that grades the default rubric's dimensions (R1–R7) from what the agent did. A judge
+        that gives no usable grades is EXCLUDED (judge unavailable). Changes nothing.
+        Errors: INVALID_ARGUMENT (weights do not sum to 1, empty trajectory, unknown judge, a
+        dimension without text that the configured rubric does not name, a dimension the scripted
+        grader does not grade), FAILED_PRECONDITION (the scripted grader is the default judge and
+        the configured rubric has a dimension it does not grade).
         """
 
     @_abc_1.abstractmethod
