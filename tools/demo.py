@@ -19,6 +19,11 @@ the rollout service's proxy, which listens on this host's address for the sandbo
 sandboxes (the browser folder ``make gui-browser`` builds; the stack's tenant may give
 sandboxes user namespaces, for Chromium's own sandbox), scored by the reward service's built-in
 state judge.
+
+``--experiment FILE`` (``make experiment``) runs an experiment file instead (`orchard experiment
+run`: every arm once per seed, compared in ``report/experiment.md``) on the same kind of stack,
+its runs and stack under ``runs/experiments/<name>``; with ``--resume`` it goes on where it
+stopped.
 """
 
 from __future__ import annotations
@@ -36,11 +41,14 @@ import time
 import uuid
 from pathlib import Path
 
+from orchard.core.config import ConfigError
+from orchard.recipes.experiment import run_experiment
 from orchard.recipes.pipeline import StageError, run_recipe
 from orchard.recipes.workspace import StackEndpoints
 from orchard.rollout.harnesses.sandboxed import MANIFEST, host_address
 from orchard.sdk.cli.host_probe import remove_cgroup_parent
 from orchard.sdk.cli.stack import LocalStack, StackError
+from orchard.sdk.experiment import load_experiment
 from orchard.sdk.recipe import BUILTIN_RECIPES, builtin_recipe, load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,8 +89,25 @@ def main() -> int:
         help="the built-in recipe: swe (default), claw (agent programs; `make harnesses`) or gui "
         "(browser sandboxes; `make gui-browser`)",
     )
+    parser.add_argument(
+        "--experiment",
+        type=Path,
+        default=None,
+        help="run this experiment file (its arms and seeds, compared) in place of one recipe",
+    )
     args = parser.parse_args()
     name = f"builtin-{args.recipe}"
+    experiment = None
+    if args.experiment is not None:
+        try:
+            experiment, default_out = load_experiment(args.experiment, workdir=ROOT)
+        except ConfigError as exc:
+            sys.stderr.write(f"demo: {args.experiment} is not a valid experiment:\n{exc}\n")
+            return 2
+        if experiment.recipe.removeprefix("builtin:") in BUILTIN_RECIPES:
+            args.recipe = experiment.recipe.removeprefix("builtin:")
+        if args.out is None:
+            args.out = default_out
     demo: Path = (
         args.out or (DEMO if args.recipe == "swe" else DEMO.with_name(f"demo-{args.recipe}"))
     ).resolve()
@@ -148,7 +173,13 @@ def main() -> int:
         service_settings={"rollout": rollout_settings} if rollout_settings else None,
     )
     started = time.monotonic()
-    print(f"{BOLD}Orchard demo{RESET}: the built-in {args.recipe} recipe, every stage, here")
+    if experiment is not None:
+        print(
+            f"{BOLD}Orchard experiment{RESET} {experiment.name}: {len(experiment.arms)} arm(s) x "
+            f"{len(experiment.seeds)} seed(s) of {experiment.recipe}, here"
+        )
+    else:
+        print(f"{BOLD}Orchard demo{RESET}: the built-in {args.recipe} recipe, every stage, here")
     try:
         with stack:
             print(
@@ -165,7 +196,17 @@ def main() -> int:
                 env_metrics=metrics,
                 artifacts=stack.artifacts_url,
             )
-            report = run_recipe(recipe, endpoints, workers=args.workers)
+            if experiment is not None:
+                report = run_experiment(
+                    experiment,
+                    demo,
+                    args.experiment.resolve().parent,
+                    endpoints,
+                    workers=args.workers,
+                    source=str(args.experiment),
+                )
+            else:
+                report = run_recipe(recipe, endpoints, workers=args.workers)
     except (StackError, StageError) as exc:
         sys.stderr.write(f"demo: {exc}\n")
         return 1
@@ -175,6 +216,10 @@ def main() -> int:
             remove_cgroup_parent(cgroup)
         except OSError as exc:
             sys.stderr.write(f"demo: cgroup {cgroup} not removed: {exc}\n")
+    if experiment is not None:
+        shown = report.relative_to(ROOT) if report.is_relative_to(ROOT) else report
+        print(f"\nexperiment report: {shown}  ({time.monotonic() - started:.0f} s in all)")
+        return 0
     summary = json.loads((report.parent / "report.json").read_text())
     print(f"\n{BOLD}Held-out resolve rate{RESET}")
     for evaluation in summary.get("evaluations", []):

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from orchard.core.config import deep_merge
 from orchard.recipes.workspace import StackEndpoints
 from orchard.sdk.cli.host_probe import remove_cgroup_parent
 from orchard.sdk.cli.stack import LocalStack, StackError
@@ -92,6 +93,50 @@ def private_stack(
         stack.stop()
         remove_cgroup_parent(cgroup_parent)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def recipe_stack(
+    tmp_path_factory: pytest.TempPathFactory,
+    service_settings: dict[str, dict[str, Any]] | None = None,
+) -> Iterator[EnvStack]:
+    """A private stack with every service a recipe talks to: orchard-reward, orchard-rollout
+    and orchard-trainer beside etcd and orchard-env (``service_settings`` into their configs)."""
+    components = {name: f"127.0.0.1:{free_port()}" for name in ("reward", "rollout", "trainer")}
+    with private_stack(tmp_path_factory, components, service_settings) as env:
+        yield env
+
+
+REDUCED_RECIPE: dict[str, Any] = {
+    "name": "reduced",
+    # 15 tasks, three per bug family: one each for SFT, RL and the held-out set.
+    "tasks": {
+        "builtin": {"count": 15, "seed": 3},
+        "split": {"sft": 0.34, "rl": 0.33, "evaluate": 0.33},
+    },
+    "harnesses": ["builtin:swe"],
+    "stages": {
+        "collect": {"attempts_per_task": 2, "budget": {"max_steps": 8, "wall_clock_s": 120}},
+        "sft": {"epochs": 2, "batch_size": 2, "learning_rate": 0.003, "warmup_steps": 1},
+        "rl": {
+            "steps": 1,
+            "groups_per_step": 1,
+            "sampler": {"kind": "fixed", "n": 2},
+            "budget": {"max_steps": 3, "max_tokens": 256, "wall_clock_s": 120},
+        },
+        "evaluate": {"attempts_per_task": 1},
+    },
+}
+"""The built-in suite's recipe cut to a few minutes of a 2-core machine."""
+
+
+def reduced_recipe(name: str, stages: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`REDUCED_RECIPE` named ``name`` with ``stages`` laid over its stages."""
+    return {
+        **REDUCED_RECIPE,
+        "name": name,
+        "stages": deep_merge(REDUCED_RECIPE["stages"], stages or {}),
+    }
 
 
 @pytest.fixture(scope="module")

@@ -30,31 +30,12 @@ from orchard.sdk.recipe import Recipe, load_recipe
 from orchard.trainer.datasets import read_trajectories
 from orchard.types.v1 import reward_pb2
 
-from .conftest import EnvStack, free_port, private_stack
+from .conftest import REDUCED_RECIPE, EnvStack, recipe_stack
 
 # The whole reduced recipe runs in the first test's setup (module fixture `report`).
 pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(1200)]
 
-RECIPE = {
-    "name": "reduced",
-    # 15 tasks, three per bug family: one each for SFT, RL and the held-out set.
-    "tasks": {
-        "builtin": {"count": 15, "seed": 3},
-        "split": {"sft": 0.34, "rl": 0.33, "evaluate": 0.33},
-    },
-    "harnesses": ["builtin:swe"],
-    "stages": {
-        "collect": {"attempts_per_task": 2, "budget": {"max_steps": 8, "wall_clock_s": 120}},
-        "sft": {"epochs": 2, "batch_size": 2, "learning_rate": 0.003, "warmup_steps": 1},
-        "rl": {
-            "steps": 1,
-            "groups_per_step": 1,
-            "sampler": {"kind": "fixed", "n": 2},
-            "budget": {"max_steps": 3, "max_tokens": 256, "wall_clock_s": 120},
-        },
-        "evaluate": {"attempts_per_task": 1},
-    },
-}
+RECIPE = REDUCED_RECIPE
 
 
 @dataclass(frozen=True)
@@ -65,11 +46,7 @@ class Services:
 
 @pytest.fixture(scope="module")
 def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
-    reward = f"127.0.0.1:{free_port()}"
-    rollout = f"127.0.0.1:{free_port()}"
-    trainer = f"127.0.0.1:{free_port()}"
-    components = {"reward": reward, "rollout": rollout, "trainer": trainer}
-    with private_stack(tmp_path_factory, components) as env:
+    with recipe_stack(tmp_path_factory) as env:
         yield Services(env, env.endpoints())
 
 

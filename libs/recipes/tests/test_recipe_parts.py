@@ -47,6 +47,20 @@ def test_a_run_folder_refuses_another_recipe(tmp_path: Path) -> None:
         RunDir.open(Recipe.model_validate(other))
 
 
+def test_a_run_folder_of_an_earlier_version_resumes(tmp_path: Path) -> None:
+    # Saved before a stage's setting existed: the setting takes its default, the run resumes.
+    base = {"name": "one", "tasks": {"builtin": {"count": 5}}, "output_dir": tmp_path / "run"}
+    run = RunDir.open(Recipe.model_validate(base))
+    saved = json.loads((run.root / "recipe.json").read_text())
+    del saved["stages"]["rl"]["from_base"]
+    (run.root / "recipe.json").write_text(json.dumps(saved))
+    RunDir.open(Recipe.model_validate(base))
+    # What the saved recipe does hold still has to match.
+    changed = {**base, "stages": {"rl": {"steps": 9}}}
+    with pytest.raises(RecipeMismatch, match="differs in: stages"):
+        RunDir.open(Recipe.model_validate(changed))
+
+
 def _orchard(*args: str, state: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(Path(sys.executable).parent / "orchard"), *args],

@@ -201,6 +201,8 @@ def test_the_clean_venv_cannot_import_what_is_outside_the_closure(
         "orchard.recipes.trainer_client",
         "orchard.recipes.stages",
         "orchard.recipes.pipeline",
+        "orchard.recipes.value_model",
+        "orchard.recipes.rerank",
     ],
 )
 def test_every_recipes_module_imports_in_the_clean_venv(clean_venv: CleanVenv, module: str) -> None:

@@ -31,7 +31,8 @@ def problems(path: Path) -> list[str]:
 def test_the_builtin_recipe_is_valid_and_runs_every_stage(tmp_path: Path) -> None:
     recipe = load_recipe(builtin_recipe(), workdir=tmp_path)
     assert recipe.name == "builtin-swe"
-    assert recipe.stages.enabled() == list(STAGES)
+    # every stage but rerank, which is off unless a recipe turns it on
+    assert recipe.stages.enabled() == [s for s in STAGES if s != "rerank"]
     assert recipe.tasks.builtin is not None
     assert recipe.student.engine == "local"
     assert recipe.output_dir == tmp_path.resolve() / "runs" / "builtin-swe"
@@ -234,6 +235,72 @@ def test_every_problem_is_reported_with_its_key_and_line(tmp_path: Path) -> None
         ("tasks: {builtin: {}}\nsuccess_threshold: .inf", "finite number"),
         ("tasks: {builtin: {}}\nstages: {collect: {enabled: false}}", "sft needs stages.collect"),
         ("tasks: {jsonl: {evaluate: e.jsonl}}", "tasks.jsonl.sft is not given"),
+        (
+            "tasks: {builtin: {}}\nstages: {rl: {estimator: opd, sampler: {kind: fixed}}}",
+            "estimator: opd needs a teacher: give rl.distillation.teacher",
+        ),
+        (
+            "tasks: {builtin: {}}\nstages: {rl: {estimator: opd, sampler: {kind: fixed}, "
+            "distillation: {coef: 2}}}",
+            "estimator: opd needs a teacher",
+        ),
+        (
+            "tasks: {builtin: {}}\nstages: {rl: {estimator: opd, "
+            "distillation: {teacher: {train: builtin:small}}}}",
+            "set rl.sampler.kind: fixed",
+        ),
+        (
+            "tasks: {builtin: {}}\nstages: {rl: {distillation: {teacher: {model: builtin:small}}}}",
+            "rl.distillation configures the teacher of estimator: opd",
+        ),
+        (
+            "tasks: {builtin: {}}\nstages: {rl: {estimator: opd, sampler: {kind: fixed}, "
+            "critic: {gae_lambda: 0.9}, distillation: {teacher: {model: builtin:small}}}}",
+            "rl.critic configures the value model of estimator: ppo",
+        ),
+        (
+            "tasks: {builtin: {}}\nstages: {rl: {estimator: opd, sampler: {kind: fixed}, "
+            "distillation: {teacher: {train: builtin:small}, coef: 0}}}",
+            "stages.rl.distillation.coef: Input should be greater than 0",
+        ),
+        (
+            "tasks: {builtin: {}}\nstages: {rl: {estimator: opd, sampler: {kind: fixed}, "
+            "distillation: {teacher: {train: builtin:small}, coef: .inf}}}",
+            "stages.rl.distillation.coef: Input should be a finite number",
+        ),
+        (
+            "tasks: {builtin: {}}\nstages: {rl: {estimator: opd, sampler: {kind: fixed}, "
+            "distillation: {teacher: {train: builtin:small, model: builtin:small}}}}",
+            "give exactly one of teacher.train",
+        ),
+        (
+            "tasks: {builtin: {}}\nstages: {rl: {estimator: opd, sampler: {kind: fixed}, "
+            "distillation: {teacher: {}}}}",
+            "give exactly one of teacher.train",
+        ),
+        (
+            "tasks: {builtin: {}}\nstages: {rl: {estimator: opd, sampler: {kind: fixed}, "
+            "distillation: {teacher: {model: m, epochs: 3}}}}",
+            "teacher.epochs and teacher.learning_rate configure teacher.train",
+        ),
+        (
+            "tasks: {builtin: {}}\nstages: {rl: {estimator: opd, sampler: {kind: fixed}, "
+            "distillation: {teacher: {train: models/big}}}}",
+            "is not a built-in size (e.g. builtin:small); for a model of your own give "
+            "teacher.model",
+        ),
+        (
+            "tasks: {builtin: {}}\nstages: {sft: {enabled: false}, curate: {enabled: false}, "
+            "rl: {estimator: opd, sampler: {kind: fixed}, "
+            "distillation: {teacher: {train: builtin:small}}}}",
+            "it needs stages.collect and stages.curate",
+        ),
+        (
+            "tasks: {builtin: {}}\nstudent: {model: models/qwen}\n"
+            "stages: {rl: {estimator: opd, sampler: {kind: fixed}, "
+            "distillation: {teacher: {train: builtin:small}}}}",
+            "the teacher must share the student's tokenizer",
+        ),
     ],
 )
 def test_inconsistent_recipes_are_refused_with_a_reason(
@@ -268,3 +335,77 @@ def test_bar_defaults_to_the_mixed_rule_with_random_members_and_a_stride_of_n(
     text = "name: r\ntasks: {builtin: {}}\nstages: {rl: {sampler: {stop_rule: band, stride: 4}}}\n"
     sampler = load_recipe(write(tmp_path, text)).stages.rl.sampler
     assert (sampler.stop_rule, sampler.stride_or_n) == ("band", 4)
+
+
+def test_opd_takes_a_trained_or_a_given_teacher(tmp_path: Path) -> None:
+    trained = load_recipe(
+        write(
+            tmp_path,
+            "name: r\ntasks: {builtin: {}}\nstages:\n  rl:\n    estimator: opd\n"
+            "    sampler: {kind: fixed, n: 4}\n"
+            "    distillation: {teacher: {train: builtin:small, epochs: 5}}\n",
+        )
+    )
+    rl = trained.stages.rl
+    assert rl.estimator == "opd" and rl.distillation is not None
+    assert rl.distillation.coef == 1.0 and rl.distillation.teacher is not None
+    teacher = rl.distillation.teacher
+    assert (teacher.train, teacher.epochs, teacher.learning_rate, teacher.model) == (
+        "builtin:small",
+        5,
+        None,
+        None,
+    )
+    given = load_recipe(
+        write(
+            tmp_path,
+            "name: r\ntasks: {builtin: {}}\nstudent: {model: models/qwen}\nstages:\n"
+            "  sft: {enabled: false}\n  rl:\n    estimator: opd\n    sampler: {kind: fixed}\n"
+            "    distillation: {teacher: {model: 'file:///store/teacher'}, coef: 0.5}\n",
+        )
+    )
+    assert given.stages.rl.distillation is not None
+    assert given.stages.rl.distillation.teacher is not None
+    assert given.stages.rl.distillation.teacher.model == "file:///store/teacher"
+    assert given.stages.rl.distillation.coef == 0.5
+
+
+def test_rerank_is_off_by_default_and_its_history_runs_are_relative_to_the_recipe(
+    tmp_path: Path,
+) -> None:
+    plain = load_recipe(write(tmp_path, "name: r\ntasks: {builtin: {}}\n"))
+    assert not plain.stages.rerank.enabled and "rerank" not in plain.stages.enabled()
+    assert plain.stages.rerank.sources == ["collect", "rl"]
+    recipe = load_recipe(
+        write(
+            tmp_path,
+            "name: r\ntasks: {builtin: {}}\nstages:\n  rerank:\n    enabled: true\n"
+            "    k: 3\n    history: [runs/first, /data/runs/second]\n",
+        )
+    )
+    rerank = recipe.stages.rerank
+    assert rerank.enabled and rerank.k == 3 and recipe.stages.enabled()[-1] == "rerank"
+    assert rerank.history == [tmp_path.resolve() / "runs" / "first", Path("/data/runs/second")]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("stages: {rerank: {enabled: true, k: 0}}", "greater than or equal to 1"),
+        ("stages: {rerank: {enabled: true, k: 65}}", "less than or equal to 64"),
+        ("stages: {rerank: {enabled: true, sources: [collect, teacher]}}", "'collect', 'rl'"),
+        ("stages: {rerank: {enabled: true, sources: [rl, rl]}}", "a source is named twice"),
+        ("stages: {rerank: {enabled: true, sources: []}}", "no history: give sources"),
+        ("stages: {rerank: {enabled: true, validation_fraction: 1}}", "less than 1"),
+        ("stages: {rerank: {enabled: true, l2: 0}}", "greater than 0"),
+        (
+            "stages: {evaluate: {enabled: false}, rerank: {enabled: true}}",
+            "stages.rerank reranks the evaluated models' attempts: it needs stages.evaluate",
+        ),
+    ],
+)
+def test_bad_rerank_settings_are_refused_with_a_reason(
+    tmp_path: Path, text: str, expected: str
+) -> None:
+    found = problems(write(tmp_path, f"name: r\ntasks: {{builtin: {{}}}}\n{text}\n"))
+    assert any(expected in p for p in found), found

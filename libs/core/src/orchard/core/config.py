@@ -92,6 +92,7 @@ __all__ = [
     "load_config",
     "load_document",
     "service_env_prefix",
+    "validate_document",
 ]
 
 M = TypeVar("M", bound=BaseModel)
@@ -364,6 +365,15 @@ def load_document(model_cls: type[M], path: str | os.PathLike[str]) -> M:
     sources: dict[str, str] = {}
     _record_lines(node, (), path.name, sources)
     return _validate(model_cls, [_Layer(data, sources)])
+
+
+def validate_document(model_cls: type[M], data: Mapping[str, Any], source: str) -> M:
+    """``data`` (a document built in code, e.g. a recipe with an experiment's settings laid
+    over it) as ``model_cls``; every problem names its key and ``source``, all at once, as a
+    :class:`ConfigError`."""
+    sources: dict[str, str] = {}
+    _record_sources(dict(data), (), source, sources)
+    return _validate(model_cls, [_Layer(dict(data), sources)])
 
 
 def _record_lines(node: Any, prefix: tuple[str, ...], name: str, out: dict[str, str]) -> None:

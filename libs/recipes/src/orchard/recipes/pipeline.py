@@ -20,6 +20,8 @@ from typing import Any
 
 from orchard.recipes.preflight import check_recipe
 from orchard.recipes.recipe_tasks import prepare_tasks
+from orchard.recipes.rerank import rerank_report, run_rerank
+from orchard.recipes.rubric import rubric_report
 from orchard.recipes.stages import (
     StageContext,
     run_collect,
@@ -37,6 +39,8 @@ from orchard.sdk.report import (
     GroupStats,
     HarnessEvaluation,
     ModelEvaluation,
+    RlRun,
+    RlStep,
     RunReport,
     ServiceStats,
     TrailLink,
@@ -56,6 +60,7 @@ RUNNERS: dict[str, Callable[[StageContext], dict[str, Any]]] = {
     "sft": run_sft,
     "rl": run_rl,
     "evaluate": run_evaluate,
+    "rerank": run_rerank,
 }
 
 
@@ -69,6 +74,7 @@ def _needs(stage: str) -> list[str]:
         "curate": ["collect"],
         "sft": ["curate"],
         "evaluate": [],
+        "rerank": ["evaluate"],
         "rl": [],
         "collect": [],
     }[stage]
@@ -237,11 +243,119 @@ def gui_notes(recipe: Recipe) -> list[str]:
     return notes
 
 
+DISTILL_KL = "distill_reverse_kl"
+"""The trainer's per-step reverse-KL estimate of on-policy distillation (`StepMetrics.extra`)."""
+
+
+def _rate(result: dict[str, Any]) -> str:
+    attempts = int(result["attempts"])
+    rate = result["resolved"] / attempts if attempts else 0.0
+    return f"{rate:.1%} ({result['resolved']}/{attempts})"
+
+
+def teacher_words(teacher: dict[str, Any], evaluated: dict[str, Any] | None) -> str:
+    """The OPD teacher as the report names it: model, how it was trained, its SFT losses and,
+    when the evaluate stage ran it, its held-out resolve rate."""
+    words = f"{teacher['model']}, {teacher['trained']}"
+    weights = teacher.get("weights") or {}
+    if weights:
+        words += f"; published as {teacher.get('registry_model', '?')} {weights['version']}"
+    if teacher.get("first_loss") is not None:
+        words += (
+            f"; SFT loss {teacher['first_loss']:.4g} to {teacher['last_loss']:.4g} over "
+            f"{teacher['steps']} steps"
+        )
+    validation = teacher.get("validation") or {}
+    if validation.get("best_loss") is not None:
+        words += (
+            f", validation loss {validation['best_loss']:.4g} at step {validation['best_step']} "
+            f"on {len(validation['held_out_tasks'])} held-out task(s)"
+        )
+    if evaluated:
+        words += f"; held-out resolve rate (as opd-teacher) {_rate(evaluated)}"
+    else:
+        words += "; not evaluated on the held-out tasks"
+    return words
+
+
+def rl_verdict(estimator: str, models: dict[str, Any], updates: int | None = None) -> str:
+    """What RL did to the held-out resolve rate, from the evaluate stage's numbers, said
+    plainly; with OPD, set beside the teacher's (OPD can only move the student toward it).
+    ``updates``: the RL steps that published a version (None: not known)."""
+    rl = models.get("rl")
+    start_name = "sft" if "sft" in models else "base"
+    start = models.get(start_name)
+    if rl is None or start is None:
+        return ""
+    name = "OPD" if estimator == "opd" else f"RL ({estimator})"
+    before = start["resolved"] / start["attempts"] if start["attempts"] else 0.0
+    after = rl["resolved"] / rl["attempts"] if rl["attempts"] else 0.0
+    change = (after - before) * 100
+    if rl.get("same_weights_as") == start_name:
+        why = (
+            "no RL step updated the model: no group carried signal"
+            if updates == 0
+            else "no RL version did better in validation"
+        )
+        verdict = (
+            f"{name} handed on the {start_name} model's weights unchanged ({why}): held-out "
+            f"resolve rate {_rate(rl)}, as before"
+        )
+    elif abs(change) < 1e-9:
+        verdict = (
+            f"{name} left the held-out resolve rate where it was: {_rate(start)} "
+            f"({start_name}) and {_rate(rl)} (rl)"
+        )
+    else:
+        verdict = (
+            f"{name} {'raised' if change > 0 else 'lowered'} the held-out resolve rate from "
+            f"{_rate(start)} ({start_name}) to {_rate(rl)} (rl), {change:+.1f} points"
+        )
+    teacher = models.get("opd-teacher")
+    if estimator == "opd" and teacher is not None:
+        taught = teacher["resolved"] / teacher["attempts"] if teacher["attempts"] else 0.0
+        verdict += f"; the teacher resolves {_rate(teacher)}, " + (
+            f"above the {start_name} model: a better model for OPD to move the student toward"
+            if taught > before
+            else f"no better than the {start_name} model: OPD can only move the student "
+            "toward it, so it has nothing to gain here"
+        )
+    return verdict + "."
+
+
+def rl_run(recipe: Recipe, rl: dict[str, Any], models: dict[str, Any]) -> RlRun:
+    """The report's RL section from the rl stage's summary and the evaluate stage's models."""
+    estimator = str(rl.get("estimator", recipe.stages.rl.estimator))
+    teacher = (rl.get("distillation") or {}).get("teacher")
+    sampler = recipe.stages.rl.sampler
+    return RlRun(
+        estimator=estimator,
+        sampler=f"{sampler.kind}, n {sampler.n}, {recipe.stages.rl.groups_per_step} group(s) "
+        "per step",
+        steps=tuple(
+            RlStep(
+                step=int(s["step"]),
+                rollouts=int(s.get("rollouts_run_by_job", s.get("rollouts", 0))),
+                reward_mean=s.get("reward_mean"),
+                loss=s.get("loss"),
+                distill_reverse_kl=s.get("metrics", {}).get(DISTILL_KL),
+                published=s.get("published"),
+            )
+            for s in rl.get("steps", [])
+        ),
+        teacher=teacher_words(teacher, models.get("opd-teacher")) if teacher else "",
+        verdict=rl_verdict(
+            estimator, models, sum(bool(s.get("published")) for s in rl.get("steps", []))
+        ),
+    )
+
+
 def build_report(ctx: StageContext) -> RunReport:
     run = ctx.run
     evaluations = []
     evaluate = run.done("evaluate")
-    order = {"base": 0, "sft": 1, "rl": 2, "rl-base": 3}  # done.json keeps its keys sorted
+    # done.json keeps its keys sorted
+    order = {"base": 0, "sft": 1, "rl": 2, "rl-base": 3, "opd-teacher": 4}
     found = (evaluate or {}).get("models", {})
     for name, result in sorted(found.items(), key=lambda item: order.get(item[0], 3)):
         weights = result.get("weight_version", "")
@@ -272,6 +386,14 @@ def build_report(ctx: StageContext) -> RunReport:
             curve = _curve(f"{prefix} {label}", points)
             if curve:
                 curves.append(curve)
+        points = [
+            (float(s["step"]), float(s["metrics"][DISTILL_KL]))
+            for s in line
+            if DISTILL_KL in s.get("metrics", {})
+        ]
+        curve = _curve(f"{prefix} distill reverse KL", points)
+        if curve:
+            curves.append(curve)
     groups = []
     if rl.get("groups"):
         every = rl["groups"]
@@ -328,6 +450,7 @@ def build_report(ctx: StageContext) -> RunReport:
         )
     report = RunReport(
         title=f"Recipe {ctx.recipe.name}",
+        rl=rl_run(ctx.recipe, rl, found) if rl else None,
         evaluations=tuple(evaluations),
         curves=tuple(curves),
         groups=tuple(groups),
@@ -337,6 +460,8 @@ def build_report(ctx: StageContext) -> RunReport:
         confidence=ctx.recipe.stages.evaluate.confidence,
         notes=tuple(notes),
         trails=trails,
+        rerank=rerank_report(run.done("rerank")),
+        rubric=rubric_report(rl),
     )
     models = (evaluate or {}).get("models", {})
     write_json(

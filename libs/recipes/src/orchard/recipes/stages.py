@@ -17,8 +17,11 @@
   which takes one optimizer step and publishes the version the next step samples. With
   ``select: validation`` the stage then runs the SFT model and every RL version greedily on the
   RL tasks (rollout jobs too) and hands on the best.
-- **evaluate**: every model (base, sft, rl) attempts every held-out task in a rollout job of
-  its weight version; resolved counts.
+  With ``estimator: opd`` the training job distills from a teacher instead (every group
+  trains, scored or not), the teacher first trained by SFT on the curated set when the recipe
+  says so (`opd_teacher`), published under a registry model of its own.
+- **evaluate**: every model (base, sft, rl, and the OPD teacher) attempts every held-out task
+  in a rollout job of its weight version; resolved counts.
 
 Each stage function takes a `StageContext` and returns the summary `done.json` keeps.
 """
@@ -45,6 +48,7 @@ from tqdm import tqdm
 from orchard.core.success import DEFAULT_SUCCESS_THRESHOLD
 from orchard.recipes.recipe_tasks import RecipeTask, task_spec
 from orchard.recipes.rollout_client import RolloutJobs
+from orchard.recipes.rubric import rubric_rewards
 from orchard.recipes.swe_suite import teacher_script
 from orchard.recipes.trails import keeps_trails
 from orchard.recipes.trails import main_line as _main_line
@@ -83,8 +87,12 @@ class StageContext:
     seed: int = 0
     notes: list[str] = field(default_factory=list)
     lineage: str = ""
-    """Names a second line of weights of the run (``from-base``: RL from the base model), which
-    gets a registry model of its own; empty: the run's main line."""
+    """Names a second line of weights of the run (``from-base``: RL from the base model;
+    ``opd-teacher``: the OPD teacher), which gets a registry model of its own; empty: the
+    run's main line."""
+    model: str = ""
+    """The model the line starts from when it is not the recipe's student (the OPD teacher's
+    built-in size, or its given model); empty: ``student.model``."""
 
     @property
     def pass_mark(self) -> float:
@@ -96,12 +104,16 @@ class StageContext:
 
     @property
     def registry_model(self) -> str:
-        """The student's name in the weight registry: one per run and line of weights."""
+        """The line's name in the weight registry: one per run and line of weights
+        (``<recipe>-opd-teacher`` for the OPD teacher, which is no student)."""
+        if self.lineage == OPD_TEACHER:
+            return f"{self.recipe.name}-{OPD_TEACHER}"
         return f"{self.recipe.name}-student" + (f"-{self.lineage}" if self.lineage else "")
 
-    def line(self, lineage: str) -> StageContext:
-        """The same run on another line of weights (its own registry model)."""
-        return replace(self, lineage=lineage)
+    def line(self, lineage: str, model: str = "") -> StageContext:
+        """The same run on another line of weights (its own registry model), starting from
+        ``model`` (empty: the student)."""
+        return replace(self, lineage=lineage, model=model)
 
 
 async def harnesses_for(ctx: StageContext) -> dict[str, rollout_api.Harness]:
@@ -203,6 +215,16 @@ def _rollout_bar(ctx: StageContext, total: int, desc: str) -> tuple[tqdm[Any], A
 
 def _scored(trajectory: trajectory_pb2.Trajectory) -> bool:
     return trajectory.reward.status == reward_pb2.REWARD_STATUS_SCORED
+
+
+def _distillable(trajectory: trajectory_pb2.Trajectory) -> bool:
+    """What on-policy distillation trains on: captured turns of a rollout neither excluded nor
+    aborted, whether or not it was scored."""
+    return (
+        bool(trajectory.turns)
+        and trajectory.reward.status != reward_pb2.REWARD_STATUS_EXCLUDED
+        and trajectory.outcome != trajectory_pb2.TRAJECTORY_OUTCOME_ABORTED
+    )
 
 
 def _resolved(
@@ -679,7 +701,12 @@ SFT_STEPS_PER_CALL = 12
 
 
 def sft_spec(
-    ctx: StageContext, dataset: str, steps: int, *, validate: bool = True
+    ctx: StageContext,
+    dataset: str,
+    steps: int,
+    *,
+    validate: bool = True,
+    learning_rate: float | None = None,
 ) -> trainer_api.TrainingJobSpec:
     """The SFT job of ``steps`` optimizer steps on ``dataset`` (the URL of the dataset the
     trainer prepared: by URL, never a path), with the run's success threshold, the one its
@@ -687,13 +714,14 @@ def sft_spec(
     and a `validation_fraction`, the trainer holds that share of the dataset's tasks out (with
     the job's seed) and evaluates their loss after every epoch, stopping after `patience`
     epochs without a new best when that is set. The model is the published base, filled in
-    later."""
+    later. ``learning_rate`` overrides stages.sft's (an OPD teacher's own); a line of weights
+    other than the main one draws a seed of its own."""
     stage = ctx.recipe.stages.sft
     spec = trainer_api.TrainingJobSpec(
         mode=trainer_api.TRAINING_MODE_SFT,
         model="",
         zero_stage=stage.zero_stage,
-        learning_rate=stage.learning_rate,
+        learning_rate=stage.learning_rate if learning_rate is None else learning_rate,
         warmup_steps=min(stage.warmup_steps, steps),
         total_steps=steps,
         micro_batch_size=stage.batch_size,
@@ -701,7 +729,7 @@ def sft_spec(
         dataset=dataset,
         weight_model=ctx.registry_model,
         success_threshold=ctx.pass_mark,
-        seed=derived_seed(ctx.seed, "sft"),
+        seed=derived_seed(ctx.seed, "sft", *([ctx.lineage] if ctx.lineage else [])),
     )
     if validate and stage.validation_fraction > 0:
         spec.validation.CopyFrom(
@@ -719,7 +747,21 @@ def trainable_tasks(rows: Sequence[trajectory_pb2.Trajectory], mark: float) -> s
 
 
 def run_sft(ctx: StageContext) -> dict[str, Any]:
+    return train_sft(ctx, ctx.run.stage("sft"))
+
+
+def train_sft(
+    ctx: StageContext,
+    out: Path,
+    *,
+    epochs: int | None = None,
+    learning_rate: float | None = None,
+) -> dict[str, Any]:
+    """SFT of ``ctx``'s model (the student, or the OPD teacher on its line) on the curated
+    dataset, with stages.sft's settings (``epochs`` and ``learning_rate`` override theirs),
+    published under ``ctx``'s registry model; its step log in ``out/run.jsonl``."""
     stage = ctx.recipe.stages.sft
+    epochs = stage.epochs if epochs is None else epochs
     curated = ctx.run.done("curate") or {}
     if not curated.get("dataset"):
         raise RuntimeError(
@@ -733,21 +775,24 @@ def run_sft(ctx: StageContext) -> dict[str, Any]:
             "curation kept no trajectory to train on: the teacher resolved nothing; look at "
             f"{ctx.run.root / 'collect' / 'groups.jsonl'}"
         )
-    steps = max(1, stage.epochs * samples // (stage.batch_size * stage.gradient_accumulation))
-    out = ctx.run.stage("sft")
+    steps = max(1, epochs * samples // (stage.batch_size * stage.gradient_accumulation))
     tasks = trainable_tasks(
         _read_trajectories(ctx.run.root / "curate" / "sft.jsonl"), ctx.pass_mark
     )
     # Whole tasks are held out: it takes two, one to train on and one to validate on.
     validate = stage.validation_fraction > 0 and len(tasks) >= 2
-    spec = sft_spec(ctx, str(curated["dataset"]), steps, validate=validate)
+    spec = sft_spec(
+        ctx, str(curated["dataset"]), steps, validate=validate, learning_rate=learning_rate
+    )
     log_path = out / "run.jsonl"
     log_path.unlink(missing_ok=True)
 
     async def go() -> dict[str, Any]:
         spec.model = await base_model_url(ctx)
         async with TrainerJobs(ctx.stack.trainer) as trainer:
-            job = await trainer.create(spec, request_id=f"{ctx.recipe.name}-sft-{time.time_ns()}")
+            job = await trainer.create(
+                spec, request_id=f"{ctx.registry_model}-sft-{time.time_ns()}"
+            )
             losses: list[float] = []
             version = ""
             bar = tqdm(total=steps, desc=f"sft {job.id}", unit="step", disable=not ctx.progress)
@@ -823,6 +868,9 @@ def validation_summary(progress: trainer_api.ValidationProgress) -> dict[str, An
 FROM_BASE = "from-base"
 """The line of weights of RL from the base model (`Rl.from_base`), evaluated as "rl-base"."""
 
+OPD_TEACHER = "opd-teacher"
+"""The line of weights of the OPD teacher (`Rl.distillation`), evaluated as "opd-teacher"."""
+
 
 def models_to_evaluate(ctx: StageContext) -> list[tuple[str, str, str]]:
     """(name, weight version, line of weights) of each model the run has produced, base
@@ -835,6 +883,9 @@ def models_to_evaluate(ctx: StageContext) -> list[tuple[str, str, str]]:
     from_base = ((ctx.run.done("rl") or {}).get("from_base") or {}).get("weights")
     if from_base:
         out.append(("rl-base", str(from_base["version"]), FROM_BASE))
+    teacher = ((ctx.run.done("rl") or {}).get("distillation") or {}).get("teacher") or {}
+    if teacher.get("weights"):
+        out.append((OPD_TEACHER, str(teacher["weights"]["version"]), OPD_TEACHER))
     return out
 
 
@@ -1021,9 +1072,13 @@ async def _rl(
 
     def trains(group: trajectory_pb2.TrajectoryGroup) -> bool:
         """GRPO learns from groups whose rewards differ; PPO's value model gives every scored
-        rollout an advantage of its own (its reward minus the value), so any scored group."""
+        rollout an advantage of its own (its reward minus the value), so any scored group;
+        OPD's teacher scores every token, so any group with a rollout that is not excluded,
+        scored or not."""
         if stage.estimator == "ppo":
             return any(_scored(t) for t in group.trajectories)
+        if stage.estimator == "opd":
+            return any(_distillable(t) for t in group.trajectories)
         return not group.no_signal_reason
 
     async with (
@@ -1074,7 +1129,11 @@ async def _rl(
                 # The service streams every group and says which carry no signal. What the
                 # step takes and reports does not depend on which groups finished first.
                 groups, _ = in_pair_order(emitted, pairs, trains, stage.groups_per_step, ended=True)
-                kept = [_sorted_members(g) for g in groups if trains(g)]
+                # stages.rl.rubric: the groups train on outcome and rubric combined (rubric.py).
+                shaped = await rubric_rewards(ctx, groups, out, step + 1)
+                kept = [_sorted_members(g) for g in shaped.groups if trains(g)]
+                kept = kept[: stage.groups_per_step]
+                trained = {g.id for g in kept}
                 every_group += groups
                 _write_groups(groups_log, groups)
                 submitted = (
@@ -1094,13 +1153,14 @@ async def _rl(
                     "rollout_job": job.id,
                     "sampled": current,
                     "groups_kept": len(kept),
-                    "groups_dropped": sum(not trains(g) for g in groups),
+                    "groups_dropped": len(groups) - len(kept),
                     "rollouts": sum(int(g.rollouts_run) for g in groups),
                     "rollouts_run_by_job": int(job.rollouts_done),
                     "samples": submitted.trajectories_trainable,
                     "reward_mean": _mean([t.reward.value for t in scored]),
                     "skipped": submitted.trajectories_skipped,
                     "seconds_sampling": round(time.monotonic() - started, 2),
+                    **shaped.log,
                 }
                 summary["groups"] += [
                     {
@@ -1109,7 +1169,7 @@ async def _rl(
                         "members": len(_main_line(g)),
                         "rollouts": g.rollouts_run,
                         "positive_fraction": g.positive_fraction,
-                        "kept": trains(g),
+                        "kept": g.id in trained,
                     }
                     for g in groups
                 ]
@@ -1147,7 +1207,25 @@ async def _rl(
                     reward="-" if reward is None else f"{reward:.2f}", groups=entry["groups_kept"]
                 )
     summary.update(group_counts(every_group, ctx.pass_mark))
+    summary["rollout_budget"] = rollout_budget(summary["steps"])
     return summary
+
+
+def rollout_budget(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The rollouts an RL run used, per step and in all, whatever its estimator: what puts two
+    runs (e.g. OPD and GRPO with BAR) side by side at the same budget. ``run`` counts every
+    rollout the steps' jobs ran (those of groups not taken included): the cost; ``in_groups``
+    those of the groups the steps took."""
+    run = [int(s["rollouts_run_by_job"]) for s in steps]
+    in_groups = [int(s["rollouts"]) for s in steps]
+    return {
+        "steps": len(steps),
+        "run_per_step": run,
+        "run": sum(run),
+        "in_groups_per_step": in_groups,
+        "in_groups": sum(in_groups),
+        "trained_per_step": [int(s["samples"]) for s in steps],
+    }
 
 
 def in_pair_order(
@@ -1209,17 +1287,70 @@ def run_rl(ctx: StageContext) -> dict[str, Any]:
     own registry model), so the report sets what SFT adds before RL beside RL alone."""
     sft = ctx.run.done("sft")
     out = ctx.run.stage("rl")
+    # With estimator: opd, the teacher first (trained here when the recipe says so); both
+    # lines of weights distill from the same one.
+    teacher = (
+        opd_teacher(ctx, out / OPD_TEACHER) if ctx.recipe.stages.rl.estimator == "opd" else None
+    )
     if sft:
         # a published location is already an artifact URL
-        summary = _run_rl(ctx, dict(sft["weights"]), out)
+        summary = _run_rl(ctx, dict(sft["weights"]), out, teacher)
     else:
-        summary = _run_rl(ctx, _base_weights(ctx), out)
+        summary = _run_rl(ctx, _base_weights(ctx), out, teacher)
     if ctx.recipe.stages.rl.from_base and sft:
         line = ctx.line(FROM_BASE)
         folder = out / FROM_BASE
         folder.mkdir(parents=True, exist_ok=True)
-        summary["from_base"] = _run_rl(line, _base_weights(line), folder)
+        summary["from_base"] = _run_rl(line, _base_weights(line), folder, teacher)
     return summary
+
+
+def opd_teacher(ctx: StageContext, out: Path) -> dict[str, Any]:
+    """The teacher of estimator: opd, published as a version of ``<recipe>-opd-teacher``:
+    with ``teacher.train``, that built-in size trained by SFT (`train_sft`, stages.sft's
+    settings) on the curated teacher trajectories the student's SFT uses; with
+    ``teacher.model``, that model as it is. Kept in ``out/teacher.json``: a resumed rl stage
+    does not train it again."""
+    kept = out / "teacher.json"
+    if kept.exists():
+        cached: dict[str, Any] = json.loads(kept.read_text(encoding="utf-8"))
+        return cached
+    distillation = ctx.recipe.stages.rl.distillation
+    if distillation is None or distillation.teacher is None:
+        raise ValueError("estimator: opd needs stages.rl.distillation.teacher")
+    config = distillation.teacher
+    if config.train is not None and not (ctx.run.done("curate") or {}).get("dataset"):
+        raise RuntimeError(
+            f"stages.rl.distillation.teacher.train trains {config.train} on the curated "
+            "teacher trajectories, and this run has none: run the collect and curate stages "
+            "first"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    teacher: dict[str, Any]
+    if config.train is not None:
+        line = ctx.line(OPD_TEACHER, config.train)
+        sft = ctx.recipe.stages.sft
+        epochs = config.epochs or sft.epochs
+        learning_rate = config.learning_rate or sft.learning_rate
+        trained = train_sft(line, out, epochs=epochs, learning_rate=learning_rate)
+        teacher = {
+            "model": config.train,
+            "trained": f"SFT, {epochs} epochs at learning rate {learning_rate:g}, on the "
+            "curated teacher trajectories",
+            "epochs": epochs,
+            "learning_rate": learning_rate,
+            **trained,
+        }
+    else:
+        line = ctx.line(OPD_TEACHER, config.model or "")
+        teacher = {
+            "model": config.model,
+            "trained": "given (not trained by this run)",
+            "weights": asyncio.run(_publish_base(line)),
+        }
+    teacher["registry_model"] = line.registry_model
+    write_json(kept, teacher)
+    return teacher
 
 
 def _base_weights(ctx: StageContext) -> dict[str, Any]:
@@ -1227,12 +1358,12 @@ def _base_weights(ctx: StageContext) -> dict[str, Any]:
     return asyncio.run(_publish_base(ctx))
 
 
-def _run_rl(ctx: StageContext, first: dict[str, Any], out: Path) -> dict[str, Any]:
-    """The RL stage from the published weights ``first`` (version and location), its outputs
-    in ``out``."""
+def rl_spec(
+    ctx: StageContext, start: str, teacher: dict[str, Any] | None = None
+) -> trainer_api.TrainingJobSpec:
+    """The RL job from the weights at ``start`` (an artifact URL) with the stage's estimator;
+    with estimator: opd, ``teacher`` is `opd_teacher`'s published teacher."""
     stage = ctx.recipe.stages.rl
-    start = str(first["location"])
-    start_version = str(first["version"])
     spec = trainer_api.TrainingJobSpec(
         mode=trainer_api.TRAINING_MODE_RL,
         model=start,
@@ -1258,8 +1389,30 @@ def _run_rl(ctx: StageContext, first: dict[str, Any], out: Path) -> dict[str, An
                 value_pretrain_steps=stage.critic.pretrain_steps,
             )
         )
+    elif stage.estimator == "opd":
+        if teacher is None or stage.distillation is None:
+            raise ValueError("estimator: opd needs its teacher (opd_teacher)")
+        spec.advantage_estimator = trainer_api.ADVANTAGE_ESTIMATOR_ON_POLICY_DISTILLATION
+        spec.distillation.CopyFrom(
+            trainer_api.DistillationConfig(
+                teacher=str(teacher["weights"]["location"]),
+                coef=stage.distillation.coef,
+                seed=ctx.seed,
+            )
+        )
     else:
         spec.advantage_estimator = trainer_api.ADVANTAGE_ESTIMATOR_GROUP_RELATIVE
+    return spec
+
+
+def _run_rl(
+    ctx: StageContext, first: dict[str, Any], out: Path, teacher: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The RL stage from the published weights ``first`` (version and location), its outputs
+    in ``out``; ``teacher``: the OPD teacher (`opd_teacher`) with estimator: opd."""
+    stage = ctx.recipe.stages.rl
+    start_version = str(first["version"])
+    spec = rl_spec(ctx, str(first["location"]), teacher)
 
     async def go() -> dict[str, Any]:
         async with TrainerJobs(ctx.stack.trainer) as trainer:
@@ -1269,12 +1422,18 @@ def _run_rl(ctx: StageContext, first: dict[str, Any], out: Path) -> dict[str, An
             finally:
                 # Steps without signal leave steps unused: the job ends here, either way.
                 await trainer.cancel(job.id)
-            return {"job": job.id, **summary}
+            return {"job": job.id, "estimator": stage.estimator, **summary}
 
     summary = asyncio.run(go())
+    if teacher is not None and stage.distillation is not None:
+        summary["distillation"] = {"coef": stage.distillation.coef, "teacher": teacher}
     versions = [s["weights"] for s in summary["steps"] if s.get("published")]
     if stage.select == "validation" and versions:
         summary.update(_validate(ctx, [first, *versions], out / "validation"))
+        # Greedy runs that pick the weights, not training: counted apart.
+        summary["rollout_budget"]["validation"] = sum(
+            int(v["attempts"]) for v in summary["validation"]["scores"].values()
+        )
     if summary["weights"] is None:
         # No update happened: the RL model is the model it started from, said so.
         summary["weights"] = dict(first)
@@ -1325,8 +1484,8 @@ async def _publish_base(ctx: StageContext) -> dict[str, Any]:
     orchard-trainer's PublishModel: a built-in model is built there from the run's seed (as a
     training job builds it), a URL published as it is, a local folder first put in the stack's
     artifact store (engines read the store, not this host). Idempotent: a resumed run gets
-    the same version."""
-    model = ctx.recipe.student.model
+    the same version. A line with a model of its own (`StageContext.model`) publishes that."""
+    model = ctx.model or ctx.recipe.student.model
     if not model.startswith("builtin:") and "://" not in model:
         model = _put_folder(ctx, Path(model), "models")
     async with WeightVersions(ctx.stack.trainer) as weights:

@@ -49,6 +49,18 @@ def write_json(path: Path, data: Any) -> None:
         raise
 
 
+def _with_new_settings(saved: Any, current: Any) -> Any:
+    """A saved recipe with the settings it lacks taken from ``current``: settings added to
+    recipes after the run folder was written could not have been set by its run, so a folder
+    of an earlier version resumes when nothing it holds changed."""
+    if not isinstance(saved, dict) or not isinstance(current, dict):
+        return saved
+    return {
+        **{k: v for k, v in current.items() if k not in saved},
+        **{k: _with_new_settings(v, current.get(k)) for k, v in saved.items()},
+    }
+
+
 @dataclass(frozen=True)
 class RunDir:
     root: Path
@@ -64,7 +76,7 @@ class RunDir:
         saved = run.root / "recipe.json"
         current = json.loads(recipe.model_dump_json())
         if saved.exists():
-            previous = json.loads(saved.read_text(encoding="utf-8"))
+            previous = _with_new_settings(json.loads(saved.read_text(encoding="utf-8")), current)
             if previous != current:
                 changed = sorted(
                     k for k in {*previous, *current} if previous.get(k) != current.get(k)

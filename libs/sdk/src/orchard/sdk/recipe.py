@@ -6,7 +6,7 @@ the harnesses that drive them (built-in loops, the browser loops, or unmodified 
 such as ``program:claude-code``), the teacher
 that collects the first trajectories, the student model, and the stages in their fixed order::
 
-    collect -> credit -> curate -> sft -> rl -> evaluate
+    collect -> credit -> curate -> sft -> rl -> evaluate -> rerank
 
 Each stage has its own section; a stage left out keeps its defaults, and ``enabled: false``
 skips it. :func:`load_recipe` validates the whole file and reports every problem at once with
@@ -53,12 +53,15 @@ __all__ = [
     "GuiTasks",
     "JsonlTasks",
     "Recipe",
+    "Rerank",
+    "RlRubric",
+    "RubricDimension",
     "StepCurriculum",
     "builtin_recipe",
     "load_recipe",
 ]
 
-STAGES = ("collect", "credit", "curate", "sft", "rl", "evaluate")
+STAGES = ("collect", "credit", "curate", "sft", "rl", "evaluate", "rerank")
 """The stages, in the order a recipe runs them."""
 
 
@@ -405,6 +408,71 @@ class Critic(ConfigModel):
     gae_lambda: float = Field(default=1.0, ge=0, le=1, description="GAE lambda.")
 
 
+_BUILTIN_MODEL = re.compile(r"^builtin:[a-z0-9][a-z0-9-]*$")
+
+
+class OpdTeacher(ConfigModel):
+    """The teacher of ``estimator: opd``: ``train`` (a built-in model the recipe trains itself)
+    or ``model`` (an existing one). Its tokenizer must be the student's: the teacher scores the
+    student's own token ids."""
+
+    train: str | None = Field(
+        default=None,
+        description='A built-in size ("builtin:small": hidden 128, 4 layers; every built-in '
+        "size shares the built-in student's tokenizer) that the rl stage first trains by SFT, "
+        "with stages.sft's settings, on the same curated teacher trajectories the student's "
+        'SFT uses, publishes as "<recipe>-opd-teacher" and evaluates as "opd-teacher".',
+    )
+    epochs: int | None = Field(
+        default=None, ge=1, le=1000, description="The teacher's SFT epochs; default: stages.sft's."
+    )
+    learning_rate: float | None = Field(
+        default=None,
+        gt=0,
+        lt=1,
+        description="The teacher's SFT peak learning rate; default: stages.sft's.",
+    )
+    model: str | None = Field(
+        default=None,
+        min_length=1,
+        description="An existing teacher: a built-in size, the artifact URL of a Hugging Face "
+        "model folder (a published weight version's location is one) or the path of such a "
+        'folder; published as "<recipe>-opd-teacher" and evaluated as "opd-teacher".',
+    )
+
+    @model_validator(mode="after")
+    def _one_teacher(self) -> OpdTeacher:
+        if (self.train is None) == (self.model is None):
+            raise ValueError(
+                "give exactly one of teacher.train (a built-in size the recipe trains, e.g. "
+                "builtin:small) and teacher.model (an existing model)"
+            )
+        if self.train is None and (self.epochs or self.learning_rate):
+            raise ValueError("teacher.epochs and teacher.learning_rate configure teacher.train")
+        if self.train is not None and not _BUILTIN_MODEL.match(self.train):
+            raise ValueError(
+                f"teacher.train {self.train!r} is not a built-in size (e.g. builtin:small); "
+                "for a model of your own give teacher.model"
+            )
+        return self
+
+
+class Distillation(ConfigModel):
+    """On-policy distillation (``estimator: opd``): a teacher scores every token the student
+    sampled, and each token's advantage is ``coef`` x (teacher log-probability - student
+    log-probability): the student is pulled toward the teacher on its own trajectories."""
+
+    teacher: OpdTeacher | None = Field(
+        default=None, description="The teacher: {train: builtin:<size>} or {model: ...}."
+    )
+    coef: float = Field(
+        default=1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Scale of the teacher-minus-student log-ratio that is the advantage.",
+    )
+
+
 class StepCurriculum(ConfigModel):
     """A step budget that grows as the policy learns: RL steps run with the first of
     ``max_steps`` as the rollouts' step budget, and move to the next one once the training
@@ -446,17 +514,120 @@ class StepCurriculum(ConfigModel):
         return level, streak
 
 
+SCRIPTED_RUBRIC_IDS = ("R1", "R2", "R3", "R4", "R5", "R6", "R7")
+"""The dimensions the reward service's scripted rubric grader grades: its default rubric's."""
+_JUDGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+class RubricDimension(ConfigModel):
+    """One dimension of the rubric RL grades trajectories on."""
+
+    id: str = Field(min_length=1, description="Its id, e.g. R1.")
+    text: str = Field(
+        default="",
+        description="What the grader looks for; empty: the text of the reward service's "
+        "configured rubric dimension of this id.",
+    )
+    weight: float = Field(ge=0, le=1, allow_inf_nan=False, description="Share of the total.")
+
+
+class RlRubric(ConfigModel):
+    """Rubric-based process reward: each scored RL trajectory is also graded by orchard-reward's
+    GradeRubric, and trains on ``(1 - weight) x outcome + weight x rubric``. Success, resolve
+    counts and sampling stay on the outcome; a trajectory the judge cannot grade is left out of
+    training, never scored 0."""
+
+    weight: float = Field(
+        gt=0,
+        le=1,
+        allow_inf_nan=False,
+        description="The rubric's share of the reward trained on, in (0, 1]; 1: the rubric alone.",
+    )
+    judge: str = Field(
+        description='"builtin:scripted" (the reward service\'s scripted rubric grader, a '
+        'deterministic stand-in for a judge model, named "scripted" there) or the name of a '
+        "judge configured in orchard-reward (its judges.<name>).",
+    )
+    dimensions: list[RubricDimension] | None = Field(
+        default=None,
+        description="The rubric; weights sum to 1. Default: the reward service's configured "
+        "rubric (R1 patch quality 0.15, R2-R7 self-verification).",
+    )
+
+    @field_validator("judge")
+    @classmethod
+    def _judge(cls, value: str) -> str:
+        if value == "builtin:scripted":
+            return value
+        if urlparse(value).scheme in ("http", "https"):
+            raise ValueError(
+                "name a judge configured in orchard-reward (add it to its judges.<name> with "
+                "this base_url), not a URL; or builtin:scripted"
+            )
+        if value.startswith("builtin:"):
+            raise ValueError(
+                f"{value!r} grades no rubric: the built-in rubric judge is builtin:scripted"
+            )
+        if not _JUDGE_NAME.match(value):
+            raise ValueError(
+                "neither builtin:scripted nor a judge name (letters, digits, '.', '_', '-'; "
+                "as configured in orchard-reward's judges)"
+            )
+        return value
+
+    @field_validator("dimensions")
+    @classmethod
+    def _rubric(cls, value: list[RubricDimension] | None) -> list[RubricDimension] | None:
+        if value is None:
+            return value
+        if not value:
+            raise ValueError("give at least one dimension, or leave dimensions out")
+        ids = [d.id for d in value]
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        if twice:
+            raise ValueError(f"dimension {', '.join(twice)} appears twice")
+        total = math.fsum(d.weight for d in value)
+        if not math.isclose(total, 1.0, abs_tol=1e-6):
+            listing = ", ".join(f"{d.id}={d.weight:g}" for d in value)
+            raise ValueError(
+                f"the dimensions' weights must sum to 1, they sum to {total:g} ({listing})"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _scripted_grades_its_own(self) -> RlRubric:
+        if self.judge == "builtin:scripted" and self.dimensions:
+            unknown = [d.id for d in self.dimensions if d.id not in SCRIPTED_RUBRIC_IDS]
+            if unknown:
+                raise ValueError(
+                    f"builtin:scripted grades the default rubric's dimensions "
+                    f"({', '.join(SCRIPTED_RUBRIC_IDS)}) only, not {', '.join(unknown)}: use "
+                    "those ids or name a model judge"
+                )
+        return self
+
+    @property
+    def service_judge(self) -> str:
+        """The judge's name in orchard-reward (``scripted`` for builtin:scripted)."""
+        return "scripted" if self.judge == "builtin:scripted" else self.judge
+
+
 class Rl(Stage):
     """Policy-gradient training on the RL tasks, starting from the SFT model."""
 
     steps: int = Field(default=4, ge=1)
-    estimator: Literal["grpo", "ppo"] = Field(
+    estimator: Literal["grpo", "ppo", "opd"] = Field(
         default="grpo",
         description="grpo: group-relative advantages over the (task, harness) groups' "
         "trajectories; ppo: per-token advantages from a value model the stage pretrains on "
-        "the first step's rollouts (`critic`).",
+        "the first step's rollouts (`critic`); opd: on-policy distillation, per-token "
+        "advantages from a teacher's log-probabilities of the student's own samples "
+        "(`distillation`), no reward needed (every group trains).",
     )
     critic: Critic = Critic()
+    distillation: Distillation | None = Field(
+        default=None, description="The teacher of estimator: opd and its coefficient."
+    )
     groups_per_step: int = Field(default=4, ge=1)
     learning_rate: float = Field(default=5e-4, gt=0, lt=1)
     clip_low: float = Field(default=0.2, gt=0, lt=1)
@@ -473,6 +644,11 @@ class Rl(Stage):
         "no more than this.",
     )
     sampler: Sampler = Sampler()
+    rubric: RlRubric | None = Field(
+        default=None,
+        description="Rubric-based process reward: {weight, judge, dimensions}; each trajectory "
+        "trains on (1 - weight) x outcome + weight x rubric.",
+    )
     budget: Budget = Budget()
     curriculum: StepCurriculum | None = Field(
         default=None,
@@ -499,9 +675,33 @@ class Rl(Stage):
     def _critic_needs_ppo(self) -> Rl:
         if "critic" in self.model_fields_set and self.estimator != "ppo":
             raise ValueError("rl.critic configures the value model of estimator: ppo")
+        if self.distillation is not None and self.estimator != "opd":
+            raise ValueError("rl.distillation configures the teacher of estimator: opd")
+        if self.estimator == "opd":
+            if self.distillation is None or self.distillation.teacher is None:
+                raise ValueError(
+                    "estimator: opd needs a teacher: give rl.distillation.teacher, "
+                    "{train: builtin:small} (trained by the recipe on its curated teacher "
+                    "trajectories) or {model: <artifact URL or model folder>}"
+                )
+            if self.sampler.kind != "fixed":
+                raise ValueError(
+                    "estimator: opd learns from every group, successes and failures alike: "
+                    "set rl.sampler.kind: fixed (bar would spend rollouts up to n_max looking "
+                    "for groups of mixed outcome)"
+                )
         if self.curriculum is not None and "max_steps" in self.budget.model_fields_set:
             raise ValueError(
                 "rl.curriculum.max_steps sets the step budget: leave out rl.budget.max_steps"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _rubric_shapes_a_reward(self) -> Rl:
+        if self.rubric is not None and self.estimator == "opd":
+            raise ValueError(
+                "rl.rubric shapes the reward the policy trains on; estimator: opd trains on "
+                "none: leave one of them out"
             )
         return self
 
@@ -541,6 +741,74 @@ class Evaluate(Stage):
         return _check_harnesses(value)
 
 
+class Rerank(Stage):
+    """Best-of-k by a value model: a small model trained on rollouts of earlier policies (the
+    teacher's, the RL steps') predicts whether a trajectory succeeded; the evaluated policy
+    makes ``k`` attempts at every held-out task and the one it scores highest is kept. The
+    report sets pass@1, random-of-k, value-reranked and oracle pass@k side by side."""
+
+    enabled: bool = False
+    k: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description="Attempts per held-out task (and harness) to pick from, sampled at the "
+        "evaluate stage's temperature; the evaluate stage's own attempts are reused when it "
+        "made at least k.",
+    )
+    model: str | None = Field(
+        default=None,
+        min_length=1,
+        description="The evaluated model whose attempts are reranked (base, sft, rl, rl-base). "
+        "Default: the run's last model of its main line (rl, else sft, else base).",
+    )
+    sources: list[Literal["collect", "rl", "evaluate"]] = Field(
+        default=["collect", "rl"],
+        description="Which rollouts of earlier policies the value model trains on, in this run "
+        "and in each ``history`` run: collect (the teacher's), rl (the RL steps' groups and "
+        "validation runs, both lines), evaluate (the other models' held-out attempts: the same "
+        "tasks as the reranked ones, so off by default). Rollouts of the reranked model's own "
+        "weights are never used.",
+    )
+    history: list[Path] = Field(
+        default=[],
+        description="Run folders of earlier runs whose rollouts join the history; relative to "
+        "the recipe's folder.",
+    )
+    ngrams: int = Field(
+        default=2, ge=1, le=3, description="Longest word n-gram of the value model's features."
+    )
+    buckets: int = Field(
+        default=2**18,
+        ge=2**8,
+        le=2**22,
+        description="Size of the hashed feature space (one weight per bucket).",
+    )
+    l2: float = Field(
+        default=1e-3, gt=0, lt=10, description="L2 penalty of the logistic regression."
+    )
+    validation_fraction: float = Field(
+        default=0.25,
+        gt=0,
+        lt=1,
+        description="Share of the history's tasks (whole tasks, drawn with the run's seed) held "
+        "out to measure the value model before it is refitted on all of the history.",
+    )
+
+    @field_validator("sources")
+    @classmethod
+    def _distinct(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("a source is named twice")
+        return value
+
+    @model_validator(mode="after")
+    def _has_history(self) -> Rerank:
+        if self.enabled and not self.sources and not self.history:
+            raise ValueError("no history: give sources, history runs, or both")
+        return self
+
+
 class Stages(ConfigModel):
     """The stages; each one left out keeps its defaults."""
 
@@ -550,6 +818,7 @@ class Stages(ConfigModel):
     sft: Sft = Sft()
     rl: Rl = Rl()
     evaluate: Evaluate = Evaluate()
+    rerank: Rerank = Rerank()
 
     def enabled(self) -> list[str]:
         """Names of the stages that run, in order."""
@@ -624,6 +893,23 @@ class Recipe(ConfigModel):
                 "stages.rl.from_base runs RL from the base model beside RL from the SFT model: "
                 "it needs stages.sft (without SFT, RL starts from the base model anyway)"
             )
+        teacher = stages.rl.distillation.teacher if stages.rl.distillation else None
+        if stages.rl.enabled and teacher is not None and teacher.train is not None:
+            if not (stages.collect.enabled and stages.curate.enabled):
+                raise ValueError(
+                    f"stages.rl.distillation.teacher.train trains {teacher.train} on the curated "
+                    "teacher trajectories: it needs stages.collect and stages.curate"
+                )
+            if not self.student.model.startswith("builtin:"):
+                raise ValueError(
+                    f"stages.rl.distillation.teacher.train ({teacher.train}) has the built-in "
+                    f"tokenizer, and student.model {self.student.model!r} may not: the teacher "
+                    "must share the student's tokenizer; give teacher.model a model that does"
+                )
+        if stages.rerank.enabled and not stages.evaluate.enabled:
+            raise ValueError(
+                "stages.rerank reranks the evaluated models' attempts: it needs stages.evaluate"
+            )
         held_out = set(self.harnesses) & set(stages.evaluate.harnesses)
         if held_out:
             raise ValueError(
@@ -683,6 +969,12 @@ class Recipe(ConfigModel):
             }
             update["tasks"] = self.tasks.model_copy(
                 update={"jsonl": jsonl.model_copy(update=files)}
+            )
+        rerank = self.stages.rerank
+        if rerank.history:
+            runs = [at(run) or run for run in rerank.history]
+            update["stages"] = self.stages.model_copy(
+                update={"rerank": rerank.model_copy(update={"history": runs})}
             )
         return self.model_copy(update=update)
 

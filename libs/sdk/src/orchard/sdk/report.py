@@ -30,6 +30,12 @@ __all__ = [
     "GroupStats",
     "HarnessEvaluation",
     "ModelEvaluation",
+    "RerankFigure",
+    "Reranking",
+    "RlRun",
+    "RlStep",
+    "RubricReward",
+    "RubricRewardStep",
     "RunReport",
     "ServiceStats",
     "TrailLink",
@@ -41,8 +47,9 @@ __all__ = [
 ]
 
 
-def wilson_interval(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:
-    """The Wilson score interval of a binomial proportion; (0, 1) when there were no trials."""
+def wilson_interval(successes: float, trials: int, confidence: float = 0.95) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion; (0, 1) when there were no trials.
+    ``successes`` may be fractional (a mean of per-trial values in [0, 1] times ``trials``)."""
     if not 0 <= successes <= trials:
         raise ValueError(f"need 0 <= successes <= trials, got {successes} of {trials}")
     if not 0 < confidence < 1:
@@ -142,6 +149,82 @@ class GroupStats:
 
 
 @dataclass(frozen=True, slots=True)
+class RlStep:
+    """One RL step as the report shows it."""
+
+    step: int
+    rollouts: int
+    """Rollouts the step's rollout job ran (its cost, groups not taken included)."""
+    reward_mean: float | None = None
+    """Over the step's scored rollouts; None: none was scored."""
+    loss: float | None = None
+    """None: no update this step."""
+    distill_reverse_kl: float | None = None
+    """On-policy distillation: the trainer's mean student-minus-teacher log-probability over
+    the step's loss tokens (the reverse-KL estimate training lowers)."""
+    published: str | None = None
+    """The weight version the step published."""
+
+
+ESTIMATORS = {
+    "grpo": "group-relative advantages over each group's rewards",
+    "ppo": "per-token advantages from a value model",
+    "opd": "on-policy distillation: each token the student sampled has the advantage "
+    "coef x (teacher - student log-probability); no reward is needed",
+}
+"""What each RL estimator is, in words."""
+
+
+@dataclass(frozen=True, slots=True)
+class RlRun:
+    """How the RL stage trained and what each of its steps did."""
+
+    estimator: str
+    """"grpo", "ppo" or "opd"."""
+    sampler: str = ""
+    steps: tuple[RlStep, ...] = ()
+    teacher: str = ""
+    """On-policy distillation: the teacher in words (size, how it was trained, its figures)."""
+    verdict: str = ""
+    """What RL did to the held-out resolve rate, in words."""
+
+    @property
+    def rollouts(self) -> int:
+        return sum(s.rollouts for s in self.steps)
+
+
+@dataclass(frozen=True, slots=True)
+class RubricRewardStep:
+    """One RL step's figures under the rubric process reward."""
+
+    step: int
+    outcome_mean: float | None
+    """Mean outcome reward of the step's scored rollouts (what success is decided on)."""
+    rubric_mean: float | None
+    """Mean rubric score of the rollouts graded this step; None: none was."""
+    graded: int
+    excluded: int
+    """Rollouts the judge did not grade: left out of training, never scored 0."""
+    groups_with_signal_by_outcome: int = 0
+    groups_with_signal: int = 0
+    """Groups whose combined rewards differ (what trains)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RubricReward:
+    """Rubric-based process reward in RL (`stages.rl.rubric`): each trajectory trained on
+    ``(1 - weight) x outcome + weight x rubric``."""
+
+    judge: str
+    weight: float
+    stand_in: bool
+    """The judge is the reward service's scripted rubric grader, not a model."""
+    line: str = "rl"
+    """The line of weights ("rl", or "rl from base")."""
+    steps: tuple[RubricRewardStep, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class TrajectoryCounts:
     """Where the trajectories of a run went."""
 
@@ -195,6 +278,59 @@ class RunReport:
     trails: tuple[TrailLink, ...] = ()
     """Screenshot trail pages already written in the report folder (their index beside them,
     `TRAILS_INDEX`); empty: the section is left out."""
+    rl: RlRun | None = None
+    """The RL stage's estimator and steps; None: no RL stage ran."""
+    rerank: Reranking | None = None
+    """Best-of-k by a value model (the rerank stage); None: the stage did not run."""
+    rubric: tuple[RubricReward, ...] = ()
+    """The rubric process reward of each RL line that had one; empty: RL ran without."""
+
+
+@dataclass(frozen=True, slots=True)
+class RerankFigure:
+    """One of the rerank stage's four figures: a share of the held-out (task, harness) pairs."""
+
+    name: str
+    """"pass@1", "random-of-k", "value-reranked" or "oracle pass@k"."""
+    successes: float
+    """Sum over the pairs of each pair's value in [0, 1] (random-of-k's is c / k)."""
+    tasks: int
+
+    @property
+    def rate(self) -> float:
+        return self.successes / self.tasks if self.tasks else 0.0
+
+
+RERANK_MEANINGS = {
+    "pass@1": "one attempt per task (the first of the k): what a single try gets",
+    "random-of-k": "one of the k attempts picked at random, in expectation (c / k per task)",
+    "value-reranked": "the attempt the value model scores highest",
+    "oracle pass@k": "any of the k attempts succeeded: the most any picker can get",
+}
+"""The rerank figures in plain words."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reranking:
+    """Best-of-k by a value model trained on earlier policies' rollouts."""
+
+    model: str
+    k: int
+    figures: tuple[RerankFigure, ...]
+    """pass@1, random-of-k, value-reranked (absent without a value model), oracle pass@k."""
+    tasks_short: int = 0
+    """(task, harness) pairs with fewer than k scored attempts, left out."""
+    history: str = ""
+    """What the value model trained on, in words."""
+    value_model: str = ""
+    """How it was measured on held-out tasks of the history, or why there is none."""
+    evaluation_auc: float | None = None
+    """Its AUC on the reranked model's attempts (trained on earlier policies)."""
+    within_task_accuracy: float | None = None
+    """Among pairs of attempts at one task with different outcomes: how often the success
+    scored higher."""
+    verdict: str = ""
+    notes: tuple[str, ...] = ()
 
 
 TRAILS_INDEX = "trails/index.html"
@@ -256,11 +392,14 @@ def write_report(report: RunReport, folder: Path) -> Path:
     plots = _plots(report, folder)
     lines = [f"# {report.title}", ""]
     lines += _evaluation_section(report, plots)
+    lines += _rl_section(report.rl)
+    lines += _rubric_section(report.rubric, report.rl is not None)
     lines += _curves_section(report, plots)
     lines += _groups_section(report)
     lines += _trajectories_section(report.trajectories)
     lines += _services_section(report.services)
     lines += _trails_section(report.trails)
+    lines += _rerank_section(report.rerank, report.confidence)
     if report.stage_seconds:
         lines += ["## Time per stage", "", "| stage | seconds |", "|---|---:|"]
         lines += [f"| {name} | {s:.1f} |" for name, s in report.stage_seconds.items()]
@@ -344,6 +483,84 @@ def _harness_table(report: RunReport) -> list[str]:
             "",
         ]
     return lines
+
+
+def _rl_section(rl: RlRun | None) -> list[str]:
+    if rl is None:
+        return []
+    what = ESTIMATORS.get(rl.estimator, rl.estimator)
+    per_step = ", ".join(str(s.rollouts) for s in rl.steps) or "-"
+    lines = [
+        "## Reinforcement learning",
+        "",
+        f"- estimator: {rl.estimator} ({what})"
+        + (f"; sampler: {rl.sampler}" if rl.sampler else ""),
+    ]
+    if rl.teacher:
+        lines.append(f"- teacher: {rl.teacher}")
+    lines.append(
+        f"- rollouts run: {rl.rollouts} over {len(rl.steps)} step(s) (per step: {per_step}; "
+        "those of groups a step did not take included)"
+    )
+    if rl.verdict:
+        lines.append(f"- {rl.verdict}")
+    lines.append("")
+    if not rl.steps:
+        return lines
+    distilled = any(s.distill_reverse_kl is not None for s in rl.steps)
+
+    def number(value: float | None) -> str:
+        return "-" if value is None else f"{value:.4g}"
+
+    head = "| step | rollouts | reward mean | loss |"
+    rule = "|---:|---:|---:|---:|"
+    if distilled:
+        head += " distill reverse KL |"
+        rule += "---:|"
+    lines += [head + " published |", rule + "---|"]
+    for s in rl.steps:
+        row = f"| {s.step} | {s.rollouts} | {number(s.reward_mean)} | {number(s.loss)} |"
+        if distilled:
+            row += f" {number(s.distill_reverse_kl)} |"
+        lines.append(row + f" {s.published or '-'} |")
+    return [*lines, ""]
+
+
+def _rubric_section(lines_of_weights: Sequence[RubricReward], under_rl: bool) -> list[str]:
+    if not lines_of_weights:
+        return []
+    lines = ["### Rubric process reward" if under_rl else "## Reinforcement learning", ""]
+    for r in lines_of_weights:
+        judge = r.judge + (
+            " (the reward service's scripted rubric grader: a deterministic stand-in for a "
+            "judge model, grading from the agent's tool calls)"
+            if r.stand_in
+            else ""
+        )
+        lines += [
+            f"- {r.line}: rubric process reward on, weight {r.weight:g}, judge {judge}: each "
+            f"trajectory trained on (1 - {r.weight:g}) x outcome + {r.weight:g} x rubric; "
+            "success, resolve counts and sampling used the outcome alone; a trajectory the "
+            "judge did not grade was left out of training, never scored 0",
+        ]
+    lines += [
+        "",
+        "| line | step | mean outcome reward | mean rubric score | graded | excluded "
+        "| groups with signal (outcome / combined) |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+
+    def number(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    for r in lines_of_weights:
+        for s in r.steps:
+            lines.append(
+                f"| {r.line} | {s.step} | {number(s.outcome_mean)} | {number(s.rubric_mean)} | "
+                f"{s.graded} | {s.excluded} | {s.groups_with_signal_by_outcome} / "
+                f"{s.groups_with_signal} |"
+            )
+    return [*lines, ""]
 
 
 def _curves_section(report: RunReport, plots: Mapping[str, str]) -> list[str]:
@@ -437,6 +654,50 @@ def _markdown_text(text: str) -> str:
         .replace("`", "\\`")
         .replace("\n", " ")
     )
+
+
+def _rerank_section(rerank: Reranking | None, confidence: float) -> list[str]:
+    if rerank is None:
+        return []
+    level = f"{confidence:.0%}"
+    tasks = rerank.figures[0].tasks if rerank.figures else 0
+    lines = [
+        f"## Best-of-{rerank.k} by a value model ({rerank.model})",
+        "",
+        f"The {rerank.model} model made {rerank.k} attempts at each of {tasks} held-out "
+        "(task, harness) pairs"
+        + (f" ({rerank.tasks_short} more had fewer scored attempts and are left out)"
+           if rerank.tasks_short else "")
+        + ". A value model trained only on earlier policies' rollouts scores every attempt.",
+        "",
+        f"| figure | what it is | rate | {level} interval |",
+        "|---|---|---:|---|",
+    ]  # fmt: skip
+    for f in rerank.figures:
+        low, high = wilson_interval(f.successes, f.tasks, confidence)
+        lines.append(
+            f"| {f.name} | {RERANK_MEANINGS.get(f.name, '')} | {f.rate:.1%} | "
+            f"{low:.1%} to {high:.1%} |"
+        )
+    lines.append("")
+
+    def number(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    if rerank.verdict:
+        lines.append(f"- {rerank.verdict}")
+    if rerank.history:
+        lines.append(f"- history: {rerank.history}")
+    if rerank.value_model:
+        lines.append(f"- value model: {rerank.value_model}")
+    lines.append(
+        f"- on the {rerank.model} model's attempts (a policy it never saw): AUC "
+        f"{number(rerank.evaluation_auc)}, within-task ranking accuracy "
+        f"{number(rerank.within_task_accuracy)} (0.5 is chance; - : not defined, e.g. no "
+        "success or no failure among the attempts)"
+    )
+    lines += [f"- {note}" for note in rerank.notes]
+    return [*lines, ""]
 
 
 def _trails_section(trails: Sequence[TrailLink]) -> list[str]:
@@ -573,6 +834,15 @@ def _save(figure: object, path: Path, pyplot: object) -> str:
 
 def _as_json(report: RunReport) -> dict[str, object]:
     data = asdict(report)
+    if report.rerank is not None:
+        data["rerank"]["figures"] = [
+            {
+                **asdict(f),
+                "rate": f.rate,
+                "interval": list(wilson_interval(f.successes, f.tasks, report.confidence)),
+            }
+            for f in report.rerank.figures
+        ]
     data["evaluations"] = [
         {
             **asdict(e),

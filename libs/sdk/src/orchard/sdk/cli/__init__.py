@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from orchard.sdk.cli.bench import add_bench_commands
+from orchard.sdk.cli.experiment import add_experiment_commands
 from orchard.sdk.cli.images import add_images_commands
 from orchard.sdk.cli.recipe import add_recipe_commands
 from orchard.sdk.cli.sandbox import UsageError, add_sandbox_commands
@@ -62,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
             "  orchard sandbox rm ID...        delete sandboxes\n"
             "  orchard bench env               N sandboxes through create, exec, delete\n"
             "  orchard recipe check FILE       validate a recipe, show its stages\n"
+            "  orchard recipe run FILE         train: a recipe's stages, ending in a report\n"
+            "  orchard experiment run FILE     a recipe under several settings and seeds\n"
             "  orchard images prepull IMAGE... pull images on cluster nodes ahead of a run\n"
             "\n"
             "example:\n"
@@ -94,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sandbox_commands(subparsers, _connect, _Formatter)
     add_bench_commands(subparsers, _Formatter)
     add_recipe_commands(subparsers, _Formatter)
+    add_experiment_commands(subparsers, _Formatter)
     add_images_commands(subparsers, _Formatter)
     return parser
 

@@ -12,7 +12,7 @@ from orchard.core.config import ConfigError
 from orchard.sdk.cli.output import print_json, print_table
 from orchard.sdk.recipe import BUILTIN_RECIPES, STAGES, Recipe, builtin_recipe, load_recipe
 
-__all__ = ["add_recipe_commands"]
+__all__ = ["add_recipe_commands", "stack_from_args", "stack_options"]
 
 
 def add_recipe_commands(subparsers: Any, formatter: type[argparse.HelpFormatter]) -> None:
@@ -75,17 +75,25 @@ def add_recipe_commands(subparsers: Any, formatter: type[argparse.HelpFormatter]
         default=[],
         help="run only this stage (again); repeatable",
     )
-    run.add_argument("--workers", type=int, default=4, help="rollouts that run at once (default 4)")
     run.add_argument("--seed", type=int, default=0, help="seed of the run (default 0)")
-    run.add_argument("--no-progress", action="store_true", help="no progress bars")
-    run.add_argument(
+    stack_options(run)
+    run.set_defaults(run=_run)
+
+
+def stack_options(parser: argparse.ArgumentParser) -> None:
+    """The options of commands that run recipes: workers, progress, and which services."""
+    parser.add_argument(
+        "--workers", type=int, default=4, help="rollouts that run at once (default 4)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument(
         "--state-dir",
         type=Path,
         default=None,
         help="the state dir of the `orchard up` to use (default: $ORCHARD_STATE_DIR, else "
         "the standard one)",
     )
-    run.add_argument(
+    parser.add_argument(
         "--stack",
         type=Path,
         default=None,
@@ -93,7 +101,30 @@ def add_recipe_commands(subparsers: Any, formatter: type[argparse.HelpFormatter]
         "reward, rollout, trainer (HOST:PORT), etcd (URL), artifacts (the store's URL); the "
         "token of orchard-env from $ORCHARD_TOKEN",
     )
-    run.set_defaults(run=_run)
+
+
+def stack_from_args(args: argparse.Namespace) -> Any:
+    """The `StackEndpoints` the options of `stack_options` name, or None after saying on
+    stderr what is wrong (the orchard-recipes package missing, no `orchard up` running, a bad
+    stack file)."""
+    if args.workers < 1:
+        sys.stderr.write("orchard: --workers must be at least 1\n")
+        return None
+    try:
+        from orchard.recipes.workspace import StackEndpoints  # noqa: PLC0415
+    except ImportError:
+        sys.stderr.write(
+            "orchard: running recipes needs the orchard-recipes package (pip install "
+            "orchard-recipes), the client that runs a recipe's stages against the services\n"
+        )
+        return None
+    try:
+        if args.stack is not None:
+            return StackEndpoints.from_file(args.stack)
+        return StackEndpoints.from_state_dir(args.state_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        sys.stderr.write(f"orchard: {exc}\n")
+        return None
 
 
 def _builtin_option(parser: argparse.ArgumentParser) -> None:
@@ -150,29 +181,15 @@ def _check(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     path = _path(args)
-    if args.workers < 1:
-        sys.stderr.write("orchard: --workers must be at least 1\n")
-        return 2
     recipe = _load(path)
     if recipe is None:
         return 2
-    try:
-        from orchard.recipes.pipeline import StageError, run_recipe  # noqa: PLC0415
-        from orchard.recipes.workspace import RecipeMismatch, StackEndpoints  # noqa: PLC0415
-    except ImportError:
-        sys.stderr.write(
-            "orchard: running recipes needs the orchard-recipes package (pip install "
-            "orchard-recipes), the client that runs a recipe's stages against the services\n"
-        )
+    stack = stack_from_args(args)
+    if stack is None:
         return 2
-    try:
-        if args.stack is not None:
-            stack = StackEndpoints.from_file(args.stack)
-        else:
-            stack = StackEndpoints.from_state_dir(args.state_dir)
-    except (FileNotFoundError, ValueError) as exc:
-        sys.stderr.write(f"orchard: {exc}\n")
-        return 2
+    from orchard.recipes.pipeline import StageError, run_recipe  # noqa: PLC0415
+    from orchard.recipes.workspace import RecipeMismatch  # noqa: PLC0415
+
     try:
         report = run_recipe(
             recipe,
@@ -244,10 +261,24 @@ def _settings(recipe: Recipe, name: str) -> str:
         )
     if name == "rl":
         sampler = s.rl.sampler
-        estimator = "PPO (value model)" if s.rl.estimator == "ppo" else "GRPO"
+        estimator = {"ppo": "PPO (value model)", "grpo": "GRPO"}.get(s.rl.estimator, "")
+        distillation = s.rl.distillation
+        if distillation is not None and distillation.teacher is not None:
+            teacher = distillation.teacher
+            how = f"trained {teacher.train}" if teacher.train else f"model {teacher.model}"
+            estimator = f"OPD (teacher: {how}, coef {distillation.coef:g})"
+        rubric = s.rl.rubric
+        shaped = f", rubric process reward {rubric.weight:g} by {rubric.judge}" if rubric else ""
         return (
             f"{s.rl.steps} steps x {s.rl.groups_per_step} groups, {sampler.kind} N={sampler.n}, "
-            f"{estimator}"
+            f"{estimator}{shaped}"
+        )
+    if name == "rerank":
+        rerank = s.rerank
+        history = f" + {len(rerank.history)} earlier run(s)" if rerank.history else ""
+        return (
+            f"best of {rerank.k} by a value model of {rerank.model or 'the last'} model, "
+            f"history {'+'.join(rerank.sources) or '-'}{history}"
         )
     k = s.evaluate.attempts_per_task
     passk = f", pass@{k} and pass^{k}" if k > 1 else ""

@@ -242,7 +242,8 @@ def _reward_config(stack: LocalStack, address: str) -> dict[str, Any]:
     return {
         "server": {"listen": [address]},
         "env": {"endpoint": stack.listen, "token_env": ENV_TOKEN_VARIABLE},
-        # The default model judge, and the scripted credit judge recipes name "scripted".
+        # The default model judge, and the scripted judge recipes name "scripted" (credit and
+        # the scripted rubric grader).
         "judges": {"default": {}, "scripted": {"kind": "scripted"}},
     }
 
