@@ -122,3 +122,12 @@ def test_orchard_experiment_check_lists_the_runs(
     bad = _write(tmp_path, {**EXPERIMENT, "seeds": [2, 2]})
     assert main(["experiment", "check", str(bad)]) == 2
     assert "a seed is listed twice" in capsys.readouterr().err
+
+
+def test_orchard_experiment_run_names_an_unknown_arm_or_seed_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _write(tmp_path, EXPERIMENT)
+    assert main(["experiment", "run", str(path), "--arm", "nope", "--seed", "7"]) == 2
+    err = capsys.readouterr().err
+    assert "has no arm or seed nope, 7" in err and "its arms are main, resolved-only" in err

@@ -119,6 +119,16 @@ def _run(args: argparse.Namespace) -> int:
     if loaded is None:
         return 2
     experiment, out = loaded
+    names = [arm.name for arm in experiment.arms]
+    unknown = [a for a in args.arm if a not in names] + [
+        str(s) for s in args.seed if s not in experiment.seeds
+    ]
+    if unknown:
+        sys.stderr.write(
+            f"orchard: {args.file} has no arm or seed {', '.join(unknown)}: its arms are "
+            f"{', '.join(names)}; its seeds {', '.join(map(str, experiment.seeds))}\n"
+        )
+        return 2
     stack = stack_from_args(args)
     if stack is None:
         return 2
