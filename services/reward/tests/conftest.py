@@ -1,5 +1,6 @@
 """Fixtures for the tests that score in real sandboxes: a private orchard-env (etcd and the
-local runtime; root) per test module, and the REAL reward gRPC server pointed at it."""
+local runtime; root) per test module, and the REAL reward gRPC server pointed at it; and a
+reward server without sandboxes whose judges are the scripted one and an unreachable model."""
 
 from __future__ import annotations
 
@@ -17,13 +18,38 @@ import pytest
 import pytest_asyncio
 
 from orchard.core.config import ServerConfig
-from orchard.reward.config import EnvServiceConfig, RewardConfig
+from orchard.reward.config import (
+    EnvServiceConfig,
+    JudgeConfig,
+    RewardConfig,
+    ScriptedJudgeConfig,
+)
 from orchard.reward.main import RewardApplication
 from orchard.reward.v1 import reward_service_pb2_grpc
 from orchard.sdk.cli.host_probe import remove_cgroup_parent
 from orchard.sdk.cli.stack import LocalStack, StackError
 
 TOKEN_ENV = "REWARD_TEST_ENV_TOKEN"
+
+
+@pytest.fixture
+async def scripted_stub() -> AsyncIterator[reward_service_pb2_grpc.RewardServiceStub]:
+    """A real reward server whose judges are ``scripted`` and the default ``model``, an
+    endpoint where nothing listens (a call to it gets no answer: EXCLUDED)."""
+    config = RewardConfig(
+        server=ServerConfig(listen=["127.0.0.1:0"]),
+        judges={
+            "model": JudgeConfig(
+                base_url=f"http://127.0.0.1:{_free_port()}/v1", model="m", max_attempts=1
+            ),
+            "scripted": ScriptedJudgeConfig(kind="scripted"),
+        },
+        default_judge="model",
+    )
+    async with RewardApplication(config).server() as server:
+        await server.set_serving()
+        async with grpc.aio.insecure_channel(server.addresses[0]) as channel:
+            yield reward_service_pb2_grpc.RewardServiceStub(channel)
 
 
 def _free_port() -> int:

@@ -4,8 +4,6 @@ with it in process (no chat endpoint anywhere: the model judge below points at a
 from __future__ import annotations
 
 import json
-import socket
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -52,31 +50,6 @@ def test_the_scripted_judge_rises_on_reading_and_drops_at_the_last_edit() -> Non
         judge_reply("What is the capital of France?")
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@pytest.fixture
-async def stub() -> AsyncIterator[reward_service_pb2_grpc.RewardServiceStub]:
-    config = RewardConfig(
-        server=ServerConfig(listen=["127.0.0.1:0"]),
-        judges={
-            # Never reached: a call to it would fail (and be retried), not answer.
-            "model": JudgeConfig(
-                base_url=f"http://127.0.0.1:{_closed_port()}/v1", model="m", max_attempts=1
-            ),
-            "scripted": ScriptedJudgeConfig(kind="scripted"),
-        },
-        default_judge="model",
-    )
-    async with RewardApplication(config).server() as server:
-        await server.set_serving()
-        async with grpc.aio.insecure_channel(server.addresses[0]) as channel:
-            yield reward_service_pb2_grpc.RewardServiceStub(channel)
-
-
 def _teacher_failure() -> trajectory_pb2.Trajectory:
     """A failed teacher trajectory as the collect stage records it: one bash call a turn."""
     message = trajectory_pb2.Trajectory(id="t-1", task_id="rules-3")
@@ -97,12 +70,12 @@ def _teacher_failure() -> trajectory_pb2.Trajectory:
 
 
 async def test_assign_credit_with_the_scripted_judge_gives_the_recipe_curve(
-    stub: reward_service_pb2_grpc.RewardServiceStub,
+    scripted_stub: reward_service_pb2_grpc.RewardServiceStub,
 ) -> None:
     request = api.AssignCreditRequest(
         trajectory=_teacher_failure(), epsilon=0.05, task="fix rules", judge="scripted"
     )
-    reply = await stub.AssignCredit(request, timeout=10)
+    reply = await scripted_stub.AssignCredit(request, timeout=10)
     assert reply.reward.status == reward_pb2.REWARD_STATUS_SCORED, reply.reward
     assert reply.credit.estimator == "judge:scripted-judge"
     assert list(reply.credit.step_values) == pytest.approx([0.4, 0.5, 0.1, 0.05])
@@ -112,7 +85,9 @@ async def test_assign_credit_with_the_scripted_judge_gives_the_recipe_curve(
     for index in range(3):
         turn = flat.turns.add(index=index, input_text="x")
         turn.tool_calls.add(name="bash", arguments_json='{"command": "echo hi"}')
-    reply = await stub.AssignCredit(api.AssignCreditRequest(trajectory=flat, judge="scripted"))
+    reply = await scripted_stub.AssignCredit(
+        api.AssignCreditRequest(trajectory=flat, judge="scripted")
+    )
     assert reply.reward.status == reward_pb2.REWARD_STATUS_SCORED
     assert list(reply.credit.rise_segments) == []
 
@@ -125,15 +100,17 @@ async def _code(call: Any) -> tuple[grpc.StatusCode, str, str]:
 
 
 async def test_the_scripted_judge_answers_credit_only(
-    stub: reward_service_pb2_grpc.RewardServiceStub,
+    scripted_stub: reward_service_pb2_grpc.RewardServiceStub,
 ) -> None:
     code, details, reason = await _code(
-        stub.JudgeOutcome(api.JudgeOutcomeRequest(intent="buy milk", judge="scripted"))
+        scripted_stub.JudgeOutcome(api.JudgeOutcomeRequest(intent="buy milk", judge="scripted"))
     )
     assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "FAILED_PRECONDITION")
     assert "answers AssignCredit and GradeRubric only" in details and "model" in details
     code, details, _ = await _code(
-        stub.AssignCredit(api.AssignCreditRequest(trajectory=_teacher_failure(), judge="oracle"))
+        scripted_stub.AssignCredit(
+            api.AssignCreditRequest(trajectory=_teacher_failure(), judge="oracle")
+        )
     )
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert "unknown judge 'oracle'" in details and "model, scripted" in details
@@ -147,13 +124,15 @@ async def test_a_scripted_default_judge_grades_rubrics_it_knows_and_answers_cred
     async with RewardApplication(config).server() as server:
         await server.set_serving()
         async with grpc.aio.insecure_channel(server.addresses[0]) as channel:
-            stub = reward_service_pb2_grpc.RewardServiceStub(channel)
+            scripted_stub = reward_service_pb2_grpc.RewardServiceStub(channel)
             request = api.GradeRubricRequest(trajectory=_teacher_failure())
-            reply = await stub.GradeRubric(request)
+            reply = await scripted_stub.GradeRubric(request)
             assert reply.reward.status == reward_pb2.REWARD_STATUS_SCORED
             assert sorted(reply.reward.components) == [f"R{i}" for i in range(1, 8)]
             # The default judge answers credit with no name given.
-            reply = await stub.AssignCredit(api.AssignCreditRequest(trajectory=_teacher_failure()))
+            reply = await scripted_stub.AssignCredit(
+                api.AssignCreditRequest(trajectory=_teacher_failure())
+            )
             assert reply.credit.estimator == "judge:scripted-judge"
     # A configured rubric of other dimensions is the operator's to fix.
     config = config.model_copy(
@@ -162,9 +141,9 @@ async def test_a_scripted_default_judge_grades_rubrics_it_knows_and_answers_cred
     async with RewardApplication(config).server() as server:
         await server.set_serving()
         async with grpc.aio.insecure_channel(server.addresses[0]) as channel:
-            stub = reward_service_pb2_grpc.RewardServiceStub(channel)
+            scripted_stub = reward_service_pb2_grpc.RewardServiceStub(channel)
             request = api.GradeRubricRequest(trajectory=_teacher_failure())
-            code, details, _ = await _code(stub.GradeRubric(request))
+            code, details, _ = await _code(scripted_stub.GradeRubric(request))
             assert code == grpc.StatusCode.FAILED_PRECONDITION
             assert "R1, R2, R3, R4, R5, R6, R7" in details and "Q1" in details
 

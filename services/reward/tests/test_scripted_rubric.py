@@ -4,17 +4,13 @@ server on loopback (and its grades in process for the finer cases)."""
 from __future__ import annotations
 
 import json
-import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
 import pytest
 
-from orchard.core.config import ServerConfig
 from orchard.core.errors import error_info
-from orchard.reward.config import JudgeConfig, RewardConfig, ScriptedJudgeConfig
-from orchard.reward.main import RewardApplication
 from orchard.reward.rubric import DEFAULT_RUBRIC
 from orchard.reward.scripted_rubric import actions_of, grade_scripted, task_files
 from orchard.reward.v1 import reward_service_pb2 as api
@@ -23,31 +19,6 @@ from orchard.types.v1 import reward_pb2, trajectory_pb2
 
 TASK = "`pick_trips(24)` returns False, but the rule is 'at least 24'. Fix src/quarry0/rules.py."
 VERIFICATION = ("R2", "R3", "R4", "R5", "R6", "R7")
-
-
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@pytest.fixture
-async def stub() -> AsyncIterator[reward_service_pb2_grpc.RewardServiceStub]:
-    config = RewardConfig(
-        server=ServerConfig(listen=["127.0.0.1:0"]),
-        judges={
-            # The default: nothing listens there, so it gives no grades (EXCLUDED).
-            "model": JudgeConfig(
-                base_url=f"http://127.0.0.1:{_closed_port()}/v1", model="m", max_attempts=1
-            ),
-            "scripted": ScriptedJudgeConfig(kind="scripted"),
-        },
-        default_judge="model",
-    )
-    async with RewardApplication(config).server() as server:
-        await server.set_serving()
-        async with grpc.aio.insecure_channel(server.addresses[0]) as channel:
-            yield reward_service_pb2_grpc.RewardServiceStub(channel)
 
 
 Step = tuple[str, dict[str, Any], str]
@@ -89,7 +60,7 @@ UNTESTED = _trajectory(
 
 
 async def _grade(
-    stub: reward_service_pb2_grpc.RewardServiceStub,
+    scripted_stub: reward_service_pb2_grpc.RewardServiceStub,
     trajectory: trajectory_pb2.Trajectory,
     judge: str = "scripted",
     dimensions: Sequence[api.RubricDimension] = (),
@@ -97,7 +68,7 @@ async def _grade(
     request = api.GradeRubricRequest(
         trajectory=trajectory, task=TASK, judge=judge, dimensions=dimensions
     )
-    reply = await stub.GradeRubric(request, timeout=10)
+    reply = await scripted_stub.GradeRubric(request, timeout=10)
     return reply.reward
 
 
@@ -107,10 +78,10 @@ def _verification(reward: reward_pb2.Reward) -> float:
 
 
 async def test_editing_then_testing_scores_higher_on_self_verification(
-    stub: reward_service_pb2_grpc.RewardServiceStub,
+    scripted_stub: reward_service_pb2_grpc.RewardServiceStub,
 ) -> None:
-    verified = await _grade(stub, VERIFIED)
-    untested = await _grade(stub, UNTESTED)
+    verified = await _grade(scripted_stub, VERIFIED)
+    untested = await _grade(scripted_stub, UNTESTED)
     for reward in (verified, untested):
         assert reward.status == reward_pb2.REWARD_STATUS_SCORED
         assert reward.scorer == "rubric" and "stand-in for a judge model" in reward.detail
@@ -128,13 +99,13 @@ async def test_editing_then_testing_scores_higher_on_self_verification(
         sum(weight[k] * v for k, v in verified.components.items())
     )
     # Deterministic: the same trajectory, the same reward.
-    assert await _grade(stub, VERIFIED) == verified
+    assert await _grade(scripted_stub, VERIFIED) == verified
 
 
 async def test_the_evidence_cites_the_turns_it_rests_on(
-    stub: reward_service_pb2_grpc.RewardServiceStub,
+    scripted_stub: reward_service_pb2_grpc.RewardServiceStub,
 ) -> None:
-    reward = await _grade(stub, VERIFIED)
+    reward = await _grade(scripted_stub, VERIFIED)
     cited = {e.title.split()[0]: e for e in reward.evidence}
     assert set(cited) == {d.id for d in DEFAULT_RUBRIC}
     expected = {"R1": 2, "R2": 1, "R3": 1, "R6": 3, "R7": 4}
@@ -149,26 +120,26 @@ async def test_the_evidence_cites_the_turns_it_rests_on(
 
 
 async def test_a_request_chooses_its_judge(
-    stub: reward_service_pb2_grpc.RewardServiceStub,
+    scripted_stub: reward_service_pb2_grpc.RewardServiceStub,
 ) -> None:
     # Empty: the configured default, a model judge that cannot be reached: excluded, not 0.
-    default = await _grade(stub, VERIFIED, judge="")
+    default = await _grade(scripted_stub, VERIFIED, judge="")
     assert default.status == reward_pb2.REWARD_STATUS_EXCLUDED
     assert default.exclusion == reward_pb2.EXCLUSION_REASON_JUDGE_UNAVAILABLE
-    named = await _grade(stub, VERIFIED, judge="model")
+    named = await _grade(scripted_stub, VERIFIED, judge="model")
     assert named.exclusion == reward_pb2.EXCLUSION_REASON_JUDGE_UNAVAILABLE
-    scripted = await _grade(stub, VERIFIED, judge="scripted")
+    scripted = await _grade(scripted_stub, VERIFIED, judge="scripted")
     assert scripted.status == reward_pb2.REWARD_STATUS_SCORED
 
 
 async def test_a_rubric_of_default_ids_without_text_is_graded_on_those_only(
-    stub: reward_service_pb2_grpc.RewardServiceStub,
+    scripted_stub: reward_service_pb2_grpc.RewardServiceStub,
 ) -> None:
     dimensions = [
         api.RubricDimension(id="R1", weight=0.5),
         api.RubricDimension(id="R6", weight=0.5),
     ]
-    reward = await _grade(stub, UNTESTED, dimensions=dimensions)
+    reward = await _grade(scripted_stub, UNTESTED, dimensions=dimensions)
     assert dict(reward.components) == {"R1": 1.0, "R6": 0.0}
     assert reward.value == pytest.approx(0.5)
 
@@ -181,7 +152,7 @@ async def _code(call: Any) -> tuple[grpc.StatusCode, str, str]:
 
 
 async def test_requests_it_cannot_answer_are_refused_with_the_fix(
-    stub: reward_service_pb2_grpc.RewardServiceStub,
+    scripted_stub: reward_service_pb2_grpc.RewardServiceStub,
 ) -> None:
     def request(judge: str = "scripted", **fields: Any) -> api.GradeRubricRequest:
         fields.setdefault("trajectory", VERIFIED)
@@ -199,11 +170,11 @@ async def test_requests_it_cannot_answer_are_refused_with_the_fix(
         (request(trajectory=trajectory_pb2.Trajectory(id="e")), "the trajectory is empty"),
     ]
     for call, message in cases:
-        code, details, reason = await _code(stub.GradeRubric(call))
+        code, details, reason = await _code(scripted_stub.GradeRubric(call))
         assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"), details
         assert message in details, details
     # A model judge takes any dimension with text (it is only unreachable here).
-    reward = await _grade(stub, VERIFIED, judge="model", dimensions=custom)
+    reward = await _grade(scripted_stub, VERIFIED, judge="model", dimensions=custom)
     assert reward.exclusion == reward_pb2.EXCLUSION_REASON_JUDGE_UNAVAILABLE
 
 
