@@ -17,19 +17,18 @@ import asyncio
 import json
 import os
 import resource
-import secrets
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchard.sdk import AsyncSandboxClient
-from orchard.sdk.cli.bench import _free_port
-from orchard.sdk.cli.host_probe import remove_cgroup_parent
-from orchard.sdk.cli.stack import LocalStack
+
+if TYPE_CHECKING:
+    from bench.bench_stack import private_env_stack
+else:  # bench scripts run with bench/ on sys.path
+    from bench_stack import private_env_stack
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -109,27 +108,11 @@ def main() -> int:
     if os.geteuid() != 0:
         print("needs root (the local runtime)", file=sys.stderr)
         return 2
-    tag = secrets.token_hex(3)
-    state = Path(tempfile.mkdtemp(prefix="orchard-route-bench-"))
-    run_dir = f"/run/orchard-route-{tag}"
-    token = secrets.token_urlsafe(24)
-    stack = LocalStack(
-        state,
-        listen=f"127.0.0.1:{_free_port()}",
-        token=token,
-        runtime={"cgroup_parent": f"orchard-route-bench-{tag}", "run_dir": run_dir},
-    )
-    try:
-        stack.start()
+    with private_env_stack("route-bench") as (stack, token):
         runtime = stack.runtime_settings()
         result = asyncio.run(
             measure(stack.endpoint, token, stack.env_pid, runtime["state_dir"], args)
         )
-    finally:
-        stack.stop()
-        remove_cgroup_parent(f"orchard-route-bench-{tag}")
-        shutil.rmtree(run_dir, ignore_errors=True)
-        shutil.rmtree(state, ignore_errors=True)
     heads = ("p50 ms", "p90 ms", "client", "env", "agent", "total")
     print(f"{'route':<12} " + " ".join(f"{head:>8}" for head in heads))
     for name in ("orchard-env", "direct"):
