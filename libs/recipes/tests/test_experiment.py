@@ -28,6 +28,10 @@ EXPERIMENT = {
         {"name": "main"},
         {"name": "fixed", "settings": {"stages.rl.sampler.kind": "fixed"}},
         {"name": "no-credit", "settings": {"stages.credit.enabled": False}},
+        {
+            "name": "no-credit-fixed",
+            "settings": {"stages.credit.enabled": False, "stages.rl.sampler.kind": "fixed"},
+        },
     ],
     "comparisons": [
         {"name": "credit helps SFT", "a": "main/sft", "b": "no-credit/sft"},
@@ -114,6 +118,20 @@ def test_an_arm_takes_the_stages_it_shares_with_an_earlier_one(loaded: Any) -> N
     assert (no_credit / "collect" / "groups.jsonl").read_text() == "mine"
     # Another seed shares nothing.
     assert share_stages(other_seed, [main]) == {"stages": {}, "evaluations": {}}
+
+
+def test_a_stage_turned_off_in_both_runs_does_not_end_the_sharing(loaded: Any) -> None:
+    experiment, out = loaded
+    _, first = _saved(experiment, "no-credit", 0, out)
+    _finish(first, "collect", {})
+    _finish(first, "curate", {"kept": 5})
+    _finish(first, "sft", {"weights": {"version": "job-a-step-9"}})
+    _, second = _saved(experiment, "no-credit-fixed", 0, out)
+    # No credit stage ran in either (it is off): curate and SFT are still the same.
+    assert share_stages(second, [first])["stages"] == {
+        s: "no-credit/seed-0" for s in ("collect", "curate", "sft")
+    }
+    assert not (second / "credit").exists()
 
 
 def test_an_evaluation_of_other_weights_is_not_copied(loaded: Any) -> None:

@@ -87,14 +87,14 @@ def evaluation_key(saved: Mapping[str, Any], seed: int) -> str:
     return _digest(_common(saved), seed, stages["evaluate"], rl.get("budget"), rl.get("curriculum"))
 
 
-def _saved(run: Path) -> dict[str, Any] | None:
+def _saved(run: Path) -> tuple[dict[str, Any], int] | None:
+    """The recipe a run folder saved and its seed; None before the run started there."""
     try:
         data: dict[str, Any] = json.loads((run / "recipe.json").read_text(encoding="utf-8"))
-        seed = json.loads((run / "seed.json").read_text(encoding="utf-8"))["seed"]
+        seed = int(json.loads((run / "seed.json").read_text(encoding="utf-8"))["seed"])
     except (OSError, ValueError, KeyError):
         return None
-    data["__seed"] = seed
-    return data
+    return data, seed
 
 
 def _done(run: Path, stage: str) -> dict[str, Any] | None:
@@ -107,33 +107,36 @@ def _done(run: Path, stage: str) -> dict[str, Any] | None:
 
 def share_stages(run: Path, earlier: Sequence[Path]) -> dict[str, Any]:
     """Copy into ``run`` (whose ``recipe.json`` and ``seed.json`` exist) each stage that an
-    ``earlier`` run of the same seed finished with the same `stage_keys` entry, in stage order,
-    until the first stage none has; then the held-out evaluations of the base model and of the
-    models those stages made, from an earlier run with the same `evaluation_key`. Returns
+    ``earlier`` run of the same seed finished with the same `stage_keys` entry, in stage order
+    (stages turned off passed over), until the first stage none has; then the held-out
+    evaluations of the base model and of the models those stages made, from an earlier run
+    with the same `evaluation_key`. Returns
     (and writes to ``shared.json``) what came from where; stages ``run`` finished itself are
     left alone."""
-    mine = _saved(run)
-    if mine is None:
+    saved = _saved(run)
+    if saved is None:
         raise FileNotFoundError(f"{run} holds no recipe.json and seed.json to compare")
-    seed = mine.pop("__seed")
+    mine, seed = saved
     keys = stage_keys(mine, seed)
+    # Earlier runs of the seed: their folder, recipe and stage keys.
     candidates = []
     for other in earlier:
-        theirs = _saved(other)
-        if theirs is not None and theirs.pop("__seed") == seed and other != run:
-            candidates.append((other, theirs))
+        found = _saved(other)
+        if found is not None and found[1] == seed and other != run:
+            candidates.append((other, found[0], stage_keys(found[0], seed)))
     record: dict[str, Any] = (
         json.loads((run / SHARED).read_text(encoding="utf-8")) if (run / SHARED).exists() else {}
     )
     stages: dict[str, str] = record.setdefault("stages", {})
     for stage in STAGES:
-        if _done(run, stage) is not None:
+        if _done(run, stage) is not None or not mine["stages"].get(stage, {}).get("enabled"):
+            # Finished here already, or off (it makes nothing; its settings are in the keys).
             continue
         source = next(
             (
                 other
-                for other, theirs in candidates
-                if stage_keys(theirs, seed)[stage] == keys[stage] and _done(other, stage)
+                for other, _, their_keys in candidates
+                if their_keys[stage] == keys[stage] and _done(other, stage) is not None
             ),
             None,
         )
@@ -150,7 +153,7 @@ def share_stages(run: Path, earlier: Sequence[Path]) -> dict[str, Any]:
             if done and done.get("weights"):
                 versions[stage] = str(done["weights"]["version"])
         mine_key = evaluation_key(mine, seed)
-        for other, theirs in candidates:
+        for other, theirs, _ in candidates:
             if evaluation_key(theirs, seed) != mine_key:
                 continue
             for model, version in versions.items():
