@@ -131,3 +131,13 @@ def test_orchard_experiment_run_names_an_unknown_arm_or_seed_before_anything_run
     assert main(["experiment", "run", str(path), "--arm", "nope", "--seed", "7"]) == 2
     err = capsys.readouterr().err
     assert "has no arm or seed nope, 7" in err and "its arms are main, resolved-only" in err
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((Path(__file__).resolve().parents[3] / "recipes").glob("*.yaml")),
+    ids=lambda p: p.name,
+)
+def test_the_shipped_experiment_files_load(path: Path, tmp_path: Path) -> None:
+    experiment, _ = load_experiment(path, workdir=tmp_path)
+    assert len(experiment.arms) >= 2 and experiment.comparisons
