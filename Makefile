@@ -108,7 +108,7 @@ demo-gui: setup inagent-binary gui-browser ## the GUI recipe: browser sandboxes,
 	ORCHARD_GUI_BROWSER_DIR=$(abspath $(GUI_BROWSER_DIR)) $(BIN)/python tools/demo.py --recipe gui
 
 experiment: setup inagent-binary ## the learning experiment (recipes/experiment-swe.yaml): arms x seeds compared with intervals; goes on where it stopped
-	$(BIN)/python tools/demo.py --experiment recipes/experiment-swe.yaml --resume
+	$(BIN)/python tools/demo.py --experiment recipes/experiment-swe.yaml --resume --workers 8
 
 bench: setup inagent-binary gui-browser ## run the benchmarks; results in bench/results/*.json
 	$(BIN)/python bench/inagent_bench.py

@@ -304,3 +304,18 @@ def test_evaluation_counts_per_harness_give_each_task_its_attempts_and_successes
     assert counts["program:openclaw"]["held_out"] is True
     assert counts["program:openclaw"]["tasks"] == {"a": [3, 1]}
     assert counts["program:hermes"]["attempts"] == 0  # named, never run: a row of nothing
+
+
+def test_the_base_model_of_rl_from_base_is_not_evaluated_twice() -> None:
+    from orchard.recipes.stages import FROM_BASE, OPD_TEACHER, _same_weights
+
+    # RL from the base model that never updated hands on version "base" of its own line:
+    # the very weights the base line evaluated (built from the same seed).
+    assert _same_weights(("base", ""), ("base", FROM_BASE))
+    assert _same_weights(("v3", FROM_BASE), ("v3", FROM_BASE))
+    assert _same_weights(("v3", ""), ("v3", ""))
+    # Version numbers of different lines name different weights, and a teacher's base is
+    # another model.
+    assert not _same_weights(("v3", ""), ("v3", FROM_BASE))
+    assert not _same_weights(("base", ""), ("base", OPD_TEACHER))
+    assert not _same_weights(("base", ""), ("v1", ""))

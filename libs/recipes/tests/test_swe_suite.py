@@ -129,3 +129,28 @@ def test_the_teacher_script_selects_each_tasks_own_plan() -> None:
         assert plan.solution[-1].tool == "submit" and plan.failure[-1].tool == "submit"
     rates = {t.difficulty: script.plan_for(t.blueprint.problem_statement).solve_rate for t in tasks}  # type: ignore[union-attr]
     assert rates[1] > rates[2] > rates[3]
+
+
+def test_a_suite_repository_runs_its_tests_without_the_interpreters_plugins(
+    tmp_path: Path,
+) -> None:
+    # The interpreter the sandboxes run has pytest plugins installed (hypothesis, anyio, ...);
+    # loading them made each test run cost about six times what the tests themselves do.
+    task = generate_suite(5, seed=3)[0]
+    repo = Path(materialize(task.blueprint, tmp_path).repo_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"],
+        cwd=repo, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert "collected" in done.stdout, done.stdout + done.stderr
+    plugins = [line for line in done.stdout.splitlines() if line.startswith("plugins:")]
+    assert plugins == [], plugins
+    # Without the setting the same interpreter does load them: the check above can fail.
+    (repo / "pyproject.toml").write_text(
+        (repo / "pyproject.toml").read_text().replace("--disable-plugin-autoload", "")
+    )
+    again = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"],
+        cwd=repo, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert any(line.startswith("plugins:") for line in again.stdout.splitlines())

@@ -315,6 +315,22 @@ def test_a_task_goes_to_a_job_and_back_unchanged() -> None:
         TaskSpec.from_settings("t", "i", json.loads(CHECK) | {"workdir": "testbed"})
 
 
+def test_a_job_record_read_again_gives_its_own_copy_of_the_current_spec() -> None:
+    # Reads of a job record reuse the parsed spec while its JSON form is unchanged: each read
+    # still gets a message of its own, and a record whose spec changed is parsed anew.
+    spec = api.RolloutJobSpec(tasks=[api.RolloutTask(id="t1", instruction="fix")])
+    text = JobState(id="job-copy", spec=spec).to_json()
+    first, second = JobState.from_json(text), JobState.from_json(text)
+    assert first.spec == spec and second.spec == spec
+    first.spec.tasks[0].instruction = "changed by a reader"
+    assert second.spec.tasks[0].instruction == "fix"
+    assert JobState.from_json(text).spec.tasks[0].instruction == "fix"
+    spec.tasks.add(id="t2", instruction="more")
+    assert [
+        t.id for t in JobState.from_json(JobState(id="job-copy", spec=spec).to_json()).spec.tasks
+    ] == ["t1", "t2"]
+
+
 def test_a_task_workdir_is_where_the_shell_runs_unless_the_harness_has_its_own() -> None:
     from orchard.rollout.harnesses.bash_react import shell_harness
     from orchard.rollout.harnesses.tools import BashTool

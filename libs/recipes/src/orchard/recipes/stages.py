@@ -981,6 +981,15 @@ def by_harness(
     return out
 
 
+def _same_weights(a: tuple[str, str], b: tuple[str, str]) -> bool:
+    """Whether (version, line) ``a`` and ``b`` name the same weights: the same version of one
+    line, or the base version of two lines that both start from the student (RL from the base
+    model that never updated publishes the very base model, built from the same seed)."""
+    if a[0] != b[0]:
+        return False
+    return a[1] == b[1] or (a[0] == "base" and {a[1], b[1]} <= {"", FROM_BASE})
+
+
 def run_evaluate(ctx: StageContext) -> dict[str, Any]:
     out = ctx.run.stage("evaluate")
     asyncio.run(_publish_base(ctx))
@@ -990,13 +999,16 @@ def run_evaluate(ctx: StageContext) -> dict[str, Any]:
             (
                 n
                 for n, r in results.items()
-                if r["weight_version"] == version and r.get("line", "") == lineage
+                if _same_weights((r["weight_version"], r.get("line", "")), (version, lineage))
             ),
             None,
         )
         if earlier is not None:
             # The same weights: the same numbers, said so rather than sampled again.
             results[name] = {**results[earlier], "model": name, "same_weights_as": earlier}
+            results[name].pop("line", None)
+            if lineage:
+                results[name]["line"] = lineage
             continue
         cached = out / f"{name}.json"
         if cached.exists():

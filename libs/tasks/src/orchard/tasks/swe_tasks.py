@@ -43,7 +43,11 @@ _GIT_ENV = {
     "GIT_CONFIG_GLOBAL": os.devnull,
 }
 
-_PYTEST_CONFIG = '[tool.pytest.ini_options]\ntestpaths = ["tests"]\n'
+# No installed plugin is loaded (pytest 8.4 and newer): a blueprint's tests need none, and
+# loading them costs most of a small test run.
+_PYTEST_CONFIG = (
+    '[tool.pytest.ini_options]\ntestpaths = ["tests"]\naddopts = "--disable-plugin-autoload"\n'
+)
 
 
 @dataclass(frozen=True)
