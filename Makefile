@@ -116,6 +116,7 @@ bench: setup inagent-binary gui-browser ## run the benchmarks; results in bench/
 	$(BIN)/python bench/rollout_bench.py
 	$(BIN)/python bench/harness_bench.py
 	$(BIN)/python bench/reward_bench.py
+	$(BIN)/python bench/suite_tests_bench.py
 	$(BIN)/python bench/gui_bench.py
 	$(BIN)/python bench/trainer_bench.py
 	$(BIN)/python bench/context_bench.py
