@@ -60,11 +60,43 @@ def assert_same_as_alone(model, tokenizer, prompts, together) -> None:
 def test_prompts_of_different_lengths_prefill_alone_and_decode_together(model, tokenizer, shapes):
     prompts = prompts_of(LENGTHS)
     together = sampling.sample_batch(model, tokenizer, prompts, PARAMS, context_length=CONTEXT)
-    # One prefill per row at its own length, then one batched step per token.
+    # One prefill per row at its own length, then one batched step per token; the third row
+    # (4 tokens) leaves the batch once it has its last token.
     assert shapes[:3] == [(1, n) for n in LENGTHS]
-    assert set(shapes[3:]) == {(3, 1)}
-    assert len(shapes) == 3 + 5  # six tokens at most: the first comes from the prefill
+    assert shapes[3:] == [(3, 1)] * 3 + [(2, 1)] * 2
     assert_same_as_alone(model, tokenizer, prompts, together)
+
+
+def test_a_finished_row_leaves_the_batch_with_the_padding_only_it_needed(
+    model, tokenizer, monkeypatch
+):
+    widths: list[tuple[int, int]] = []
+    forward = sampling._Forward.__call__
+
+    def recording(self, input_ids, attention, positions, past, **images):
+        widths.append(tuple(attention.shape))
+        return forward(self, input_ids, attention, positions, past, **images)
+
+    monkeypatch.setattr(sampling._Forward, "__call__", recording)
+    prompts = prompts_of([600, 12, 40])
+    params = [
+        SamplingParams(max_tokens=2, temperature=0),  # the long prompt ends first
+        SamplingParams(max_tokens=6, temperature=1.0, seed=7),
+        SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, seed=3),
+    ]
+    together = sampling.sample_batch(model, tokenizer, prompts, params, context_length=CONTEXT)
+    # (rows, attention width) of each decoding step: all three over the 600-wide cache; then
+    # the two short rows over the 40 prompt positions and what they sampled (the 560 columns
+    # of padding went with the long row); then the 12-token row alone, its 5 tokens fed.
+    assert widths[3:] == [(3, 601), (2, 42), (2, 43), (2, 44), (1, 17)]
+    assert [len(r.token_ids) for r in together] == [2, 6, 5]
+    monkeypatch.undo()
+    for prompt, row_params, row in zip(prompts, params, together, strict=True):
+        (alone,) = sampling.sample_batch(
+            model, tokenizer, [prompt], [row_params], context_length=CONTEXT
+        )
+        assert row.token_ids == alone.token_ids
+        assert row.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
 
 
 def test_prompts_of_one_length_prefill_as_one_batch(model, tokenizer, shapes):

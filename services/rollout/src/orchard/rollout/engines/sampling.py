@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import DynamicLayer
 
 from orchard.rollout.engines.base import EngineClosed, FinishReason, SamplingParams
 
@@ -110,17 +111,19 @@ def sample_batch(
     images = list(image_inputs) if image_inputs is not None else [{} for _ in prompts]
     last, past = forward.prefill(input_ids, attention, positions, prompts, images)
     step_positions = positions[:, -1:]
+    active = list(range(rows))
+    """The row of each place in the batch: a finished row leaves the batch."""
     for _ in range(max(budgets)):
-        next_ids = torch.full((rows, 1), int(pad), dtype=torch.long)
-        for i in range(rows):
+        next_ids = torch.full((len(active), 1), int(pad), dtype=torch.long)
+        for place, i in enumerate(active):
             if finished[i] is not None:
-                continue
+                continue  # a finished row of a cache that cannot drop rows
             row_params = params[i]
-            distribution = sampling_logprobs(last[i], row_params)
+            distribution = sampling_logprobs(last[place], row_params)
             token = _draw(distribution, row_params, generators[i])
             outputs[i].append(token)
             logprobs[i].append(float(distribution[token]))
-            next_ids[i, 0] = token
+            next_ids[place, 0] = token
             if token in row_params.stop_token_ids or (
                 row_params.stop and _hits_stop_string(tokenizer, outputs[i], row_params.stop)
             ):
@@ -131,7 +134,26 @@ def sample_batch(
             break
         if stop_event is not None and stop_event.is_set():
             raise EngineClosed("the engine closed while sampling")
-        attention = torch.cat([attention, torch.ones((rows, 1), dtype=torch.long)], dim=1)
+        keep = [place for place, i in enumerate(active) if finished[i] is None]
+        if len(keep) < len(active) and _droppable(past):
+            # The batch goes on without the rows that finished: each step after costs less
+            # (before, a finished row was fed padding until the longest row ended).
+            index = torch.tensor(keep, dtype=torch.long)
+            past.batch_select_indices(index)
+            attention, step_positions, next_ids = (
+                attention[index],
+                step_positions[index],
+                next_ids[index],
+            )
+            active = [active[place] for place in keep]
+            # Left padding no remaining row needs goes too.
+            start = int((attention.sum(0) > 0).to(torch.long).argmax())
+            if start > 0:
+                attention = attention[:, start:]
+                for layer in past.layers:
+                    layer.keys = layer.keys[:, :, start:, :]
+                    layer.values = layer.values[:, :, start:, :]
+        attention = torch.cat([attention, torch.ones((len(active), 1), dtype=torch.long)], dim=1)
         step_positions = step_positions + 1
         last, past = forward(next_ids, attention, step_positions, past)
     return [
@@ -214,6 +236,12 @@ def _concatenated(images: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, tor
     return {
         key: torch.cat([row[key] for row in images if key in row]) for key in dict.fromkeys(keys)
     }
+
+
+def _droppable(cache: Any) -> bool:
+    """Whether rows can leave the batch between steps: a `DynamicCache` of whole key and value
+    tensors (no sliding window), as the text models of the local engine keep."""
+    return _joinable(cache) and all(isinstance(layer, DynamicLayer) for layer in cache.layers)
 
 
 def _joinable(cache: Any) -> bool:
