@@ -319,3 +319,28 @@ def test_the_base_model_of_rl_from_base_is_not_evaluated_twice() -> None:
     assert not _same_weights(("v3", ""), ("v3", FROM_BASE))
     assert not _same_weights(("base", ""), ("base", OPD_TEACHER))
     assert not _same_weights(("base", ""), ("v1", ""))
+
+
+def test_tasks_whose_preparation_was_interrupted_are_prepared_again(tmp_path: Path) -> None:
+    """A run stopped while it materialized the built-in suite's repositories (before the
+    manifest) resumes: the repositories left behind are made again, not refused."""
+    from orchard.core.artifacts import ArtifactStore
+    from orchard.recipes.recipe_tasks import prepare_tasks
+
+    recipe = Recipe.model_validate(
+        {"name": "cut", "tasks": {"builtin": {"count": 10, "seed": 2}},
+         "harnesses": ["builtin:swe"], "output_dir": tmp_path / "run"}
+    )  # fmt: skip
+    store = ArtifactStore((tmp_path / "store").as_uri())
+    run = RunDir.open(recipe)
+    first = prepare_tasks(recipe, run, store)
+    (run.root / "tasks" / "tasks.jsonl").unlink()  # as if stopped before the manifest
+    leftover = next((run.root / "tasks" / "repos").iterdir())
+    (leftover / "half-written").write_text("x")
+    again = prepare_tasks(recipe, RunDir.open(recipe), store)
+    # The same tasks (a repository's archive is packed anew: git's own files differ).
+    assert {s: [t.id for t in ts] for s, ts in again.items()} == {
+        s: [t.id for t in ts] for s, ts in first.items()
+    }
+    assert all(store.exists(t.archive_url) for ts in again.values() for t in ts)
+    assert not (leftover / "half-written").exists()

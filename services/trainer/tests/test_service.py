@@ -611,6 +611,46 @@ async def test_rl_groups_sampled_by_too_old_weights_are_refused_or_skipped(train
     assert code == grpc.StatusCode.INVALID_ARGUMENT
 
 
+async def test_another_jobs_versions_do_not_make_a_jobs_groups_stale(trainer, registry):
+    """Two RL jobs on one weight model (experiment arms that start from one SFT model): the
+    versions the first publishes are not updates of the second's policy, so the second's
+    groups, sampled by the version both started from, are fresh; the first's own updates do
+    make its old samples stale."""
+    t = await trainer.start()
+    shared = registry.for_model("arms")
+    await shared.publish("sft", "file:///models/sft")
+    build = TrajectoryBuilder()
+
+    def group(version: str) -> trajectory_pb2.TrajectoryGroup:
+        members = []
+        for name, token, reward in (("a", 14, 1.0), ("b", 15, 0.0)):
+            member = build([build.Turn(inputs=[1, 11, 2], outputs=[token, 3])], reward=reward)
+            member.id = f"{name}-{version}"
+            member.turns[0].weight_version = version
+            members.append(member)
+        return trajectory_pb2.TrajectoryGroup(id=f"g-{version}", trajectories=members)
+
+    def rl_spec() -> api.TrainingJobSpec:
+        return api.TrainingJobSpec(
+            mode=api.TRAINING_MODE_RL, model="builtin:tiny", max_staleness=0,
+            weight_model="arms", total_steps=3,
+        )  # fmt: skip
+
+    first = (await t.stub.CreateTrainingJob(api.CreateTrainingJobRequest(spec=rl_spec()))).job
+    version = "sft"
+    for _ in range(2):
+        assert (await submit(t.stub, first.id, [group(version)])).trajectories_trainable == 2
+        stepped = await t.stub.Step(api.StepRequest(job_id=first.id, steps=1, publish=True))
+        version = stepped.weight_version
+    assert (await shared.latest()).version == version  # two versions newer than "sft"
+
+    second = (await t.stub.CreateTrainingJob(api.CreateTrainingJobRequest(spec=rl_spec()))).job
+    accepted = await submit(t.stub, second.id, [group("sft")])
+    assert accepted.trajectories_trainable == 2
+    code, message = await failure(submit(t.stub, first.id, [group("sft")]))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "2 versions behind" in message
+
+
 async def test_a_job_publishes_to_its_own_weight_model(trainer, registry):
     """`spec.weight_model` names the registry model a job publishes to and measures staleness
     against; other jobs keep the service's registry model."""

@@ -21,6 +21,7 @@ import hashlib
 import io
 import json
 import shlex
+import shutil
 import sys
 import tarfile
 from dataclasses import dataclass, replace
@@ -230,6 +231,9 @@ def prepare_tasks(
             for number, line in enumerate(handle, start=1):
                 tasks.append(_from_manifest(json.loads(line), str(manifest), number))
     else:
+        # The manifest is written last: without it, repositories found here are what an
+        # interrupted preparation left, made again from the same seed.
+        shutil.rmtree(folder / "repos", ignore_errors=True)
         folder.mkdir(parents=True, exist_ok=True)
         if recipe.tasks.builtin:
             if store is None:

@@ -36,7 +36,7 @@ import grpc
 from google.protobuf import timestamp_pb2
 
 from orchard.core.errors import OrchardError, Reason
-from orchard.lm.weights import InvalidWeightVersion, WeightRegistry
+from orchard.lm.weights import WeightRegistry
 from orchard.trainer.checkpoints import (
     MANIFEST,
     CheckpointError,
@@ -454,7 +454,9 @@ class JobManager:
                     )
                 lag = None
                 if runner.spec.HasField("max_staleness"):
-                    lag = await self._version_lag(self._registry_of(runner.spec), request.group)
+                    lag = await self._version_lag(
+                        self._registry_of(runner.spec), job_id, request.group
+                    )
                 try:
                     counts = await asyncio.to_thread(runner.submit, request.group, lag)
                 except (RankLost, RankFailed) as exc:
@@ -487,11 +489,17 @@ class JobManager:
         return self.registry.for_model(spec.weight_model or self.registry.model)
 
     async def _version_lag(
-        self, registry: WeightRegistry, group: trajectory_pb2.TrajectoryGroup
+        self, registry: WeightRegistry, job_id: str, group: trajectory_pb2.TrajectoryGroup
     ) -> dict[str, int | None]:
-        """How many versions each weight version named in `group` lags behind the latest
-        published one of the job's model (None: not a published version)."""
-        latest = await registry.latest()
+        """How many versions each weight version named in `group` lags behind in the job's
+        model (None: not a published version of it): the newer versions that this job or no job
+        published. Another job's versions do not count: two RL jobs may train on one model
+        (experiment arms from one SFT model), and the versions one publishes are not updates
+        of the other's policy; counted, they made every group of the job that started second
+        stale."""
+        versions = await registry.versions()
+        by_name = {v.version: v for v in versions}
+        updates = [v.number for v in versions if v.metadata.get("job", job_id) == job_id]
         names = {
             turn.weight_version
             for trajectory in group.trajectories
@@ -500,11 +508,8 @@ class JobManager:
         }
         lag: dict[str, int | None] = {}
         for name in names:
-            try:
-                found = await registry.get(name) if latest is not None else None
-            except InvalidWeightVersion:
-                found = None
-            lag[name] = latest.number - found.number if latest and found else None
+            found = by_name.get(name)
+            lag[name] = None if found is None else sum(1 for n in updates if n > found.number)
         return lag
 
     async def step(self, job_id: str, steps: int, publish: bool) -> api.StepResponse:

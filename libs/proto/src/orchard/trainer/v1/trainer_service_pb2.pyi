@@ -358,8 +358,10 @@ class TrainingJobSpec(_message.Message):
     under the trainer's artifact store or an allowed prefix; empty: submitted groups only.
     """
     max_staleness: _builtins.int
-    """RL: most weight versions a trajectory's policy turns may lag behind the latest published
-    version (staleness in the weight registry's numbering); unset: no bound.
+    """RL: most weight versions a trajectory's policy turns may lag behind: the versions of the
+    job's model newer than the one that sampled it, published by this job or by no job
+    (another job's versions on the same model are not updates of this job's policy); unset:
+    no bound.
     """
     skip_stale: _builtins.bool
     """RL: leave stale trajectories out of the loss instead of refusing their group."""
