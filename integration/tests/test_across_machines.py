@@ -67,11 +67,18 @@ class Cluster:
         return answer
 
     def log_tail(self, name: str, lines: int = 15) -> str:
+        """The last `lines` of a machine's log, after its last few warnings and errors (an
+        incident's traceback is logged long before the run that met it gives up)."""
         log = self.machines[name].folder / "log"
         if not log.exists():
             return f"-- {name}: no log"
-        text = log.read_text(errors="replace").splitlines()[-lines:]
-        return f"-- {name} log:\n" + "\n".join(text)
+        text = log.read_text(errors="replace").splitlines()
+        problems = [line for line in text if '"level": "ERROR"' in line or "Traceback" in line]
+        problems += [line for line in text if '"level": "WARNING"' in line][-5:]
+        shown = "\n".join(problems[-10:])
+        return f"-- {name} warnings and errors:\n{shown}\n-- {name} log:\n" + "\n".join(
+            text[-lines:]
+        )
 
 
 def _start(machine: Machine, argv: list[str], env: dict[str, str] | None = None) -> None:

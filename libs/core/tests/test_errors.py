@@ -19,6 +19,7 @@ from orchard.core.errors import (
     from_os_error,
     rich_status,
 )
+from orchard.core.etcd import EtcdTimeout
 from orchard.core.server import GrpcServer, ServiceBinding
 
 SERVICE = "orchard.test.v1.Faulty"
@@ -40,6 +41,8 @@ def fail(request: bytes) -> None:
         raise FileNotFoundError(errno.ENOENT, "No such file or directory", "/data/missing.txt")
     if request == b"eacces":
         raise PermissionError(errno.EACCES, "Permission denied", "/etc/shadow")
+    if request == b"store-timeout":
+        raise EtcdTimeout("etcd at 10.0.0.2:2379: Range: deadline exceeded")
     if request == b"boom":
         raise RuntimeError("secret internal detail")
 
@@ -143,6 +146,21 @@ async def test_unexpected_exception_is_internal_without_traceback(
     assert incident in details
     logged = [r for r in caplog.records if getattr(r, "incident", None) == incident]
     assert logged and logged[0].exc_info is not None  # the traceback stays in the server log
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_state_store_that_does_not_answer_is_unavailable_not_internal(
+    channel: grpc.aio.Channel, kind: str
+) -> None:
+    """An etcd read that timed out (a busy store, or a process starved past its deadline) is
+    retryable: UNAVAILABLE, never an INTERNAL incident a client gives up on."""
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call(channel, kind, b"store-timeout")
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "state store" in (caught.value.details() or "")
+    assert "10.0.0.2" not in (caught.value.details() or "")
+    info = error_info(caught.value)
+    assert info is not None and info.reason == "UNAVAILABLE"
 
 
 async def test_service_reason_table(channel: grpc.aio.Channel) -> None:

@@ -11,9 +11,11 @@ Servicers just raise; :class:`ErrorInterceptor` (installed by
     raise OrchardError(Reason.NOT_FOUND, f"no sandbox {sid!r}", metadata={"sandbox_id": sid})
 
 Anything else a handler raises: an ``OSError`` is mapped by its errno (ENOENT → NOT_FOUND,
-EACCES → PERMISSION_DENIED, ENOSPC → RESOURCE_EXHAUSTED, ...; see :func:`from_os_error`);
-any other exception becomes ``INTERNAL`` with a generic message and an incident id, while the
-traceback goes to the log under the same id, never to the client.
+EACCES → PERMISSION_DENIED, ENOSPC → RESOURCE_EXHAUSTED, ...; see :func:`from_os_error`); the
+state store not answering in time (:class:`orchard.core.etcd.EtcdUnavailable`, a busy or
+partitioned etcd, or a process too starved to hear it) is ``UNAVAILABLE``, which a client may
+retry, logged as a warning; any other exception becomes ``INTERNAL`` with a generic message
+and an incident id, while the traceback goes to the log under the same id, never to the client.
 
 Requests that do not parse never reach a handler: the interceptor guards every request
 deserializer, and such a call fails with INVALID_ARGUMENT (reason ``MALFORMED_REQUEST``) after
@@ -50,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from orchard.core._handlers import wrap_handler
+from orchard.core.etcd.exceptions import EtcdUnavailable
 from orchard.core.logging import RateLimitedLog
 
 if TYPE_CHECKING:
@@ -290,6 +293,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     - :class:`OrchardError` → its code, message and ErrorInfo,
     - ``OSError`` → :func:`from_os_error`,
+    - ``EtcdUnavailable`` (the state store did not answer in time) → UNAVAILABLE,
     - ``context.abort(...)`` by the handler itself and cancellation → passed through,
     - anything else → INTERNAL "internal error (incident ID)", traceback logged with that ID.
     """
@@ -455,6 +459,20 @@ class _TranslateErrors:
             error = exc
         elif isinstance(exc, OSError):
             error = from_os_error(exc)
+        elif isinstance(exc, EtcdUnavailable):
+            _client_log.log(
+                logging.WARNING,
+                f"store:{self.method}",
+                "%s: the state store did not answer: %s",
+                self.method,
+                exc,
+                extra={"method": self.method},
+            )
+            error = OrchardError(
+                Reason.UNAVAILABLE,
+                "the service's state store (etcd) did not answer in time; try the call again "
+                "shortly",
+            )
         else:
             incident = uuid.uuid4().hex[:12]
             # Rate-limited too: a request that trips a bug can be sent in a loop.

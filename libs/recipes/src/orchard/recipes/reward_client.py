@@ -31,7 +31,7 @@ class RewardCatalog(ServiceConnection):
 
     async def task_suites(self) -> dict[str, api.TaskSuite]:
         """The task suites by name."""
-        response = await self._call(
-            "ListTaskSuites", self._stub.ListTaskSuites(api.ListTaskSuitesRequest())
+        response = await self._retried(
+            "ListTaskSuites", lambda: self._stub.ListTaskSuites(api.ListTaskSuitesRequest())
         )
         return {suite.name: suite for suite in response.suites}

@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from orchard.recipes.connection import ServiceConnection, ServiceError
+from orchard.recipes.connection import Backoff, ServiceConnection, ServiceError, retryable
 from orchard.rollout.v1 import rollout_service_pb2 as api
 from orchard.rollout.v1 import rollout_service_pb2_grpc as rpc
 from orchard.types.v1 import trajectory_pb2
@@ -53,9 +53,9 @@ class RolloutJobs(ServiceConnection):
         return rpc.RolloutServiceStub(channel)
 
     async def create(self, spec: api.RolloutJobSpec, request_id: str) -> api.RolloutJob:
-        response = await self._call(
+        response = await self._retried(
             "CreateRolloutJob",
-            self._stub.CreateRolloutJob(
+            lambda: self._stub.CreateRolloutJob(
                 api.CreateRolloutJobRequest(spec=spec, request_id=request_id)
             ),
         )
@@ -64,22 +64,23 @@ class RolloutJobs(ServiceConnection):
 
     async def harnesses(self) -> dict[str, api.Harness]:
         """The harnesses the service drives, by name (ListHarnesses)."""
-        response = await self._call(
-            "ListHarnesses", self._stub.ListHarnesses(api.ListHarnessesRequest())
+        response = await self._retried(
+            "ListHarnesses", lambda: self._stub.ListHarnesses(api.ListHarnessesRequest())
         )
         return {harness.name: harness for harness in response.harnesses}
 
     async def get(self, job_id: str) -> api.RolloutJob:
-        response = await self._call(
-            "GetRolloutJob", self._stub.GetRolloutJob(api.GetRolloutJobRequest(job_id=job_id))
+        response = await self._retried(
+            "GetRolloutJob",
+            lambda: self._stub.GetRolloutJob(api.GetRolloutJobRequest(job_id=job_id)),
         )
         job: api.RolloutJob = response.job
         return job
 
     async def cancel(self, job_id: str) -> api.RolloutJob:
-        response = await self._call(
+        response = await self._retried(
             "CancelRolloutJob",
-            self._stub.CancelRolloutJob(api.CancelRolloutJobRequest(job_id=job_id)),
+            lambda: self._stub.CancelRolloutJob(api.CancelRolloutJobRequest(job_id=job_id)),
         )
         job: api.RolloutJob = response.job
         return job
@@ -101,19 +102,7 @@ class RolloutJobs(ServiceConnection):
         watcher = asyncio.create_task(self._watch(job.id, progress)) if progress else None
         ended = False
         try:
-            call = self._stub.StreamGroups(api.StreamGroupsRequest(job_id=job.id))
-            try:
-                async for message in call:
-                    groups.append(message.group)
-                    if enough is not None and enough(groups):
-                        break
-            except grpc.aio.AioRpcError as exc:
-                raise RolloutError(
-                    f"orchard-rollout at {self.address}: StreamGroups of job {job.id}: "
-                    f"{exc.code().name}: {exc.details()}"
-                ) from None
-            finally:
-                call.cancel()
+            await self._stream(job.id, groups, enough)
             job = await self.get(job.id)
             if job.state not in _ENDED:
                 job = await self.cancel(job.id)
@@ -131,6 +120,30 @@ class RolloutJobs(ServiceConnection):
         if job.state == api.ROLLOUT_JOB_STATE_FAILED:
             raise RolloutError(f"rollout job {job.id} failed: {job.error or 'no reason given'}")
         return job, groups
+
+    async def _stream(
+        self, job_id: str, groups: list[trajectory_pb2.TrajectoryGroup], enough: Enough | None
+    ) -> None:
+        """Appends the job's groups to `groups` until the job ends or `enough` says so. A
+        stream the service breaks off as UNAVAILABLE (a restart, its state store slow to
+        answer) is opened again from the first group not yet read."""
+        backoff = Backoff(self.retry_for_s)
+        while True:
+            request = api.StreamGroupsRequest(job_id=job_id, start_index=len(groups))
+            call = self._stub.StreamGroups(request)
+            try:
+                async for message in call:
+                    groups.append(message.group)
+                    backoff.reset()
+                    if enough is not None and enough(groups):
+                        return
+                return
+            except grpc.aio.AioRpcError as exc:
+                what = f"StreamGroups of job {job_id}"
+                if not retryable(exc) or not await backoff.wait(self._describe(what, exc)):
+                    raise self._failed(what, exc) from None
+            finally:
+                call.cancel()
 
     async def _watch(self, job_id: str, progress: Progress) -> None:
         while True:

@@ -59,9 +59,9 @@ class TrainerJobs(ServiceConnection):
     async def create(self, spec: api.TrainingJobSpec, request_id: str) -> api.TrainingJob:
         """Start a job (the same `request_id` returns the same job); raises TrainerError when
         it does not come up running."""
-        response = await self._call(
+        response = await self._retried(
             "CreateTrainingJob",
-            self._stub.CreateTrainingJob(
+            lambda: self._stub.CreateTrainingJob(
                 api.CreateTrainingJobRequest(spec=spec, request_id=request_id)
             ),
         )
@@ -89,8 +89,9 @@ class TrainerJobs(ServiceConnection):
         return response
 
     async def get(self, job_id: str) -> api.TrainingJob:
-        response = await self._call(
-            "GetTrainingJob", self._stub.GetTrainingJob(api.GetTrainingJobRequest(job_id=job_id))
+        response = await self._retried(
+            "GetTrainingJob",
+            lambda: self._stub.GetTrainingJob(api.GetTrainingJobRequest(job_id=job_id)),
         )
         job: api.TrainingJob = response.job
         return job
@@ -98,9 +99,9 @@ class TrainerJobs(ServiceConnection):
     async def publish_checkpoint(self, job_id: str, step: int) -> api.Checkpoint:
         """Publish the job's checkpoint at `step` as a weight version (PublishCheckpoint: the
         version it already has when published before)."""
-        response = await self._call(
-            "PublishCheckpoint",
-            self._stub.PublishCheckpoint(api.PublishCheckpointRequest(job_id=job_id, step=step)),
+        request = api.PublishCheckpointRequest(job_id=job_id, step=step)
+        response = await self._retried(
+            "PublishCheckpoint", lambda: self._stub.PublishCheckpoint(request)
         )
         checkpoint: api.Checkpoint = response.checkpoint
         return checkpoint
@@ -108,9 +109,9 @@ class TrainerJobs(ServiceConnection):
     async def cancel(self, job_id: str) -> None:
         """Stop a job that has steps left (its checkpoints stay)."""
         if (await self.get(job_id)).state == _RUNNING:
-            await self._call(
+            await self._retried(
                 "CancelTrainingJob",
-                self._stub.CancelTrainingJob(api.CancelTrainingJobRequest(job_id=job_id)),
+                lambda: self._stub.CancelTrainingJob(api.CancelTrainingJobRequest(job_id=job_id)),
             )
 
     async def prepare_dataset(

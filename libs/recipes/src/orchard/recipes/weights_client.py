@@ -7,6 +7,7 @@ process never loads torch and never reaches etcd).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,18 +36,19 @@ class WeightVersions(ServiceConnection):
 
     async def get(self, model: str, version: str) -> api.WeightVersion | None:
         """`version` of `model`, or None when it was never published."""
-        try:
-            response = await self._stub.GetWeightVersion(
-                api.GetWeightVersionRequest(model=model, version=version)
-            )
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                return None
-            raise WeightsError(
-                f"{self.service} at {self.address}: GetWeightVersion: {exc.code().name}: "
-                f"{exc.details()}"
-            ) from None
-        found: api.WeightVersion = response.weight_version
+        request = api.GetWeightVersionRequest(model=model, version=version)
+
+        async def attempt() -> api.WeightVersion | None:
+            try:
+                response = await self._stub.GetWeightVersion(request)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    return None
+                raise
+            found: api.WeightVersion = response.weight_version
+            return found
+
+        found: api.WeightVersion | None = await self._retried("GetWeightVersion", attempt)
         return found
 
     async def list(self, model: str) -> list[api.WeightVersion]:
@@ -54,11 +56,10 @@ class WeightVersions(ServiceConnection):
         out: list[api.WeightVersion] = []
         token = ""
         while True:
-            response = await self._call(
+            request = api.ListWeightVersionsRequest(model=model, page_token=token)
+            response = await self._retried(
                 "ListWeightVersions",
-                self._stub.ListWeightVersions(
-                    api.ListWeightVersionsRequest(model=model, page_token=token)
-                ),
+                functools.partial(self._stub.ListWeightVersions, request),
             )
             out += response.weight_versions
             token = response.next_page_token
@@ -74,6 +75,6 @@ class WeightVersions(ServiceConnection):
         request = api.PublishModelRequest(
             model=model, weight_model=weight_model, version=version, seed=seed
         )
-        response = await self._call("PublishModel", self._stub.PublishModel(request))
+        response = await self._retried("PublishModel", lambda: self._stub.PublishModel(request))
         published: api.WeightVersion = response.weight_version
         return published
