@@ -127,7 +127,7 @@ async def test_the_recipe_s_group_stream_resumes_where_a_stalled_store_broke_it(
     async with (
         job_elsewhere(etcd) as (jobs, job),
         rollout_service(etcd, tmp_path) as address,
-        RolloutJobs(address, retry_for_s=60) as client,
+        RolloutJobs(address) as client,
     ):
         groups: list[trajectory_pb2.TrajectoryGroup] = []
         read_two = asyncio.Event()

@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from orchard.recipes.connection import Backoff, ServiceConnection, ServiceError, retryable
+from orchard.recipes.connection import ServiceConnection, ServiceError
 from orchard.rollout.v1 import rollout_service_pb2 as api
 from orchard.rollout.v1 import rollout_service_pb2_grpc as rpc
 from orchard.types.v1 import trajectory_pb2
@@ -127,21 +127,20 @@ class RolloutJobs(ServiceConnection):
         """Appends the job's groups to `groups` until the job ends or `enough` says so. A
         stream the service breaks off as UNAVAILABLE (a restart, its state store slow to
         answer) is opened again from the first group not yet read."""
-        backoff = Backoff(self.retry_for_s)
+        attempt = 0
         while True:
             request = api.StreamGroupsRequest(job_id=job_id, start_index=len(groups))
             call = self._stub.StreamGroups(request)
             try:
                 async for message in call:
                     groups.append(message.group)
-                    backoff.reset()
+                    attempt = 0
                     if enough is not None and enough(groups):
                         return
                 return
             except grpc.aio.AioRpcError as exc:
-                what = f"StreamGroups of job {job_id}"
-                if not retryable(exc) or not await backoff.wait(self._describe(what, exc)):
-                    raise self._failed(what, exc) from None
+                await self._again(f"StreamGroups of job {job_id}", exc, attempt)
+                attempt += 1
             finally:
                 call.cancel()
 
