@@ -15,6 +15,7 @@ from orchard.recipes.experiment import (
     paired_difference,
     share_stages,
     stage_keys,
+    task_domain,
     write_experiment_report,
 )
 from orchard.sdk.experiment import arm_recipe, load_experiment
@@ -178,6 +179,23 @@ def test_the_paired_difference_and_its_interval() -> None:
     only = paired_difference(better, partial, confidence=0.95)
     assert only is not None and only["pairs"] == 1 and only["difference"] == 1.0
     assert paired_difference(better, _row("d", "rl", {(5, "x"): (1, 1)}), confidence=0.95) is None
+
+
+def test_a_comparison_on_one_domain_pairs_that_domain_s_tasks_only() -> None:
+    """A joint run (software and Claw tasks) against a run of one suite: the software tasks
+    pair whatever the filter, and within the joint run the Claw tasks are set apart."""
+    swe = [f"repo-{i}" for i in range(10)]
+    claw = [f"claw/0/mail/{i}" for i in range(10)]
+    joint = _row("joint", "sft", {(0, t): (1, 1) for t in swe} | {(0, t): (0, 1) for t in claw})
+    alone = _row("swe", "sft", {(0, t): (0, 1) for t in swe})
+    on_swe = joint.of_domain("swe")
+    assert (on_swe.resolved, on_swe.attempts) == (10, 10)
+    on_claw = joint.of_domain("claw")
+    assert (on_claw.resolved, on_claw.attempts, on_claw.rates()) == (0, 10, [0.0])
+    result = paired_difference(joint.of_domain("swe"), alone, confidence=0.95)
+    assert result is not None and (result["pairs"], result["difference"]) == (10, 1.0)
+    assert paired_difference(joint.of_domain("claw"), alone, confidence=0.95) is None
+    assert task_domain("gui/1/shop/2") == "gui" and task_domain("astropy__x-1") == "swe"
 
 
 def _report_json(models: dict[str, list[int]], tasks: dict[str, dict[str, list[int]]]) -> str:

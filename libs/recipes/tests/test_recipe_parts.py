@@ -197,6 +197,43 @@ def test_a_claw_recipe_s_tasks_are_ids_and_tool_archives_and_read_back_the_same(
     assert len({t.family for t in first["evaluate"]}) == 6
 
 
+def test_a_joint_recipe_s_tasks_are_both_suites_each_split_as_alone_and_one_teacher_plays_both(
+    tmp_path: Path,
+) -> None:
+    """Software and Claw tasks in one run: each suite divided exactly as a run of it alone
+    divides it (so held-out tasks pair with single-domain runs), the manifest reads back the
+    same, and the scripted teacher has a plan for every task of both domains."""
+    from orchard.core.artifacts import ArtifactStore
+    from orchard.recipes.recipe_tasks import prepare_tasks
+    from orchard.recipes.stages import StageContext, _teacher
+    from orchard.recipes.workspace import StackEndpoints
+
+    def recipe(name: str, tasks: dict[str, object]) -> Recipe:
+        return Recipe.model_validate(
+            {"name": name, "tasks": {**tasks, "split": {"sft": 0.5, "rl": 0.25, "evaluate": 0.25}},
+             "output_dir": tmp_path / name}
+        )  # fmt: skip
+
+    swe, claw = {"builtin": {"count": 8, "seed": 2}}, {"claw": {"count": 24, "seed": 3}}
+    store = ArtifactStore((tmp_path / "store").as_uri())
+    joint = recipe("joint", {**swe, **claw})
+    both = prepare_tasks(joint, RunDir.open(joint), store)
+    assert prepare_tasks(joint, RunDir.open(joint), None) == both
+    for name, tasks, domain in (("swe", swe, "swe"), ("claw", claw, "claw")):
+        alone = prepare_tasks(recipe(name, tasks), RunDir.open(recipe(name, tasks)), store)
+        for split, chosen in alone.items():
+            assert [t.id for t in both[split] if t.domain == domain] == [t.id for t in chosen]
+    assert {t.domain for t in both["evaluate"]} == {"swe", "claw"}
+
+    stack = StackEndpoints("127.0.0.1:1", "", "127.0.0.1:2", "", "127.0.0.1:3", "127.0.0.1:4")
+    ctx = StageContext(recipe=joint, run=RunDir.open(joint), stack=stack, tasks=both, seed=1)
+    plans = _teacher(ctx, both["sft"]).scripted.plans
+    assert len(plans) == len(both["sft"])
+    for task in both["sft"]:
+        matching = [p for p in plans if p.match in task.instruction]
+        assert matching, f"no plan for {task.id}"
+
+
 def test_a_gui_recipe_s_tasks_are_ids_and_read_back_the_same(tmp_path: Path) -> None:
     """The GUI suite as a recipe prepares it: each task its id, split, family and difficulty
     (no store needed: the rollout service serves the sites); a resumed run reads the same tasks

@@ -8,6 +8,7 @@ import pytest
 
 from orchard.core.config import ConfigError
 from orchard.sdk.recipe import (
+    BUILTIN_RECIPES,
     CLAW_PASS_MARK,
     DEFAULT_SUCCESS_THRESHOLD,
     STAGES,
@@ -151,7 +152,7 @@ def test_every_problem_is_reported_with_its_key_and_line(tmp_path: Path) -> None
     ("text", "expected"),
     [
         ("tasks: {builtin: {}, split: {sft: 0.5, rl: 0.5, evaluate: 0.5}}", "sum to 1.5"),
-        ("tasks: {}", "exactly one of tasks.builtin, tasks.claw, tasks.gui and tasks.jsonl"),
+        ("tasks: {}", "give one of tasks.builtin, tasks.claw, tasks.gui and tasks.jsonl (or"),
         ("tasks: {gui: {}}", "run only in the browser loops"),
         ("tasks: {gui: {count: 6}}", "greater than or equal to 12"),
         ("tasks: {builtin: {}}\nharnesses: [builtin:browser]", "give tasks.gui"),
@@ -189,7 +190,15 @@ def test_every_problem_is_reported_with_its_key_and_line(tmp_path: Path) -> None
             "tasks: {builtin: {}}\nstages: {sft: {enabled: false}, rl: {from_base: true}}",
             "it needs stages.sft",
         ),
-        ("tasks: {builtin: {}, claw: {}}", "(this gives builtin and claw)"),
+        (
+            "tasks: {claw: {}, gui: {}}",
+            "tasks.gui cannot be joined with other tasks (tasks.claw, tasks.gui): only "
+            "tasks.builtin and tasks.claw train together",
+        ),
+        (
+            "tasks: {builtin: {}, jsonl: {evaluate: held.jsonl}}",
+            "tasks.jsonl cannot be joined with other tasks",
+        ),
         ("tasks: {claw: {count: 5}}", "greater than or equal to 12"),
         (
             "tasks: {claw: {}}\nharnesses: [program:codex]\n"
@@ -326,6 +335,17 @@ def test_one_success_threshold_defaults_to_the_suite_s_pass_mark(tmp_path: Path)
     assert given.pass_mark == 0.9
 
 
+def test_the_software_and_claw_suites_train_together(tmp_path: Path) -> None:
+    text = "name: r\ntasks: {builtin: {count: 20}, claw: {count: 24, seed: 3}}\n"
+    joint = load_recipe(write(tmp_path, text))
+    assert joint.tasks.sources == ["builtin", "claw"]
+    assert joint.tasks.domains == ["swe", "claw"]
+    # The Claw mark holds for both: a software task's reward is 1 or -1, on the same side of it.
+    assert joint.pass_mark == CLAW_PASS_MARK
+    alone = load_recipe(write(tmp_path, "name: r\ntasks: {claw: {}}\n"))
+    assert alone.tasks.domains == ["claw"]
+
+
 def test_bar_defaults_to_the_mixed_rule_with_random_members_and_a_stride_of_n(
     tmp_path: Path,
 ) -> None:
@@ -409,3 +429,25 @@ def test_bad_rerank_settings_are_refused_with_a_reason(
 ) -> None:
     found = problems(write(tmp_path, f"name: r\ntasks: {{builtin: {{}}}}\n{text}\n"))
     assert any(expected in p for p in found), found
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_RECIPES))
+def test_orchard_recipe_check_describes_every_built_in_recipe(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from orchard.sdk.cli import main
+
+    assert main(["recipe", "check", str(builtin_recipe(name))]) == 0
+    out = capsys.readouterr().out
+    assert "tasks " in out and "suite" in out
+
+
+def test_orchard_recipe_check_describes_a_joint_recipe(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from orchard.sdk.cli import main
+
+    text = "name: r\ntasks: {builtin: {count: 20}, claw: {count: 24, seed: 3}}\n"
+    assert main(["recipe", "check", str(write(tmp_path, text))]) == 0
+    out = capsys.readouterr().out
+    assert "built-in suite, 20 tasks (seed 0) + Claw suite, 24 tasks (seed 3)" in out

@@ -260,6 +260,21 @@ class ModelRow:
     def rates(self) -> list[float]:
         return [r / n for r, n in self.per_seed.values() if n]
 
+    def of_domain(self, domain: str) -> ModelRow:
+        """The same model's results on the held-out tasks of `domain` ("swe", "claw") only."""
+        per_task = {k: v for k, v in self.per_task.items() if task_domain(k[1]) == domain}
+        per_seed: dict[int, tuple[int, int]] = {}
+        for (seed, _), (c, n) in per_task.items():
+            have = per_seed.get(seed, (0, 0))
+            per_seed[seed] = (have[0] + c, have[1] + n)
+        return ModelRow(self.arm, self.model, per_seed, per_task)
+
+
+def task_domain(task_id: str) -> str:
+    """The domain of a held-out task by its id: the Claw and GUI suites' ids name them."""
+    prefix = task_id.partition("/")[0]
+    return prefix if prefix in ("claw", "gui") else "swe"
+
 
 def _evaluations(run: Path) -> list[dict[str, Any]]:
     try:
@@ -404,8 +419,13 @@ def write_experiment_report(experiment: Experiment, out: Path, *, source: str = 
                                  "metric": comparison.metric}  # fmt: skip
         a_key = tuple(comparison.a.split("/", 1))
         b_key = tuple(comparison.b.split("/", 1))
+        if comparison.domain is not None:
+            entry["domain"] = comparison.domain
         if comparison.metric == "held-out":
             a_row, b_row = rows.get(a_key), rows.get(b_key)  # type: ignore[arg-type]
+            if comparison.domain is not None:
+                a_row = a_row and a_row.of_domain(comparison.domain)
+                b_row = b_row and b_row.of_domain(comparison.domain)
             result = (
                 paired_difference(a_row, b_row, confidence=confidence)
                 if a_row is not None and b_row is not None
@@ -530,9 +550,8 @@ def write_experiment_report(experiment: Experiment, out: Path, *, source: str = 
                 interval = f"{_signed(result['interval'][0])} to {_signed(result['interval'][1])}"
             else:
                 diff, interval = "-", "-"
-            lines.append(
-                f"| {c['name']} | {c['a']} | {c['b']} | {diff} | {interval} | {c['verdict']} |"
-            )
+            name = f"{c['name']} ({c['domain']} tasks)" if c.get("domain") else c["name"]
+            lines.append(f"| {name} | {c['a']} | {c['b']} | {diff} | {interval} | {c['verdict']} |")
         flat = [c["name"] for c in comparisons if c["verdict"] == "no clear difference"]
         if flat:
             lines += ["", "Did not show a difference: " + "; ".join(flat) + "."]

@@ -167,6 +167,14 @@ def _service_stats(stack: StackEndpoints) -> ServiceStats | None:
         return None
 
 
+def _domains(ctx: StageContext, by_domain: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """A joint run's held-out attempts per domain, (resolved, attempts) each; none for a run of
+    one domain (the whole table says it)."""
+    if len(ctx.recipe.tasks.domains) < 2:
+        return {}
+    return {d: (int(v["resolved"]), int(v["attempts"])) for d, v in sorted(by_domain.items())}
+
+
 def _harness_evaluations(
     ctx: StageContext, by_harness: dict[str, dict[str, Any]]
 ) -> tuple[HarnessEvaluation, ...]:
@@ -368,6 +376,7 @@ def build_report(ctx: StageContext) -> RunReport:
                 result["attempts"],
                 weights,
                 _harness_evaluations(ctx, result.get("by_harness", {})),
+                _domains(ctx, result.get("by_domain", {})),
             )
         )
     curves = []

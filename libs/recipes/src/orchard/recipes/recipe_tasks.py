@@ -1,5 +1,5 @@
-"""A recipe's tasks: the built-in suite materialized as git repositories, the Claw suite, the
-GUI suite, or SWE-bench JSONL.
+"""A recipe's tasks: the built-in suite materialized as git repositories, the Claw suite (or
+both together), the GUI suite, or SWE-bench JSONL.
 
 `prepare_tasks` writes ``tasks/tasks.jsonl`` (one SWE-bench line per task with its split, and
 its family and difficulty for the built-in suite) and, for the built-in suite, the repositories
@@ -85,6 +85,13 @@ class RecipeTask:
         if self.instance is None:
             return claw_suite.task_by_id(self.claw_id).instruction
         return self.instance.problem_statement or f"Resolve {self.id}."
+
+    @property
+    def domain(self) -> str:
+        """ "gui", "claw" or "swe" (software engineering: the built-in suite and JSONL)."""
+        if self.gui_id:
+            return "gui"
+        return "claw" if self.instance is None else "swe"
 
     @property
     def source(self) -> str:
@@ -225,8 +232,8 @@ def prepare_tasks(
     suite's repositories go into ``store``, which it then needs."""
     folder = run.root / "tasks"
     manifest = folder / "tasks.jsonl"
+    tasks: list[RecipeTask] = []
     if manifest.exists():
-        tasks = []
         with manifest.open(encoding="utf-8") as handle:
             for number, line in enumerate(handle, start=1):
                 tasks.append(_from_manifest(json.loads(line), str(manifest), number))
@@ -235,24 +242,21 @@ def prepare_tasks(
         # interrupted preparation left, made again from the same seed.
         shutil.rmtree(folder / "repos", ignore_errors=True)
         folder.mkdir(parents=True, exist_ok=True)
+        if recipe.tasks.generated is not None and recipe.tasks.gui is None and store is None:
+            raise ValueError(
+                "the built-in suite's repositories and the Claw suite's tools travel through "
+                "the artifact store: give prepare_tasks the stack's store"
+            )
         if recipe.tasks.builtin:
-            if store is None:
-                raise ValueError(
-                    "the built-in suite's repositories travel through the artifact store: give "
-                    "prepare_tasks the stack's store"
-                )
-            tasks = [_published(t, store) for t in _builtin(recipe, folder / "repos")]
-        elif recipe.tasks.claw:
-            if store is None:
-                raise ValueError(
-                    "the Claw suite's tools travel through the artifact store: give "
-                    "prepare_tasks the stack's store"
-                )
-            tasks = _claw(recipe, store)
-        elif recipe.tasks.gui:
-            tasks = _gui(recipe)
-        else:
-            tasks = _jsonl(recipe)
+            assert store is not None
+            tasks += [_published(t, store) for t in _builtin(recipe, folder / "repos")]
+        if recipe.tasks.claw:
+            assert store is not None
+            tasks += _claw(recipe, store)
+        if recipe.tasks.gui:
+            tasks += _gui(recipe)
+        if recipe.tasks.jsonl:
+            tasks += _jsonl(recipe)
         staging = manifest.with_suffix(".partial")
         with staging.open("w", encoding="utf-8") as handle:
             for task in tasks:

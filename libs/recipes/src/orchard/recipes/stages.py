@@ -284,14 +284,28 @@ def _teacher(ctx: StageContext, tasks: Sequence[RecipeTask]) -> rollout_api.Poli
             ),
         )
         return rollout_api.PolicySpec(scripted=script, temperature=1.0)
-    if teacher.endpoint == "builtin:scripted" and ctx.recipe.tasks.claw is not None:
+    if teacher.endpoint == "builtin:scripted":
+        plans = _scripted_plans(ctx, tasks)
+        script = _scripted_policy({"model": teacher.model, "plans": plans}, seed=ctx.seed)
+        return rollout_api.PolicySpec(scripted=script, temperature=1.0)
+    endpoint = rollout_api.ChatEndpoint(
+        base_url=teacher.endpoint, model=teacher.model, api_key_env=teacher.api_key_env or ""
+    )
+    return rollout_api.PolicySpec(endpoint=endpoint, temperature=1.0)
+
+
+def _scripted_plans(ctx: StageContext, tasks: Sequence[RecipeTask]) -> list[dict[str, Any]]:
+    """The scripted teacher's plans for `tasks`, software and Claw tasks alike (each plan
+    is matched by its task's instruction, so one script serves a joint run's two suites)."""
+    plans: list[dict[str, Any]] = []
+    claw = [t for t in tasks if t.domain == "claw"]
+    if claw:
         from orchard.tasks.claw.suite import task_by_id  # noqa: PLC0415
         from orchard.tasks.claw.teacher import teacher_script as claw_script  # noqa: PLC0415
 
-        plans = claw_script([task_by_id(t.id) for t in tasks], model=teacher.model)
-        script = _scripted_policy(plans, seed=ctx.seed)
-        return rollout_api.PolicySpec(scripted=script, temperature=1.0)
-    if teacher.endpoint == "builtin:scripted":
+        plans += claw_script([task_by_id(t.id) for t in claw])["plans"]
+    software = {t.id for t in tasks if t.domain == "swe"}
+    if software:
         from orchard.recipes.swe_suite import generate_suite  # noqa: PLC0415
 
         spec = ctx.recipe.tasks.builtin
@@ -300,14 +314,9 @@ def _teacher(ctx: StageContext, tasks: Sequence[RecipeTask]) -> rollout_api.Poli
                 "the scripted teacher knows only the built-in suites; give teacher.endpoint an "
                 "OpenAI-compatible URL for JSONL tasks"
             )
-        wanted = {t.id for t in tasks}
-        suite = [t for t in generate_suite(spec.count, seed=spec.seed) if t.instance_id in wanted]
-        script = _scripted_policy(teacher_script(suite, model=teacher.model), seed=ctx.seed)
-        return rollout_api.PolicySpec(scripted=script, temperature=1.0)
-    endpoint = rollout_api.ChatEndpoint(
-        base_url=teacher.endpoint, model=teacher.model, api_key_env=teacher.api_key_env or ""
-    )
-    return rollout_api.PolicySpec(endpoint=endpoint, temperature=1.0)
+        suite = generate_suite(spec.count, seed=spec.seed)
+        plans += teacher_script([t for t in suite if t.instance_id in software])["plans"]
+    return plans
 
 
 def _scripted_policy(script: dict[str, Any], seed: int) -> rollout_api.ScriptedPolicy:
@@ -928,13 +937,20 @@ async def _evaluate_model(
     _write_groups(path, groups)
     counts = group_counts(groups, ctx.pass_mark)
     family = {t.id: t.family or "all" for t in tasks}
+    domain = {t.id: t.domain for t in tasks}
     by_family: dict[str, list[int]] = {}
+    by_domain: dict[str, list[int]] = {}
     for group in groups:
         for trajectory in _main_line(group):
             if _scored(trajectory):
-                entry = by_family.setdefault(family.get(group.task_id, "all"), [0, 0])
-                entry[0] += int(_resolved(trajectory, ctx.pass_mark))
-                entry[1] += 1
+                won = int(_resolved(trajectory, ctx.pass_mark))
+                for tally, key in (
+                    (by_family, family.get(group.task_id, "all")),
+                    (by_domain, domain.get(group.task_id, "swe")),
+                ):
+                    entry = tally.setdefault(key, [0, 0])
+                    entry[0] += won
+                    entry[1] += 1
     return {
         "model": name,
         "weight_version": version,
@@ -944,6 +960,9 @@ async def _evaluate_model(
         "excluded": counts["excluded"],
         "by_family": {
             k: {"resolved": v[0], "attempts": v[1]} for k, v in sorted(by_family.items())
+        },
+        "by_domain": {
+            k: {"resolved": v[0], "attempts": v[1]} for k, v in sorted(by_domain.items())
         },
         "by_harness": by_harness(groups, harnesses, set(ctx.recipe.harnesses), ctx.pass_mark),
     }

@@ -34,7 +34,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field, field_validator, model_validator
@@ -123,6 +123,12 @@ class Comparison(ConfigModel):
         description="held-out: held-out resolve rate (paired by task and seed); "
         "balanced-groups: RL groups with signal per 1,000 rollouts (the models must be rl "
         "or rl-base).",
+    )
+
+    domain: Literal["swe", "claw"] | None = Field(
+        default=None,
+        description="Compare on the held-out tasks of this domain only (a run training on the "
+        "software and Claw suites together against one of a single suite).",
     )
 
     @field_validator("a", "b")

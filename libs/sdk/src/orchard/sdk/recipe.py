@@ -1,7 +1,8 @@
 """Recipes: one YAML file that says what to train, on which tasks, and how.
 
 A recipe names the tasks (the built-in software-engineering suite, the built-in Claw suite of
-personal-assistant tasks, the built-in GUI suite of web tasks, or SWE-bench-format JSONL files),
+personal-assistant tasks, both together, the built-in GUI suite of web tasks, or
+SWE-bench-format JSONL files),
 the harnesses that drive them (built-in loops, the browser loops, or unmodified agent programs
 such as ``program:claude-code``), the teacher
 that collects the first trajectories, the student model, and the stages in their fixed order::
@@ -47,6 +48,7 @@ __all__ = [
     "BUILTIN_RECIPES",
     "CLAW_PASS_MARK",
     "DEFAULT_SUCCESS_THRESHOLD",
+    "DOMAINS",
     "STAGES",
     "BuiltinTasks",
     "ClawTasks",
@@ -134,10 +136,17 @@ class TaskSplit(ConfigModel):
 
 
 _SOURCES = ("builtin", "claw", "gui", "jsonl")
+_JOINABLE = ("builtin", "claw")
+"""The suites a recipe may train on together (one student, one run, per-domain results)."""
+
+DOMAINS = {"builtin": "swe", "claw": "claw", "gui": "gui", "jsonl": "swe"}
+"""The domain of each task source: software engineering, personal assistant, web (GUI)."""
 
 
 class Tasks(ConfigModel):
-    """Where the tasks come from: exactly one of ``builtin``, ``claw``, ``gui`` and ``jsonl``."""
+    """Where the tasks come from: one of ``builtin``, ``claw``, ``gui`` and ``jsonl``, or
+    ``builtin`` and ``claw`` together (one student trained on both domains at once, every
+    result also given per domain)."""
 
     builtin: BuiltinTasks | None = None
     claw: ClawTasks | None = None
@@ -147,24 +156,44 @@ class Tasks(ConfigModel):
 
     @model_validator(mode="after")
     def _one_source(self) -> Tasks:
-        given = [s for s in _SOURCES if getattr(self, s) is not None]
-        if len(given) != 1:
+        given = self.sources
+        if not given:
             raise ValueError(
-                "give exactly one of tasks.builtin, tasks.claw, tasks.gui and tasks.jsonl"
-                + (f" (this gives {' and '.join(given)})" if given else "")
+                "give one of tasks.builtin, tasks.claw, tasks.gui and tasks.jsonl (or "
+                "tasks.builtin and tasks.claw together, to train on both domains at once)"
+            )
+        alone = [s for s in given if s not in _JOINABLE]
+        if len(given) > 1 and alone:
+            raise ValueError(
+                f"tasks.{alone[0]} cannot be joined with other tasks ("
+                + ", ".join(f"tasks.{s}" for s in given)
+                + "): only tasks.builtin and tasks.claw train together (GUI tasks run only "
+                "in the browser loops; JSONL files are a split of their own)"
             )
         if self.jsonl is not None and "split" in self.model_fields_set:
             raise ValueError("tasks.split divides a built-in suite; JSONL files are the split")
         return self
 
     @property
+    def sources(self) -> list[str]:
+        """The task sources given, in the order tasks are listed (builtin, claw, gui, jsonl)."""
+        return [s for s in _SOURCES if getattr(self, s) is not None]
+
+    @property
+    def domains(self) -> list[str]:
+        """The domains the tasks are of ("swe", "claw", "gui"), one per source."""
+        return [DOMAINS[s] for s in self.sources]
+
+    @property
     def generated(self) -> BuiltinTasks | ClawTasks | GuiTasks | None:
-        """The built-in suite the tasks come from, if any."""
+        """A built-in suite the tasks come from, if any (the first, when two are joined)."""
         return self.builtin or self.claw or self.gui
 
     @property
     def pass_mark(self) -> float | None:
-        """The suite's own success threshold, when it defines one (Claw: 0.75)."""
+        """The suites' own success threshold, when one defines it (Claw: 0.75). Joined with
+        the software suite it holds for both: a software task's reward is 1 (resolved) or -1,
+        on the same side of 0.75 as of the default 0.5."""
         return CLAW_PASS_MARK if self.claw is not None else None
 
 

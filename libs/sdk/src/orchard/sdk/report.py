@@ -110,6 +110,9 @@ class ModelEvaluation:
     weight_version: str = ""
     harnesses: tuple[HarnessEvaluation, ...] = ()
     """The same attempts split by harness; empty for a run that did not record them."""
+    domains: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """The same attempts split by domain ("swe", "claw"): (resolved, attempts) each; given
+    when the run's tasks are of more than one domain."""
 
     @property
     def rate(self) -> float:
@@ -429,10 +432,33 @@ def _evaluation_section(report: RunReport, plots: Mapping[str, str]) -> list[str
             f"{e.rate:.1%} | {low:.1%} to {high:.1%} |"
         )
     lines.append("")
+    lines += _domain_table(report)
     lines += _harness_table(report)
     if "evaluation" in plots:
         lines += [f"![held-out resolve rate]({plots['evaluation']})", ""]
     return lines
+
+
+def _domain_table(report: RunReport) -> list[str]:
+    rows = [(e.model, d, counts) for e in report.evaluations for d, counts in e.domains.items()]
+    if not rows:
+        return []
+    level = f"{report.confidence:.0%}"
+    lines = [
+        "### By domain",
+        "",
+        "One student trained on the tasks of every domain at once; its held-out attempts on "
+        "each domain's tasks.",
+        "",
+        f"| model | domain | resolved | attempts | rate | {level} interval |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for model, domain, (resolved, attempts) in rows:
+        low, high = wilson_interval(resolved, attempts, report.confidence)
+        rate = f"{resolved / attempts:.1%}" if attempts else "-"
+        interval = f"{low:.1%} to {high:.1%}" if attempts else "-"
+        lines.append(f"| {model} | {domain} | {resolved} | {attempts} | {rate} | {interval} |")
+    return [*lines, ""]
 
 
 def _harness_table(report: RunReport) -> list[str]:
@@ -849,6 +875,14 @@ def _as_json(report: RunReport) -> dict[str, object]:
             "rate": e.rate,
             "interval": list(wilson_interval(e.resolved, e.attempts, report.confidence)),
             "harnesses": [_harness_json(h, report.confidence) for h in e.harnesses],
+            "domains": {
+                domain: {
+                    "resolved": resolved,
+                    "attempts": attempts,
+                    "interval": list(wilson_interval(resolved, attempts, report.confidence)),
+                }
+                for domain, (resolved, attempts) in e.domains.items()
+            },
         }
         for e in report.evaluations
     ]

@@ -100,7 +100,8 @@ def _check(args: argparse.Namespace) -> int:
         rows.append([arm.name, recipe.name, arm.about or "-", _flat(arm.settings) or "-"])
     print_table(["arm", "run name (first seed)", "what it is", "changes"], rows)
     for comparison in experiment.comparisons:
-        sys.stdout.write(f"compare: {comparison.name}: {comparison.a} vs {comparison.b}\n")
+        on = f" on {comparison.domain} tasks" if comparison.domain else ""
+        sys.stdout.write(f"compare: {comparison.name}: {comparison.a} vs {comparison.b}{on}\n")
     return 0
 
 

@@ -223,23 +223,23 @@ def _stage(recipe: Recipe, name: str) -> Any:
     return getattr(recipe.stages, name)
 
 
+_SUITE_NAMES = {"builtin": "built-in suite", "claw": "Claw suite", "gui": "GUI suite"}
+
+
 def _tasks(recipe: Recipe) -> str:
     tasks = recipe.tasks
-    if tasks.builtin is not None:
-        split = tasks.split
-        return (
-            f"built-in suite, {tasks.builtin.count} tasks (seed {tasks.builtin.seed}); "
-            f"split sft {split.sft:g} / rl {split.rl:g} / evaluate {split.evaluate:g}"
-        )
-    if tasks.claw is not None:
-        split = tasks.split
-        return (
-            f"Claw suite, {tasks.claw.count} tasks (seed {tasks.claw.seed}); "
-            f"split sft {split.sft:g} / rl {split.rl:g} / evaluate {split.evaluate:g}"
-        )
-    assert tasks.jsonl is not None  # one of the three, validated
-    files = [f"{s}={getattr(tasks.jsonl, s)}" for s in ("sft", "rl", "evaluate")]
-    return "JSONL " + ", ".join(files)
+    if tasks.jsonl is not None:
+        files = [f"{s}={getattr(tasks.jsonl, s)}" for s in ("sft", "rl", "evaluate")]
+        return "JSONL " + ", ".join(files)
+    suites = []
+    for source in tasks.sources:
+        spec = getattr(tasks, source)
+        suites.append(f"{_SUITE_NAMES[source]}, {spec.count} tasks (seed {spec.seed})")
+    split = tasks.split
+    return (
+        " + ".join(suites)
+        + f"; split sft {split.sft:g} / rl {split.rl:g} / evaluate {split.evaluate:g}"
+    )
 
 
 def _settings(recipe: Recipe, name: str) -> str:
