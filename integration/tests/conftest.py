@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -15,11 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from orchard.core.config import deep_merge
+from orchard.recipes.pipeline import run_recipe
 from orchard.recipes.workspace import StackEndpoints
 from orchard.sdk.cli.host_probe import remove_cgroup_parent
 from orchard.sdk.cli.stack import LocalStack, StackError
+from orchard.sdk.recipe import Recipe, load_recipe
 
 
 def free_port() -> int:
@@ -137,6 +141,34 @@ def reduced_recipe(name: str, stages: dict[str, Any] | None = None) -> dict[str,
         "name": name,
         "stages": deep_merge(REDUCED_RECIPE["stages"], stages or {}),
     }
+
+
+@pytest.fixture(scope="module")
+def endpoints(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackEndpoints]:
+    """A module's recipe stack (`recipe_stack`), as a recipe reaches it."""
+    with recipe_stack(tmp_path_factory) as env:
+        yield env.endpoints()
+
+
+@pytest.fixture(scope="module")
+def report(endpoints: StackEndpoints, recipe: Recipe) -> Path:
+    """The module's `recipe` run on its stack, quietly; the report it wrote."""
+    return run_recipe(recipe, endpoints, progress=False, workers=3, say=lambda _: None)
+
+
+def written_recipe(tmp_path_factory: pytest.TempPathFactory, data: dict[str, Any]) -> Recipe:
+    """``data`` written as a recipe file in a folder of its own and loaded from there (its
+    outputs go under that folder)."""
+    folder = tmp_path_factory.mktemp(f"{data['name']}-recipe")
+    (folder / "recipe.yaml").write_text(yaml.safe_dump(data))
+    return load_recipe(folder / "recipe.yaml", workdir=folder)
+
+
+def stage_done(recipe: Recipe, stage: str) -> dict[str, Any]:
+    """A finished stage's summary (its ``done.json``)."""
+    assert recipe.output_dir is not None
+    data: dict[str, Any] = json.loads((recipe.output_dir / stage / "done.json").read_text())
+    return data
 
 
 @pytest.fixture(scope="module")

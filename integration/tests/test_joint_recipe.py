@@ -8,19 +8,15 @@ held-out evaluation and the report give every model's result per domain beside t
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from orchard.recipes.pipeline import run_recipe
 from orchard.recipes.stages import read_groups
-from orchard.recipes.workspace import StackEndpoints
-from orchard.sdk.recipe import Recipe, load_recipe
+from orchard.sdk.recipe import Recipe
 
-from .conftest import recipe_stack, reduced_recipe
+from .conftest import reduced_recipe, stage_done, written_recipe
 
 pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -36,26 +32,8 @@ RECIPE: dict[str, Any] = {
 
 
 @pytest.fixture(scope="module")
-def endpoints(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackEndpoints]:
-    with recipe_stack(tmp_path_factory) as env:
-        yield env.endpoints()
-
-
-@pytest.fixture(scope="module")
 def recipe(tmp_path_factory: pytest.TempPathFactory) -> Recipe:
-    folder = tmp_path_factory.mktemp("recipe")
-    (folder / "joint.yaml").write_text(yaml.safe_dump(RECIPE))
-    return load_recipe(folder / "joint.yaml", workdir=folder)
-
-
-@pytest.fixture(scope="module")
-def report(endpoints: StackEndpoints, recipe: Recipe) -> Path:
-    return run_recipe(recipe, endpoints, progress=False, workers=3, say=lambda _: None)
-
-
-def _done(recipe: Recipe, stage: str) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((recipe.output_dir / stage / "done.json").read_text())
-    return data
+    return written_recipe(tmp_path_factory, RECIPE)
 
 
 def _domain(task_id: str) -> str:
@@ -69,12 +47,12 @@ def test_the_teacher_solves_both_domains_in_one_collection(report: Path, recipe:
         for trajectory in group.trajectories:
             resolved[_domain(group.task_id)] += int(trajectory.reward.value >= recipe.pass_mark)
     assert resolved["swe"] >= 1 and resolved["claw"] >= 1, resolved
-    sft = _done(recipe, "sft")
+    sft = stage_done(recipe, "sft")
     assert sft["steps"] >= 1 and sft["samples"] >= 2
 
 
 def test_rl_samples_tasks_of_the_run_s_rl_split(report: Path, recipe: Recipe) -> None:
-    rl = _done(recipe, "rl")
+    rl = stage_done(recipe, "rl")
     assert rl["steps"] and rl["steps"][0]["sampled"], rl
 
 
@@ -90,7 +68,7 @@ def test_every_model_is_evaluated_per_domain_on_each_domain_s_held_out_tasks(
         if task["orchard_split"] == "evaluate":
             held_out["claw" if "orchard_claw_id" in task else "swe"] += 1
     assert held_out["swe"] >= 2 and held_out["claw"] >= 3, held_out
-    models = _done(recipe, "evaluate")["models"]
+    models = stage_done(recipe, "evaluate")["models"]
     assert set(models) >= {"base", "sft", "rl"}, models
     for name, result in models.items():
         domains = result["by_domain"]

@@ -9,22 +9,19 @@ report names the estimator, the teacher and the per-step reverse KL."""
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
-import yaml
 
 from orchard.recipes.pipeline import run_recipe
 from orchard.recipes.stages import read_groups
 from orchard.recipes.trainer_client import TrainerJobs
 from orchard.recipes.weights_client import WeightVersions
-from orchard.sdk.recipe import Recipe, load_recipe
+from orchard.sdk.recipe import Recipe
 from orchard.trainer.v1 import trainer_service_pb2 as trainer_api
 
-from .conftest import recipe_stack, reduced_recipe
+from .conftest import recipe_stack, reduced_recipe, stage_done, written_recipe
 from .test_recipe_run import Services
 
 pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -51,15 +48,7 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
 
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory: pytest.TempPathFactory) -> Recipe:
-    folder = tmp_path_factory.mktemp("recipe")
-    (folder / "opd.yaml").write_text(yaml.safe_dump(OPD_RECIPE))
-    return load_recipe(folder / "opd.yaml", workdir=folder)
-
-
-def _done(recipe: Recipe, stage: str) -> dict[str, Any]:
-    assert recipe.output_dir is not None
-    data: dict[str, Any] = json.loads((recipe.output_dir / stage / "done.json").read_text())
-    return data
+    return written_recipe(tmp_path_factory, OPD_RECIPE)
 
 
 def test_opd_trains_its_teacher_distills_from_it_and_reports_both(
@@ -67,7 +56,7 @@ def test_opd_trains_its_teacher_distills_from_it_and_reports_both(
 ) -> None:
     report = run_recipe(recipe, services.endpoints, progress=False, workers=3, say=lambda _: None)
     assert recipe.output_dir is not None
-    rl = _done(recipe, "rl")
+    rl = stage_done(recipe, "rl")
     assert rl["estimator"] == "opd"
     teacher = rl["distillation"]["teacher"]
     assert teacher["model"] == "builtin:small" and teacher["epochs"] == 2
@@ -107,12 +96,12 @@ def test_opd_trains_its_teacher_distills_from_it_and_reports_both(
     assert budget["run"] == sum(budget["run_per_step"]) >= 4  # two steps of n = 2
     groups = read_groups(recipe.output_dir / "rl" / "groups.jsonl")
     assert {t.weight_version for g in groups for r in g.trajectories for t in r.turns} <= {
-        _done(recipe, "sft")["weights"]["version"],
+        stage_done(recipe, "sft")["weights"]["version"],
         *(s["published"] for s in updated),
     }
 
     # The teacher is evaluated beside the student, on its own registry model's weights.
-    models = _done(recipe, "evaluate")["models"]
+    models = stage_done(recipe, "evaluate")["models"]
     assert set(models) == {"base", "sft", "rl", "opd-teacher"}
     assert models["opd-teacher"]["weight_version"] == teacher["weights"]["version"]
     held_out = read_groups(recipe.output_dir / "evaluate" / "opd-teacher.groups.jsonl")

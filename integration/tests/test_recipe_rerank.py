@@ -8,21 +8,18 @@ pass@k side by side."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 
 from orchard.recipes.pipeline import run_recipe
 from orchard.recipes.recipe_tasks import prepare_tasks
 from orchard.recipes.stages import read_groups
 from orchard.recipes.workspace import RunDir, StackEndpoints
-from orchard.sdk.recipe import Recipe, load_recipe
+from orchard.sdk.recipe import Recipe
 from orchard.types.v1 import reward_pb2
 
-from .conftest import recipe_stack, reduced_recipe
+from .conftest import reduced_recipe, stage_done, written_recipe
 
 pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -39,35 +36,16 @@ RECIPE = reduced_recipe(
 
 
 @pytest.fixture(scope="module")
-def endpoints(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackEndpoints]:
-    with recipe_stack(tmp_path_factory) as env:
-        yield env.endpoints()
-
-
-@pytest.fixture(scope="module")
 def recipe(tmp_path_factory: pytest.TempPathFactory) -> Recipe:
-    folder = tmp_path_factory.mktemp("rerank-recipe")
-    (folder / "reduced.yaml").write_text(yaml.safe_dump(RECIPE))
-    return load_recipe(folder / "reduced.yaml", workdir=folder)
-
-
-@pytest.fixture(scope="module")
-def report(endpoints: StackEndpoints, recipe: Recipe) -> Path:
-    return run_recipe(recipe, endpoints, progress=False, workers=3, say=lambda _: None)
-
-
-def _done(recipe: Recipe, stage: str) -> dict[str, Any]:
-    assert recipe.output_dir is not None
-    data: dict[str, Any] = json.loads((recipe.output_dir / stage / "done.json").read_text())
-    return data
+    return written_recipe(tmp_path_factory, RECIPE)
 
 
 def test_the_rl_model_makes_k_attempts_and_is_reranked_by_a_value_model_of_earlier_policies(
     report: Path, recipe: Recipe, endpoints: StackEndpoints
 ) -> None:
     assert recipe.output_dir is not None
-    rerank = _done(recipe, "rerank")
-    rl_version = _done(recipe, "rl")["weights"]["version"]
+    rerank = stage_done(recipe, "rerank")
+    rl_version = stage_done(recipe, "rl")["weights"]["version"]
     assert (rerank["model"], rerank["weight_version"], rerank["k"]) == ("rl", rl_version, K)
     # evaluate made one attempt per task, so the stage sampled k through the same rollout
     # path (a rollout job of the RL weights on the held-out tasks).
@@ -84,7 +62,7 @@ def test_the_rl_model_makes_k_attempts_and_is_reranked_by_a_value_model_of_earli
     # the held-out tasks. (When RL validation handed on the SFT weights, the RL step's groups
     # were sampled by the reranked weights themselves: none of them is used.)
     history = rerank["history"]
-    collect = _done(recipe, "collect")
+    collect = stage_done(recipe, "collect")
     assert history["sources"]["this run: collect"]["trajectories"] == (
         collect["resolved"] + collect["unresolved"]
     )
@@ -132,7 +110,7 @@ def test_the_report_explains_the_four_numbers(report: Path, recipe: Recipe) -> N
     assert section["model"] == "rl" and section["k"] == K
     names = [f["name"] for f in section["figures"]]
     assert names == ["pass@1", "random-of-k", "value-reranked", "oracle pass@k"]
-    done = _done(recipe, "rerank")
+    done = stage_done(recipe, "rerank")
     for figure in section["figures"]:
         low, high = figure["interval"]
         assert 0 <= low <= figure["rate"] <= high <= 1

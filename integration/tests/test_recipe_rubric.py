@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchard.recipes.pipeline import run_recipe
@@ -24,10 +23,10 @@ from orchard.recipes.rubric import RUBRIC_LOG
 from orchard.recipes.stages import read_groups
 from orchard.recipes.trails import main_line
 from orchard.recipes.workspace import StackEndpoints
-from orchard.sdk.recipe import Recipe, load_recipe
+from orchard.sdk.recipe import Recipe
 from orchard.types.v1 import reward_pb2
 
-from .conftest import free_port, recipe_stack, reduced_recipe
+from .conftest import free_port, recipe_stack, reduced_recipe, written_recipe
 
 pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -67,9 +66,7 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
 
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory: pytest.TempPathFactory) -> Recipe:
-    folder = tmp_path_factory.mktemp("recipe")
-    (folder / "rubric.yaml").write_text(yaml.safe_dump(RECIPE))
-    return load_recipe(folder / "rubric.yaml", workdir=folder)
+    return written_recipe(tmp_path_factory, RECIPE)
 
 
 @pytest.fixture(scope="module")

@@ -16,21 +16,19 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 
 from orchard.recipes.pipeline import run_recipe
 from orchard.recipes.recipe_tasks import prepare_tasks
 from orchard.recipes.stages import read_groups
 from orchard.recipes.weights_client import WeightVersions
 from orchard.recipes.workspace import RunDir, StackEndpoints
-from orchard.sdk.recipe import Recipe, load_recipe
+from orchard.sdk.recipe import Recipe
 from orchard.trainer.datasets import read_trajectories
 from orchard.types.v1 import reward_pb2
 
-from .conftest import REDUCED_RECIPE, EnvStack, recipe_stack
+from .conftest import REDUCED_RECIPE, EnvStack, recipe_stack, stage_done, written_recipe
 
 # The whole reduced recipe runs in the first test's setup (module fixture `report`).
 pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -52,9 +50,7 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
 
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory: pytest.TempPathFactory) -> Recipe:
-    folder = tmp_path_factory.mktemp("recipe")
-    (folder / "reduced.yaml").write_text(yaml.safe_dump(RECIPE))
-    return load_recipe(folder / "reduced.yaml", workdir=folder)
+    return written_recipe(tmp_path_factory, RECIPE)
 
 
 @pytest.fixture(scope="module")
@@ -62,17 +58,11 @@ def report(services: Services, recipe: Recipe) -> Path:
     return run_recipe(recipe, services.endpoints, progress=False, workers=3, say=lambda _: None)
 
 
-def _done(recipe: Recipe, stage: str) -> dict[str, Any]:
-    assert recipe.output_dir is not None
-    data: dict[str, Any] = json.loads((recipe.output_dir / stage / "done.json").read_text())
-    return data
-
-
 def test_collect_scores_the_teacher_and_tokenizes_its_conversations(
     report: Path, recipe: Recipe
 ) -> None:
     assert recipe.output_dir is not None
-    collect = _done(recipe, "collect")
+    collect = stage_done(recipe, "collect")
     assert collect["rollouts"] == 10  # 5 SFT tasks x 2 attempts
     assert collect["resolved"] + collect["unresolved"] == 10
     assert collect["rollout_job"]
@@ -104,7 +94,7 @@ def test_collect_scores_the_teacher_and_tokenizes_its_conversations(
 
 def test_credit_marks_rise_segments_on_failed_trajectories(report: Path, recipe: Recipe) -> None:
     assert recipe.output_dir is not None
-    credit = _done(recipe, "credit")
+    credit = stage_done(recipe, "credit")
     rows = list(read_trajectories(recipe.output_dir / "credit" / "trajectories.jsonl"))
     assert credit["failed"] == len(rows) + sum(credit["excluded"].values())
     for row in rows:
@@ -119,14 +109,14 @@ def test_sft_trains_on_curated_rows_and_publishes_a_version(
     report: Path, recipe: Recipe, services: Services
 ) -> None:
     assert recipe.output_dir is not None
-    sft = _done(recipe, "sft")
+    sft = stage_done(recipe, "sft")
     assert sft["samples"] >= 1 and sft["steps"] >= 1
     curated = list(read_trajectories(recipe.output_dir / "curate" / "sft.jsonl"))
     successes = {r.task_id for r in curated if r.reward.value > 0}
     assert len([r for r in curated if r.reward.value > 0]) == len(successes)  # shortest only
     # orchard-trainer curated and counted: the SFT job trained on the dataset it wrote to the
     # store (the run folder holds a copy) and its sample count sized the schedule.
-    curate = _done(recipe, "curate")
+    curate = stage_done(recipe, "curate")
     assert curate["kept"] == len(curated) and sft["samples"] == curate["samples"]
     assert curate["dataset"].startswith(services.endpoints.artifacts + "/recipes/datasets/")
     stored = Path(curate["dataset"].removeprefix("file://"))
@@ -173,8 +163,8 @@ def test_rl_samples_the_student_in_rollout_jobs_with_captured_tokens(
     report: Path, recipe: Recipe
 ) -> None:
     assert recipe.output_dir is not None
-    sft_version = _done(recipe, "sft")["weights"]["version"]
-    rl = _done(recipe, "rl")
+    sft_version = stage_done(recipe, "sft")["weights"]["version"]
+    rl = stage_done(recipe, "rl")
     (step,) = rl["steps"]
     assert step["rollout_job"] and step["sampled"] == sft_version
     groups = read_groups(recipe.output_dir / "rl" / "groups.jsonl")
@@ -199,11 +189,11 @@ def test_the_report_has_every_model_and_the_services_numbers(report: Path, recip
     data = json.loads((report.parent / "report.json").read_text())
     models = {e["model"]: e for e in data["evaluations"]}
     assert set(models) == {"base", "sft", "rl"}
-    evaluate = _done(recipe, "evaluate")["models"]
+    evaluate = stage_done(recipe, "evaluate")["models"]
     held_out = {t.id for t in prepare_tasks(recipe, RunDir.open(recipe))["evaluate"]}
     assert recipe.output_dir is not None
     # The RL model is its own version, or the SFT model's weights handed on (and said so).
-    rl_weights = _done(recipe, "rl")["weights"]["version"]
+    rl_weights = stage_done(recipe, "rl")["weights"]["version"]
     assert evaluate["rl"]["weight_version"] == rl_weights
     if rl_weights == evaluate["sft"]["weight_version"]:
         assert evaluate["rl"]["same_weights_as"] == "sft"
@@ -225,7 +215,7 @@ def test_the_report_has_every_model_and_the_services_numbers(report: Path, recip
     # Both SFT curves, and which step was handed on.
     curves = {c["name"]: c for c in data["curves"]}
     assert {"sft loss", "sft validation loss"} <= set(curves)
-    sft = _done(recipe, "sft")
+    sft = stage_done(recipe, "sft")
     assert curves["sft validation loss"]["steps"] == [
         p["step"] for p in sft["validation"]["points"]
     ]
@@ -239,8 +229,8 @@ def test_a_second_run_resumes_and_one_stage_runs_alone(
     said: list[str] = []
     run_recipe(recipe, services.endpoints, progress=False, say=said.append)
     assert sum("done already" in line for line in said) == 6
-    before = _done(recipe, "curate")
+    before = stage_done(recipe, "curate")
     said.clear()
     run_recipe(recipe, services.endpoints, only=["curate"], progress=False, say=said.append)
     assert any(line.startswith("stage curate: done in") for line in said)
-    assert _done(recipe, "curate")["kept"] == before["kept"]
+    assert stage_done(recipe, "curate")["kept"] == before["kept"]

@@ -261,6 +261,44 @@ def test_the_report_from_finished_runs(loaded: Any) -> None:
     assert data["curves"]["main/rl"]["1"] == [[1, 0.5], [2, 0.2]]
 
 
+def test_a_joint_arm_gets_rows_per_domain_and_domain_comparisons_pair_its_tasks(
+    tmp_path: Path,
+) -> None:
+    data = {
+        "name": "joint",
+        "settings": {"tasks.builtin.count": 12, "tasks.claw.count": 24},
+        "arms": [{"name": "joint"}, {"name": "swe-only", "settings": {"tasks.claw": None}}],
+        "comparisons": [
+            {"name": "joint vs alone", "a": "joint/sft", "b": "swe-only/sft", "domain": "swe"}
+        ],
+    }
+    path = tmp_path / "joint.yaml"
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    experiment, out = load_experiment(path, workdir=tmp_path)
+    swe = [f"repo-{i}" for i in range(10)]
+    claw = [f"claw/0/mail/{i}" for i in range(10)]
+    runs = {
+        "joint": {t: [1, 1] for t in swe} | {t: [1, int(i < 3)] for i, t in enumerate(claw)},
+        "swe-only": {t: [1, 0] for t in swe},
+    }
+    for arm, tasks in runs.items():
+        run = out / arm / "seed-0" / "report"
+        run.mkdir(parents=True)
+        resolved = sum(c for _, c in tasks.values())
+        (run / "report.json").write_text(
+            _report_json({"sft": [resolved, len(tasks)]}, {"sft": tasks})
+        )
+        (run / "report.md").write_text("# run\n")
+    report = write_experiment_report(experiment, out)
+    text = report.read_text()
+    assert (
+        "| joint | sft (claw tasks) | 3/10 |" in text
+        and "| joint | sft (swe tasks) | 10/10 |" in text
+    )
+    assert "| swe-only | sft | 0/10 |" in text and "swe-only | sft (" not in text
+    assert "| joint vs alone (swe tasks) | joint/sft | swe-only/sft | +100.0 |" in text
+
+
 def test_a_comparison_without_results_says_so(loaded: Any) -> None:
     experiment, out = loaded
     text = write_experiment_report(experiment, out).read_text()

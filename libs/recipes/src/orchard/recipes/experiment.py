@@ -386,6 +386,28 @@ def _signed(value: float) -> str:
     return f"{100 * value:+.1f}"
 
 
+def _model_figures(
+    row: ModelRow, label: str, confidence: float, domain: str | None = None
+) -> dict[str, Any]:
+    """One line of the held-out table: per seed, pooled with its interval, across seeds."""
+    rates = row.rates()
+    figures: dict[str, Any] = {
+        "arm": row.arm,
+        "model": label,
+        "per_seed": {str(s): list(v) for s, v in sorted(row.per_seed.items())},
+        "resolved": row.resolved,
+        "attempts": row.attempts,
+        "rate": row.resolved / row.attempts if row.attempts else None,
+        "interval": list(wilson_interval(row.resolved, row.attempts, confidence)),
+        "seed_mean": mean(rates) if rates else None,
+        "seed_sd": stdev(rates) if len(rates) > 1 else None,
+        "seed_range": [min(rates), max(rates)] if rates else None,
+    }
+    if domain is not None:
+        figures["domain"] = domain
+    return figures
+
+
 def write_experiment_report(experiment: Experiment, out: Path, *, source: str = "") -> Path:
     """``<out>/report/experiment.md`` and ``experiment.json`` (with PNG plots where matplotlib
     is installed) from the runs that finished; returns the Markdown's path."""
@@ -397,22 +419,14 @@ def write_experiment_report(experiment: Experiment, out: Path, *, source: str = 
     confidence = experiment.confidence
     level = f"{round(100 * confidence)}%"
     models: list[dict[str, Any]] = []
-    for (arm, model), row in rows.items():
-        rates = row.rates()
-        models.append(
-            {
-                "arm": arm,
-                "model": model,
-                "per_seed": {str(s): list(v) for s, v in sorted(row.per_seed.items())},
-                "resolved": row.resolved,
-                "attempts": row.attempts,
-                "rate": row.resolved / row.attempts if row.attempts else None,
-                "interval": list(wilson_interval(row.resolved, row.attempts, confidence)),
-                "seed_mean": mean(rates) if rates else None,
-                "seed_sd": stdev(rates) if len(rates) > 1 else None,
-                "seed_range": [min(rates), max(rates)] if rates else None,
-            }
-        )
+    for (_, model), row in rows.items():
+        models.append(_model_figures(row, model, confidence))
+        # A run on two domains: each domain's held-out tasks on rows of their own too.
+        domains = sorted({task_domain(task) for _, task in row.per_task})
+        if len(domains) > 1:
+            for domain in domains:
+                label = f"{model} ({domain} tasks)"
+                models.append(_model_figures(row.of_domain(domain), label, confidence, domain))
     comparisons: list[dict[str, Any]] = []
     for comparison in experiment.comparisons:
         entry: dict[str, Any] = {"name": comparison.name, "a": comparison.a, "b": comparison.b,
