@@ -107,8 +107,10 @@ demo-claw: setup inagent-binary harnesses ## the Claw recipe: agent programs, SF
 demo-gui: setup inagent-binary gui-browser ## the GUI recipe: browser sandboxes, teacher episodes, SFT, RL from SFT and from base, held-out evaluation
 	ORCHARD_GUI_BROWSER_DIR=$(abspath $(GUI_BROWSER_DIR)) $(BIN)/python tools/demo.py --recipe gui
 
-experiment: setup inagent-binary ## the learning experiment (recipes/experiment-swe.yaml): arms x seeds compared with intervals; goes on where it stopped
-	$(BIN)/python tools/demo.py --experiment recipes/experiment-swe.yaml --resume --workers 8
+EXPERIMENT ?= recipes/experiment-swe.yaml
+
+experiment: setup inagent-binary ## the learning experiment (EXPERIMENT=recipes/experiment-swe.yaml; or -joint, -opd-small): arms x seeds compared with intervals; goes on where it stopped
+	$(BIN)/python tools/demo.py --experiment $(EXPERIMENT) --resume --workers 8
 
 bench: setup inagent-binary gui-browser ## run the benchmarks; results in bench/results/*.json
 	$(BIN)/python bench/inagent_bench.py
