@@ -6,7 +6,7 @@ import contextlib
 import secrets
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from orchard.sdk.cli.bench import _free_port
@@ -15,9 +15,10 @@ from orchard.sdk.cli.stack import LocalStack
 
 
 @contextlib.contextmanager
-def private_env_stack(name: str) -> Iterator[tuple[LocalStack, str]]:
-    """The started stack and its token; its state folder, run folder and cgroup parent
-    (``orchard-<name>-<tag>``) go when the block ends. Needs root."""
+def private_env_stack(name: str, settings: Sequence[str] = ()) -> Iterator[tuple[LocalStack, str]]:
+    """The started stack and its token (``settings``: orchard-env's ``KEY=VALUE`` settings);
+    its state folder, run folder and cgroup parent (``orchard-<name>-<tag>``) go when the block
+    ends. Needs root."""
     tag = secrets.token_hex(3)
     state = Path(tempfile.mkdtemp(prefix=f"orchard-{name}-"))
     run_dir = f"/run/orchard-bench-{tag}"  # short: sandbox socket paths must fit 107 bytes
@@ -28,6 +29,7 @@ def private_env_stack(name: str) -> Iterator[tuple[LocalStack, str]]:
         listen=f"127.0.0.1:{_free_port()}",
         token=token,
         runtime={"cgroup_parent": cgroup, "run_dir": run_dir},
+        settings=settings,
     )
     try:
         stack.start()

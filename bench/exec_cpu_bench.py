@@ -1,14 +1,16 @@
 """Where an exec's CPU goes: exec of `true` through orchard-env, by process, beside the load.
 
     .venv/bin/python bench/exec_cpu_bench.py [--sandboxes 50] [--calls 3000] [--rounds 4]
-        [--concurrency 32] [--narrow 4] [--json FILE]
+        [--concurrency 32] [--narrow 4] [--routes lane,grpc] [--json FILE]
 
-Starts a private etcd + orchard-env (local runtime: needs root), creates ``--sandboxes``
-sandboxes of the host image, then runs ``--rounds`` rounds of ``--calls`` execs of `true` with
-``--concurrency`` in flight, as `orchard bench env` does for its sustained figure. With
-``--narrow K`` every other round sends its execs to only K of the sandboxes, so each agent
-sees its next call while it is still busy instead of waking from idle for it: the difference
-between the two kinds of round is what waking a sleeping agent costs.
+Starts a private etcd + orchard-env (local runtime: needs root) for each route to the agents
+(``lane``: Exec over the agents' exec lane, orchard-env's default; ``grpc``: the lane turned
+off, every call over gRPC), creates ``--sandboxes`` sandboxes of the host image in each, then
+runs ``--rounds`` rounds of ``--calls`` execs of `true` with ``--concurrency`` in flight, as
+`orchard bench env` does for its sustained figure, the routes taking turns round by round so
+both see the same load. With ``--narrow K`` every other round sends its execs to only K of the
+sandboxes, so each agent sees its next call while it is still busy instead of waking from idle
+for it: the difference between the two kinds of round is what waking a sleeping agent costs.
 
 Each round reports, per exec: CPU ms of this client process (getrusage), orchard-env and the
 agents (/proc/PID/stat; every agent is counted whether it got calls or not), the commands (the
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -38,6 +41,8 @@ else:  # bench scripts run with bench/ on sys.path
     from bench_stack import private_env_stack
 
 _TICK = os.sysconf("SC_CLK_TCK")
+ROUTES = {"lane": "true", "grpc": "false"}
+"""Each route to the agents, as orchard-env's ``exec_lane`` setting."""
 PARTS = ("client", "orchard_env", "agents", "commands")
 
 
@@ -100,38 +105,62 @@ def agent_pid(state_dir: str, sandbox_id: str) -> int:
         return int(json.load(file)["pid"])
 
 
-async def measure(
-    endpoint: str, token: str, env_pid: int, state_dir: str, args: Any
-) -> list[dict[str, Any]]:
-    async with AsyncSandboxClient(endpoint, token=token) as client:
-        sandboxes = await asyncio.gather(
-            *(client.create(image="host") for _ in range(args.sandboxes))
+class Route:
+    """One stack's sandboxes, their agents and the call the rounds make."""
+
+    def __init__(self, name: str, client: AsyncSandboxClient, env_pid: int) -> None:
+        self.name = name
+        self.client = client
+        self.env_pid = env_pid
+        self.sandboxes: list[Any] = []
+        self.agents: list[int] = []
+        self.spread = 0
+
+    async def start(self, count: int, state_dir: str) -> None:
+        self.sandboxes = list(
+            await asyncio.gather(*(self.client.create(image="host") for _ in range(count)))
         )
-        try:
-            await asyncio.gather(*(sandbox.wait() for sandbox in sandboxes))
-            agents = [agent_pid(state_dir, sandbox.id) for sandbox in sandboxes]
-            spread = [len(sandboxes)]
+        await asyncio.gather(*(sandbox.wait() for sandbox in self.sandboxes))
+        self.agents = [agent_pid(state_dir, sandbox.id) for sandbox in self.sandboxes]
+        self.spread = len(self.sandboxes)
+        for index in range(2 * len(self.sandboxes)):  # warm every channel and agent
+            await self.one(index)
 
-            async def one(index: int) -> None:
-                result = await sandboxes[index % spread[0]].exec(["true"], timeout=60)
-                if result.exit_code != 0:
-                    raise RuntimeError(f"`true` exited {result.exit_code}")
+    async def one(self, index: int) -> None:
+        result = await self.sandboxes[index % self.spread].exec(["true"], timeout=60)
+        if result.exit_code != 0:
+            raise RuntimeError(f"`true` exited {result.exit_code}")
 
-            for index in range(2 * len(sandboxes)):  # warm every channel and agent
-                await one(index)
-            rounds = []
-            for number in range(args.rounds):
-                narrow = args.narrow and number % 2 == 1
-                spread[0] = min(args.narrow, len(sandboxes)) if narrow else len(sandboxes)
+    async def close(self) -> None:
+        await asyncio.gather(*(s.delete() for s in self.sandboxes), return_exceptions=True)
+
+
+async def measure(stacks: list[tuple[str, str, str, int, str]], args: Any) -> list[dict[str, Any]]:
+    """The rounds, the routes taking turns; ``stacks``: (route, endpoint, token, orchard-env's
+    pid, the runtime's state folder) each."""
+    async with contextlib.AsyncExitStack() as exits:
+        routes = []
+        for name, endpoint, token, env_pid, state_dir in stacks:
+            client = await exits.enter_async_context(AsyncSandboxClient(endpoint, token=token))
+            route = Route(name, client, env_pid)
+            exits.push_async_callback(route.close)
+            await route.start(args.sandboxes, state_dir)
+            routes.append(route)
+        rounds = []
+        for number in range(args.rounds):
+            narrow = args.narrow and number % 2 == 1
+            for route in routes:
+                count = len(route.sandboxes)
+                route.spread = min(args.narrow, count) if narrow else count
                 calls = iter(range(args.calls))
-                before = Snapshot(env_pid, agents)
-                await asyncio.gather(*(_worker(one, calls) for _ in range(args.concurrency)))
-                after = Snapshot(env_pid, agents)
-                rounds.append(_round(before, after, args.calls, spread[0]))
+                before = Snapshot(route.env_pid, route.agents)
+                await asyncio.gather(*(_worker(route.one, calls) for _ in range(args.concurrency)))
+                after = Snapshot(route.env_pid, route.agents)
+                rounds.append(
+                    {"route": route.name} | _round(before, after, args.calls, route.spread)
+                )
                 print(json.dumps(rounds[-1]), file=sys.stderr)
-            return rounds
-        finally:
-            await asyncio.gather(*(s.delete() for s in sandboxes), return_exceptions=True)
+        return rounds
 
 
 async def _worker(one: Callable[[int], Awaitable[None]], calls: Iterator[int]) -> None:
@@ -166,17 +195,29 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--narrow", type=int, default=4, help="every other round: K sandboxes")
+    parser.add_argument(
+        "--routes", default="lane,grpc", help="routes to the agents, compared: lane, grpc"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("needs root (the local runtime)", file=sys.stderr)
         return 2
-    with private_env_stack("exec-cpu-bench") as (stack, token):
-        runtime = stack.runtime_settings()
-        rounds = asyncio.run(
-            measure(stack.endpoint, token, stack.env_pid, runtime["state_dir"], args)
-        )
+    routes = [route for route in args.routes.split(",") if route]
+    if not routes or set(routes) - set(ROUTES):
+        print(f"--routes: choose from {', '.join(ROUTES)}", file=sys.stderr)
+        return 2
+    with contextlib.ExitStack() as exits:
+        stacks = []
+        for route in routes:
+            stack, token = exits.enter_context(
+                private_env_stack("exec-cpu-bench", settings=[f"exec_lane={ROUTES[route]}"])
+            )
+            state_dir = stack.runtime_settings()["state_dir"]
+            stacks.append((route, stack.endpoint, token, stack.env_pid, state_dir))
+        rounds = asyncio.run(measure(stacks, args))
     heads = (
+        "route",
         "used",
         "execs/s",
         "client",
@@ -193,6 +234,7 @@ def main() -> int:
     for row in rounds:
         cpu, switches = row["cpu_ms_per_exec"], row["context_switches_per_exec"]
         values = (
+            row["route"],
             row["sandboxes_used"],
             row["execs_per_s"],
             cpu["client"],

@@ -141,7 +141,7 @@ async def test_a_claimed_sandbox_is_the_requests_and_as_isolated_as_a_fresh_one(
     listing = await _exec(pooled, "claimed", f"ls -A {config.run_dir} {config.state_dir}")
     assert listing.split() == [f"{config.run_dir}:", f"{config.state_dir}:"]
     # The claim FIFO is gone; the claimed shell left no trace under its pooled name.
-    assert os.listdir(state.paths.run) == ["agent.sock"]
+    assert sorted(os.listdir(state.paths.run)) == ["agent.lane", "agent.sock"]
     assert all(pid != state.pid for pid in _shell_pids(pooled))
     # Limits above the ones the shell was built with are taken too.
     await _until(lambda: len(pooled._pool) >= 1)

@@ -1,4 +1,5 @@
-"""Exec and files through the service, straight to the agent."""
+"""Exec and files through the service, straight to the agent: every test on both routes to
+it (Exec over the agent's exec lane, and over gRPC with the lane turned off)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,23 @@ from orchard.core.errors import error_info
 from orchard.env.v1 import env_pb2
 from orchard.env.v1 import env_service_pb2 as api
 from orchard.types.v1 import exec_pb2
+
+
+@pytest.fixture(params=["lane", "grpc"])
+async def env(env_factory: Any, request: pytest.FixtureRequest) -> Any:
+    return await env_factory(exec_lane=request.param == "lane")
+
+
+async def test_exec_takes_the_lane_unless_it_is_turned_off(env: Any) -> None:
+    sandbox = await env.ready()
+    result = await env.shell(sandbox.id, "echo hi")
+    assert result.stdout == b"hi\n"
+    link = env.app.controller.agents._links[sandbox.id]
+    if env.app.config.exec_lane:
+        assert link.lane is not None and link.lane.address.endswith("agent.lane")
+        assert link.lane._writer is not None, "the exec went another way"
+    else:
+        assert link.lane is None
 
 
 async def test_exec_stream_events_in_order(env: Any) -> None:
@@ -141,6 +159,40 @@ async def test_cancelled_stream_kills_the_process_group(env: Any, tmp_path: Path
         assert time.monotonic() < deadline, "the command outlived the cancelled call"
         await asyncio.sleep(0.02)
     # The lock was released: the sandbox takes the next call at once.
+    assert (await asyncio.wait_for(env.shell(sandbox.id, "echo next"), 5)).stdout == b"next\n"
+
+
+@pytest.mark.parametrize("end", ["deadline", "cancel"])
+async def test_an_exec_past_its_deadline_or_cancelled_kills_the_command(
+    env: Any, tmp_path: Path, end: str
+) -> None:
+    sandbox = await env.ready()
+    marker = tmp_path / "pid"
+    call = env.stub.Exec(
+        api.ExecRequest(
+            sandbox_id=sandbox.id,
+            command=exec_pb2.Command(shell=f"sleep 100 & echo $! > {marker}; wait"),
+        ),
+        metadata=env.md(),
+        timeout=1.5 if end == "deadline" else None,
+    )
+    deadline = time.monotonic() + 10
+    while not marker.exists() or not marker.read_text().strip():
+        assert time.monotonic() < deadline, "the command did not start"
+        await asyncio.sleep(0.02)
+    pid = int(marker.read_text())
+    if end == "cancel":
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+    else:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await call
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 5
+    while _alive(pid):
+        assert time.monotonic() < deadline, f"the command outlived the call's {end}"
+        await asyncio.sleep(0.02)
     assert (await asyncio.wait_for(env.shell(sandbox.id, "echo next"), 5)).stdout == b"next\n"
 
 

@@ -64,6 +64,7 @@ class UnisolatedProcessRuntime(Runtime):
         self.forked: list[tuple[str, str]] = []
         self.deleted: list[str] = []  # ids delete() was called for while their agent ran
         self.start_delay_s = 0.0  # tests: how long each start takes before the agent starts
+        self.exec_lane = True  # agents also serve the exec lane, as the local runtime's do
         self._children: dict[str, asyncio.subprocess.Process] = {}
         self._watchers: set[asyncio.Task[None]] = set()
         self._exits: asyncio.Queue[SandboxExit] = asyncio.Queue()
@@ -95,6 +96,9 @@ class UnisolatedProcessRuntime(Runtime):
         (home / "work").mkdir(parents=True, exist_ok=True)
         socket = home / "agent.sock"
         argv = [AGENT, "--listen", f"unix:{socket}", "--working-dir", str(home / "work")]
+        lane = f"unix:{home / 'agent.lane'}" if self.exec_lane else ""
+        if lane:
+            argv += ["--lane", lane]
         for name, value in spec.env.items():
             argv += ["--set", f"env.{name}={value}"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("ORCHARD_")}
@@ -118,7 +122,7 @@ class UnisolatedProcessRuntime(Runtime):
         watcher = asyncio.create_task(self._watch(spec.sandbox_id, process))
         self._watchers.add(watcher)
         watcher.add_done_callback(self._watchers.discard)
-        return RuntimeSandbox(spec.sandbox_id, address, version)
+        return RuntimeSandbox(spec.sandbox_id, address, version, lane_address=lane)
 
     async def _wait_serving(self, address: str, process: asyncio.subprocess.Process) -> str:
         deadline = time.monotonic() + self.start_timeout_s

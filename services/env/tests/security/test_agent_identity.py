@@ -135,16 +135,18 @@ async def test_a_sandbox_cannot_replace_its_agent_across_a_restart(
     attack.held("serve an impostor agent at the agent's socket")
 
 
+@pytest.mark.parametrize("name", ["agent.sock", "agent.lane"])
 async def test_a_socket_swapped_on_the_host_is_refused(
-    env_factory: Any, runtimes: Callable[[], Any], attack: Any
+    env_factory: Any, runtimes: Callable[[], Any], attack: Any, name: str
 ) -> None:
-    """Defense in depth: whatever listens at the agent's path must be the sandbox's PID 1."""
+    """Defense in depth: whatever listens at the agent's path (its gRPC socket or its exec
+    lane) must be the sandbox's PID 1."""
     first_runtime = await runtimes()
     first = await env_factory(runtime=first_runtime)
     sandbox = await first.ready(timeout_s=60)
-    path = Path(first_runtime.config.run_dir) / sandbox.id / "agent.sock"
-    attack.tried("swap the agent's socket on the host")
-    path.rename(path.with_name("agent.sock.real"))
+    path = Path(first_runtime.config.run_dir) / sandbox.id / name
+    attack.tried(f"swap the agent's {name} on the host")
+    path.rename(path.with_name(f"{name}.real"))
     impostor = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     impostor.bind(str(path))
     impostor.listen(8)
@@ -167,7 +169,7 @@ async def test_a_socket_swapped_on_the_host_is_refused(
     finally:
         impostor.close()
         path.unlink()
-        path.with_name("agent.sock.real").rename(path)
-    attack.held("swap the agent's socket on the host")
+        path.with_name(f"{name}.real").rename(path)
+    attack.held(f"swap the agent's {name} on the host")
     # The real agent back at its place: the next call checks again and goes through.
     assert (await second.shell(sandbox.id, "echo hello")).stdout == b"hello\n"

@@ -217,7 +217,10 @@ async def test_network_is_denied_by_default(
     attack.tried("TCP to another sandbox's listener")
     attack.tried("abstract Unix socket of the host")
     attack.tried("another sandbox's agent socket by its host path")
-    second_socket = await _agent_socket(isolated, second.id)
+    attack.tried("the exec lane of its own agent and another sandbox's by their host paths")
+    second_socket, second_lane = await _agent_sockets(isolated, second.id)
+    _, own_lane = await _agent_sockets(isolated, first.id)
+    paths = [f"\0{host_listeners['abstract_name']}", second_socket, second_lane, own_lane]
     probe = await python(
         isolated,
         first.id,
@@ -229,7 +232,7 @@ for host, port in targets:
         print("connected", host, port)
     except OSError as exc:
         print("refused", host, port, exc)
-for path in ("\\0{host_listeners["abstract_name"]}", {second_socket!r}):
+for path in {paths!r}:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.connect(path)
@@ -248,13 +251,14 @@ print(sorted(__import__("os").listdir("/sys/class/net")))""",
     attack.held("TCP to another sandbox's listener")
     attack.held("abstract Unix socket of the host")
     attack.held("another sandbox's agent socket by its host path")
+    attack.held("the exec lane of its own agent and another sandbox's by their host paths")
 
 
-async def _agent_socket(env: Any, sandbox_id: str) -> str:
-    """The host path of a sandbox's agent socket (from the service's record)."""
+async def _agent_sockets(env: Any, sandbox_id: str) -> tuple[str, str]:
+    """The host paths of a sandbox's agent socket and exec lane (from the service's record)."""
     record = await env.app.controller.get("alpha", sandbox_id)
-    address: str = record.agent_address
-    return address.removeprefix("unix:")
+    assert record.lane_address.startswith("unix:"), record
+    return record.agent_address.removeprefix("unix:"), record.lane_address.removeprefix("unix:")
 
 
 # -- ptrace --------------------------------------------------------------------------------

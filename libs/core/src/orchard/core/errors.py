@@ -64,6 +64,7 @@ __all__ = [
     "ErrorReason",
     "OrchardError",
     "Reason",
+    "client_error",
     "error_info",
     "from_os_error",
     "rich_status",
@@ -157,10 +158,15 @@ class OrchardError(Exception):
 
     def to_status(self) -> grpc.Status:
         """The rich status (code, message, ErrorInfo detail) to abort a call with."""
+        from grpc_status import rpc_status  # noqa: PLC0415 - see to_rpc_status
+
+        return rpc_status.to_status(self.to_rpc_status())
+
+    def to_rpc_status(self) -> status_pb2.Status:
+        """The ``google.rpc.Status`` of this error: code, message and the ErrorInfo detail."""
         # Loaded on first use: the protobuf modules cost ~40 ms at import.
         from google.protobuf import any_pb2  # noqa: PLC0415
         from google.rpc import error_details_pb2, status_pb2  # noqa: PLC0415
-        from grpc_status import rpc_status  # noqa: PLC0415
 
         # Capped: a message quoting a huge input must not overflow the trailers (the client
         # would get RESOURCE_EXHAUSTED instead of this status).
@@ -172,8 +178,7 @@ class OrchardError(Exception):
                 reason=self.reason.reason, domain=ERROR_DOMAIN, metadata=metadata
             )
         )
-        status = status_pb2.Status(code=self.code.value[0], message=message, details=[detail])
-        return rpc_status.to_status(status)
+        return status_pb2.Status(code=self.code.value[0], message=message, details=[detail])
 
     def __repr__(self) -> str:
         return f"OrchardError({self.reason.reason}, {self.message!r})"
@@ -431,6 +436,45 @@ def _stream_guard(behaviour: Callable[..., Any], refuse: Refuse) -> Callable[...
     return behaviour
 
 
+def client_error(exc: Exception, method: str) -> OrchardError:
+    """What a handler's exception ``exc`` tells the client of ``method``: an OrchardError as
+    it is, an OSError by its errno, a state store that did not answer as UNAVAILABLE (logged as
+    a rate-limited warning), anything else INTERNAL with an incident id (the traceback logged
+    under it)."""
+    if isinstance(exc, OrchardError):
+        return exc
+    if isinstance(exc, OSError):
+        return from_os_error(exc)
+    if isinstance(exc, EtcdUnavailable):
+        _client_log.log(
+            logging.WARNING,
+            f"store:{method}",
+            "%s: the state store did not answer: %s",
+            method,
+            exc,
+            extra={"method": method},
+        )
+        return OrchardError(
+            Reason.UNAVAILABLE,
+            "the service's state store (etcd) did not answer in time; try the call again shortly",
+        )
+    incident = uuid.uuid4().hex[:12]
+    # Rate-limited too: a request that trips a bug can be sent in a loop.
+    _client_log.log(
+        logging.ERROR,
+        f"internal:{method}",
+        "unexpected error in %s",
+        method,
+        exc_info=exc,
+        extra={"method": method, "incident": incident},
+    )
+    return OrchardError(
+        Reason.INTERNAL,
+        f"internal error (incident {incident}); the server log has the details",
+        metadata={"incident": incident},
+    )
+
+
 class _TranslateErrors:
     """Runs around one call; turns what the handler raised into the call's status.
 
@@ -455,39 +499,5 @@ class _TranslateErrors:
         # Cancellation and other BaseExceptions, and the handler's own abort, pass through.
         if exc is None or not isinstance(exc, Exception) or isinstance(exc, grpc.aio.AbortError):
             return False
-        if isinstance(exc, OrchardError):
-            error = exc
-        elif isinstance(exc, OSError):
-            error = from_os_error(exc)
-        elif isinstance(exc, EtcdUnavailable):
-            _client_log.log(
-                logging.WARNING,
-                f"store:{self.method}",
-                "%s: the state store did not answer: %s",
-                self.method,
-                exc,
-                extra={"method": self.method},
-            )
-            error = OrchardError(
-                Reason.UNAVAILABLE,
-                "the service's state store (etcd) did not answer in time; try the call again "
-                "shortly",
-            )
-        else:
-            incident = uuid.uuid4().hex[:12]
-            # Rate-limited too: a request that trips a bug can be sent in a loop.
-            _client_log.log(
-                logging.ERROR,
-                f"internal:{self.method}",
-                "unexpected error in %s",
-                self.method,
-                exc_info=exc,
-                extra={"method": self.method, "incident": incident},
-            )
-            error = OrchardError(
-                Reason.INTERNAL,
-                f"internal error (incident {incident}); the server log has the details",
-                metadata={"incident": incident},
-            )
-        await self.context.abort_with_status(error.to_status())
+        await self.context.abort_with_status(client_error(exc, self.method).to_status())
         return False  # not reached: abort_with_status raises AbortError

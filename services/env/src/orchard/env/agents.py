@@ -4,6 +4,10 @@ A channel is made only after the runtime confirmed that what serves at the recor
 is the agent it started (:meth:`Runtime.verify_agent`); this replica checks once per sandbox,
 so a restarted service checks again before its first call.
 
+Exec goes over the agent's exec lane when the record names one
+(:mod:`orchard.env.exec_lane`: the same messages in a lean framing, a fraction of gRPC's CPU
+per call); every other call, and Exec to an agent without a lane, over gRPC.
+
 Every call on a link carries orchard-env's own route credential for the sandbox
 (:func:`orchard.env.agent_routes.service_credential`, signed with the key the runtime gave the
 agent) when the runtime has a key: agents that require a credential (on Kubernetes) serve it.
@@ -24,6 +28,7 @@ import grpc
 
 from orchard.core.errors import OrchardError
 from orchard.env.agent_routes import service_credential
+from orchard.env.exec_lane import LaneClient
 from orchard.env.reasons import EnvReason
 from orchard.env.runtime.base import AgentUnreachable
 from orchard.inagent.v1 import inagent_service_pb2, inagent_service_pb2_grpc
@@ -58,17 +63,27 @@ class ServiceCredential:
         self._clock = clock
         self._renew_at = 0.0
         self._metadata = grpc.aio.Metadata()
+        self._authorization = ""
 
     def metadata(self) -> grpc.aio.Metadata:
         # Built once per renewal as grpc's own Metadata: a tuple would be converted on every
         # call. grpc reads it and never changes it (no compression is set on these calls).
-        now = self._clock()
-        if now >= self._renew_at:
-            expire = int(now) + CREDENTIAL_TTL_S
-            credential = service_credential(self._key, self._sandbox_id, expire)
-            self._metadata = grpc.aio.Metadata(("authorization", f"Bearer {credential}"))
-            self._renew_at = expire - CREDENTIAL_RENEW_S
+        if self._clock() >= self._renew_at:
+            self._renew()
         return self._metadata
+
+    def authorization(self) -> str:
+        """The ``authorization`` value (``Bearer <credential>``), for the exec lane."""
+        if self._clock() >= self._renew_at:
+            self._renew()
+        return self._authorization
+
+    def _renew(self) -> None:
+        expire = int(self._clock()) + CREDENTIAL_TTL_S
+        credential = service_credential(self._key, self._sandbox_id, expire)
+        self._authorization = f"Bearer {credential}"
+        self._metadata = grpc.aio.Metadata(("authorization", self._authorization))
+        self._renew_at = expire - CREDENTIAL_RENEW_S
 
 
 def _with_credential(method: Any, credential: ServiceCredential) -> Any:
@@ -95,7 +110,8 @@ class AgentLink:
     end, and a streaming call (ExecStream, ReadFile, WriteFile) for as long as it streams.
     ``closed`` says why the channel was closed, once it is: grpc.aio ends the calls in flight on
     a closing channel by cancelling them, and their callers must not take that for their own
-    cancellation.
+    cancellation. ``lane`` is the agent's exec lane, when it has one and this replica uses it:
+    Exec goes there, every other call to the channel.
     """
 
     sandbox_id: str
@@ -104,6 +120,7 @@ class AgentLink:
     stub: inagent_service_pb2_grpc.AgentServiceStub
     lock: asyncio.Lock
     closed: str = ""
+    lane: LaneClient | None = None
 
 
 class AgentLinks:
@@ -113,25 +130,31 @@ class AgentLinks:
         self,
         verify: Callable[[str, str], Awaitable[bool]] | None = None,
         key: Callable[[str], Awaitable[bytes | None]] | None = None,
+        *,
+        use_lanes: bool = True,
     ) -> None:
         self._links: dict[str, AgentLink] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self._verify = verify
         self._key = key
+        self._use_lanes = use_lanes
 
-    async def get(self, sandbox_id: str, address: str) -> AgentLink:
+    async def get(self, sandbox_id: str, address: str, lane_address: str = "") -> AgentLink:
         """The sandbox's link; PERMISSION_DENIED (``AGENT_NOT_VERIFIED``) when what serves at
-        ``address`` is not the sandbox's agent."""
+        ``address`` (or at ``lane_address``, the agent's exec lane) is not the sandbox's
+        agent."""
         link = self._links.get(sandbox_id)
         if link is not None and link.address == address:
             return link
-        if self._verify is not None and not await _verified(self._verify, sandbox_id, address):
-            raise OrchardError(
-                EnvReason.AGENT_NOT_VERIFIED,
-                f"sandbox {sandbox_id!r}: what serves at its agent's address is not the agent "
-                "its runtime started; nothing was sent to it",
-                metadata={"sandbox_id": sandbox_id},
-            )
+        lane_address = lane_address if self._use_lanes else ""
+        for where in (address, lane_address) if lane_address else (address,):
+            if self._verify is not None and not await _verified(self._verify, sandbox_id, where):
+                raise OrchardError(
+                    EnvReason.AGENT_NOT_VERIFIED,
+                    f"sandbox {sandbox_id!r}: what serves at its agent's address is not the "
+                    "agent its runtime started; nothing was sent to it",
+                    metadata={"sandbox_id": sandbox_id},
+                )
         link = self._links.get(sandbox_id)  # another call may have made it meanwhile
         if link is not None and link.address == address:
             return link
@@ -142,17 +165,24 @@ class AgentLinks:
         if link is not None:
             self._close_later(link, "its agent's address changed")
         channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        credential = None if agent_key is None else ServiceCredential(agent_key, sandbox_id)
         stub = (
             inagent_service_pb2_grpc.AgentServiceStub(channel)
-            if agent_key is None
-            else _credentialed_stub(channel, ServiceCredential(agent_key, sandbox_id))
+            if credential is None
+            else _credentialed_stub(channel, credential)
         )
+        lane = None
+        if lane_address:
+            lane = LaneClient(
+                lane_address, None if credential is None else credential.authorization
+            )
         link = AgentLink(
             sandbox_id,
             address,
             channel,
             stub,
             link.lock if link is not None else asyncio.Lock(),
+            lane=lane,
         )
         self._links[sandbox_id] = link
         return link
@@ -167,6 +197,8 @@ class AgentLinks:
         links, self._links = list(self._links.values()), {}
         for link in links:
             link.closed = "the service is stopping"
+            if link.lane is not None:
+                link.lane.close()
         await asyncio.gather(*(link.channel.close() for link in links), return_exceptions=True)
         await asyncio.gather(*self._closing, return_exceptions=True)
 
@@ -175,6 +207,8 @@ class AgentLinks:
 
     def _close_later(self, link: AgentLink, why: str) -> None:
         link.closed = why
+        if link.lane is not None:
+            link.lane.close()
         task = asyncio.get_running_loop().create_task(link.channel.close())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)

@@ -390,6 +390,14 @@ class EnvConfig(ServiceConfig):
     agent_call_timeout_s: float = Field(
         default=3600.0, gt=0, description="Deadline of an agent call when the caller sets none."
     )
+    exec_lane: bool = Field(
+        default=True,
+        description=(
+            "Send Exec to a sandbox's agent over its exec lane when the runtime gives it one "
+            "(the same messages in a lean framing: a fraction of gRPC's CPU per call); false: "
+            "every call over gRPC."
+        ),
+    )
 
     @field_validator("runtime")
     @classmethod

@@ -93,7 +93,7 @@ class SandboxController:
         # The watcher feeds the record store; the store tells this controller of each change.
         self.records = RecordStore(store, metrics, self)
         self.watcher = self.records.view
-        self.router = ExecRouter(self.records, runtime)
+        self.router = ExecRouter(self.records, runtime, use_lanes=config.exec_lane)
         self.agents = self.router.links
         self.owners = OwnerRegistry(store, self.records)
         self.creation = CreationWorker(

@@ -581,6 +581,7 @@ class CreationWorker:
             r.sandbox.agent_version = version
             r.sandbox.network_address = made.network_address
             r.agent_address = made.agent_address
+            r.lane_address = made.lane_address
             return True
 
         deadline = time.monotonic() + _SETTLE_RETRY_S

@@ -33,10 +33,12 @@ def dead_reason(status: SandboxStatus) -> tuple[str, str]:
 class ExecRouter:
     """Links to the agents of READY sandboxes, for one replica."""
 
-    def __init__(self, records: RecordStore, runtime: Runtime) -> None:
+    def __init__(self, records: RecordStore, runtime: Runtime, *, use_lanes: bool = True) -> None:
         self._records = records
         self._runtime = runtime
-        self.links = AgentLinks(verify=runtime.verify_agent, key=runtime.agent_key)
+        self.links = AgentLinks(
+            verify=runtime.verify_agent, key=runtime.agent_key, use_lanes=use_lanes
+        )
 
     async def agent(self, tenant: str, sandbox_id: str) -> AgentLink:
         """The link to a READY sandbox's agent; NOT_FOUND or FAILED_PRECONDITION otherwise.
@@ -62,7 +64,7 @@ class ExecRouter:
                 message,
                 metadata={"sandbox_id": sandbox_id, "state": state},
             )
-        return await self.links.get(sandbox_id, record.agent_address)
+        return await self.links.get(sandbox_id, record.agent_address, record.lane_address)
 
     async def dead_reason(self, sandbox_id: str) -> tuple[str, str] | None:
         """After its agent did not answer: why the sandbox is dead, or None when the runtime

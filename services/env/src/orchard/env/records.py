@@ -129,6 +129,8 @@ class SandboxRecord:
     queue_round: int = 0
     # The admission slot keys it holds (released on FAILED and delete; its lease drops them).
     slots: tuple[str, ...] = ()
+    # The agent's exec lane; "" when it has none (records of versions before the lane, too).
+    lane_address: str = ""
     # Filled in on read, never stored.
     mod_revision: int = field(default=0, compare=False)
     lease: int = field(default=0, compare=False)
@@ -157,6 +159,7 @@ class SandboxRecord:
             queued=self.queued,
             queue_round=self.queue_round if self.queued else 0,
             slots=self.slots,
+            lane_address=self.lane_address,
         )
         envelope.sandbox.CopyFrom(self.sandbox)
         envelope.sandbox.ClearField("expire_time")
@@ -175,6 +178,7 @@ class SandboxRecord:
             queued=envelope.queued,
             queue_round=envelope.queue_round,
             slots=tuple(envelope.slots),
+            lane_address=envelope.lane_address,
             mod_revision=mod_revision,
             lease=lease,
         )

@@ -46,6 +46,10 @@ _MAX_PAGE = 1000
 _MAX_FORKS = 64
 
 
+_BROKEN_OFF = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+"""How a call to an agent ends when its link is closed under it."""
+
+
 class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
     """The API. Built before the server starts; :meth:`attach` gives it its controller."""
 
@@ -193,12 +197,16 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
             task = asyncio.current_task()
             if not link.closed or (task is not None and task.cancelling()):
                 raise exc
+        if link.closed and (isinstance(exc, asyncio.CancelledError) or exc.code() in _BROKEN_OFF):
+            # gRPC cancels a closing channel's calls; the exec lane's connection breaks off.
             raise OrchardError(
                 EnvReason.SANDBOX_NOT_READY,
                 f"sandbox {link.sandbox_id!r} stopped being READY during the call "
                 f"({link.closed}); what the call had done in it is unknown",
                 metadata={"sandbox_id": link.sandbox_id},
             ) from None
+        if isinstance(exc, asyncio.CancelledError):
+            raise exc
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
             tenant = self._auth.tenant(context)
             self.controller.check_alive(tenant, link.sandbox_id)
@@ -237,10 +245,15 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
             link = await self._link(context, request.sandbox_id)
             async with link.lock:
                 try:
-                    reply = await link.stub.Exec(
-                        agent_pb2.ExecRequest(command=request.command),
-                        timeout=self._timeout(context),
-                    )
+                    if link.lane is not None:
+                        reply = await link.lane.exec(
+                            agent_pb2.ExecRequest(command=request.command), self._timeout(context)
+                        )
+                    else:
+                        reply = await link.stub.Exec(
+                            agent_pb2.ExecRequest(command=request.command),
+                            timeout=self._timeout(context),
+                        )
                 except (asyncio.CancelledError, grpc.aio.AioRpcError) as exc:
                     await self._agent_failed(link, context, exc)
             return env_service_pb2.ExecResponse(result=reply.result)

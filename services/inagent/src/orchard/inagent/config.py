@@ -58,6 +58,7 @@ class AgentConfig:
     ready_fd: int | None = None
     listen_dir_fd: int | None = None
     require_credential: bool = False
+    lane: str | None = None
 
     def limits_problem(self) -> str | None:
         """Why the output limits do not fit together or in a message, or None."""
@@ -118,6 +119,7 @@ _QUICK_PARSERS: dict[str, ValueParser] = {
     "ready_fd": int_at_least(0),
     "listen_dir_fd": int_at_least(0),
     "require_credential": parse_bool,
+    "lane": any_string,
 }
 
 
@@ -169,6 +171,12 @@ AGENT_FLAGS: tuple[ConfigFlag, ...] = (
         "descriptor N of the directory a unix:/proc/self/fd/N/NAME address binds in; "
         "closed once bound",
         metavar="N",
+    ),
+    ConfigFlag(
+        "--lane",
+        "lane",
+        "also serve orchard-env's exec lane at ADDRESS (unix:PATH or HOST:PORT)",
+        metavar="ADDRESS",
     ),
     ConfigFlag(
         "--reap-orphans",

@@ -96,6 +96,14 @@ class AgentConfigModel(ServiceConfig):
         ),
     )
 
+    lane: str | None = Field(
+        _DEFAULTS.lane,
+        description=(
+            "Also serve the exec lane here (`unix:PATH`, or `HOST:PORT`): orchard-env's Exec "
+            "calls in a lean framing beside AgentService (orchard/inagent/v1/exec_lane.proto), "
+            "under the same credential rules. Unset: no lane, every call is gRPC."
+        ),
+    )
     require_credential: bool = Field(
         _DEFAULTS.require_credential,
         description=(

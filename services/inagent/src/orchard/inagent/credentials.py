@@ -44,6 +44,7 @@ from orchard.inagent.reasons import AgentReason
 __all__ = [
     "CredentialCheck",
     "CredentialInterceptor",
+    "authorize",
     "issue_credential",
     "route_key",
 ]
@@ -201,6 +202,24 @@ def credential_of(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | N
     return None
 
 
+def authorize(
+    check: CredentialCheck,
+    metadata: Sequence[tuple[str, str | bytes]] | None,
+    *,
+    required: bool,
+) -> None:
+    """Raise (an OrchardError) unless a call with ``metadata`` may be served: its credential,
+    if it has one, passes ``check``; without one, only when none is ``required``."""
+    credential = credential_of(metadata)
+    if credential is not None:
+        check.check(credential)
+    elif required:
+        raise _unauthenticated(
+            "this agent serves only calls with a route credential: send "
+            "`authorization: Bearer <credential>` from EnvService.OpenAgentRoute"
+        )
+
+
 class CredentialInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Refuses calls whose route credential fails :class:`CredentialCheck`; see the module
     docstring for calls without one. A refused call gets a handler of the same kind that
@@ -214,14 +233,11 @@ class CredentialInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self, continuation: Any, handler_call_details: grpc.HandlerCallDetails
     ) -> Any:
         try:
-            credential = credential_of(handler_call_details.invocation_metadata)
-            if credential is not None:
-                self._check.check(credential)
-            elif self.required and handler_call_details.method not in OPEN_METHODS:
-                raise _unauthenticated(
-                    "this agent serves only calls with a route credential: send "
-                    "`authorization: Bearer <credential>` from EnvService.OpenAgentRoute"
-                )
+            authorize(
+                self._check,
+                handler_call_details.invocation_metadata,
+                required=self.required and handler_call_details.method not in OPEN_METHODS,
+            )
         except OrchardError as error:
             handler = await continuation(handler_call_details)
             return None if handler is None else _refusing(handler, error)

@@ -3,14 +3,16 @@
     orchard-inagent --listen unix:/run/orchard/inagent.sock --working-dir /workspace
     orchard-inagent --listen 127.0.0.1:0 --address-file /run/orchard/inagent.addr
     orchard-inagent --listen unix:/run/orchard/inagent.sock --ready-fd 3
+    orchard-inagent --listen unix:/run/orchard/inagent.sock --lane unix:/run/orchard/inagent.lane
 
-Logs are JSON lines on stderr; nothing else is printed. Health turns SERVING once every address
-is bound (and the address file, if asked for, is written). With ``--ready-fd N`` the agent then
-writes the bound addresses, one per line, to the inherited descriptor N and closes it: whoever
-started it (the local sandbox runtime) learns readiness from end-of-file, with no polling. On
-SIGTERM the server drains (in-flight calls get ``server.grace_period_s``, then are cancelled,
-which kills their process groups), then every process group the agent started that is still
-alive is killed.
+Logs are JSON lines on stderr; nothing else is printed. With ``--lane`` the agent also serves
+orchard-env's Exec calls in a lean framing there (:mod:`orchard.inagent.exec_lane`). Health
+turns SERVING once every address is bound (and the address file, if asked for, is written).
+With ``--ready-fd N`` the agent then writes the bound addresses, one per line, to the inherited
+descriptor N and closes it: whoever started it (the local sandbox runtime) learns readiness from
+end-of-file, with no polling. On SIGTERM the server drains (in-flight calls get
+``server.grace_period_s``, then are cancelled, which kills their process groups), then every
+process group the agent started that is still alive is killed.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Sequence
 from orchard.core.server import GrpcServer, ServiceBinding, run_service
 from orchard.inagent.config import AGENT_FLAGS, AgentConfig, load_agent_config
 from orchard.inagent.credentials import CredentialCheck, CredentialInterceptor
+from orchard.inagent.exec_lane import ExecLane
 from orchard.inagent.process import ProcessSupervisor
 from orchard.inagent.service import SERVICE_NAME, AgentServicer
 
@@ -46,6 +49,8 @@ class _Agent:
 
     def __init__(self, identity_key: bytes | None = None, sandbox_id: str | None = None) -> None:
         self.supervisor: ProcessSupervisor | None = None
+        self.servicer: AgentServicer | None = None
+        self.lane: ExecLane | None = None
         self.identity_key = identity_key
         self.credentials = CredentialCheck(identity_key, sandbox_id)
         # Its `required` setting arrives with the configuration, after the server's interceptors.
@@ -62,7 +67,7 @@ class _Agent:
         self.interceptor.required = config.require_credential
         self.supervisor = ProcessSupervisor(reap_orphans=config.should_reap_orphans())
         self.supervisor.start()
-        servicer = AgentServicer(
+        self.servicer = AgentServicer(
             supervisor=self.supervisor,
             working_dir=config.resolved_working_dir(),
             base_env=config.base_env(),
@@ -70,9 +75,18 @@ class _Agent:
             shell=config.shell,
             identity_key=self.identity_key,
         )
-        return [ServiceBinding(SERVICE_NAME, servicer.register)]
+        return [ServiceBinding(SERVICE_NAME, self.servicer.register)]
 
     async def on_start(self, config: AgentConfig, server: GrpcServer) -> None:
+        if config.lane and self.servicer is not None:
+            # Bound before the directory handle closes and before anyone hears "ready".
+            self.lane = ExecLane(
+                self.servicer,
+                self.credentials,
+                required=config.require_credential,
+                max_frame_bytes=config.server.max_message_bytes,
+            )
+            await self.lane.start(config.lane)
         if config.listen_dir_fd is not None:
             # Bound: the handle on a directory outside the root must not outlive that.
             os.close(config.listen_dir_fd)
@@ -84,6 +98,8 @@ class _Agent:
             _report_ready(config.ready_fd, server.addresses)
 
     async def on_stop(self, config: AgentConfig, server: GrpcServer) -> None:
+        if self.lane is not None:
+            await self.lane.close()
         if self.supervisor is not None:
             self.supervisor.close()
         if config.address_file:

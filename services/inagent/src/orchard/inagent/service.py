@@ -112,6 +112,11 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
     async def Exec(
         self, request: pb.ExecRequest, context: grpc.aio.ServicerContext
     ) -> pb.ExecResponse:
+        return await self.run(request)
+
+    async def run(self, request: pb.ExecRequest) -> pb.ExecResponse:
+        """Exec's work, for gRPC and the exec lane alike; cancelling it kills the command's
+        process group."""
         command = await self.supervisor.spawn_when_possible(self._prepare(request.command))
         result = await command.wait()
         response = pb.ExecResponse()

@@ -139,6 +139,9 @@ class RuntimeSandbox:
     agent_address: str  # a gRPC target: "unix:/path" locally, "10.1.2.3:7070" on Kubernetes
     agent_version: str = ""
     network_address: str = ""  # where peers reach it; "" unless the spec has ingress ports
+    lane_address: str = ""
+    """The agent's exec lane (``unix:/path``; :mod:`orchard.inagent.exec_lane`), where it
+    serves orchard-env's Exec calls in a lean framing; "" when it has none (gRPC only)."""
 
 
 class SandboxStatus(enum.Enum):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from orchard.env.v1 import env_pb2 as orchard_dot_env_dot_v1_dot_env__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%orchard/env/internal/v1/records.proto\x12\x17orchard.env.internal.v1\x1a\x18orchard/env/v1/env.proto\"\xad\x01\n\rSandboxRecord\x12(\n\x07sandbox\x18\x01 \x01(\x0b\x32\x17.orchard.env.v1.Sandbox\x12\x15\n\ragent_address\x18\x02 \x01(\t\x12\x13\n\x0brequest_key\x18\x03 \x01(\t\x12\x12\n\nadopted_by\x18\x04 \x01(\t\x12\x0e\n\x06queued\x18\x05 \x01(\x08\x12\x13\n\x0bqueue_round\x18\x06 \x01(\x03\x12\r\n\x05slots\x18\x07 \x03(\t\"3\n\x0bOwnerRecord\x12$\n\x05owner\x18\x01 \x01(\x0b\x32\x15.orchard.env.v1.OwnerB\x1f\n\x1b\x64\x65v.orchard.env.internal.v1P\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%orchard/env/internal/v1/records.proto\x12\x17orchard.env.internal.v1\x1a\x18orchard/env/v1/env.proto\"\xc3\x01\n\rSandboxRecord\x12(\n\x07sandbox\x18\x01 \x01(\x0b\x32\x17.orchard.env.v1.Sandbox\x12\x15\n\ragent_address\x18\x02 \x01(\t\x12\x13\n\x0brequest_key\x18\x03 \x01(\t\x12\x12\n\nadopted_by\x18\x04 \x01(\t\x12\x0e\n\x06queued\x18\x05 \x01(\x08\x12\x13\n\x0bqueue_round\x18\x06 \x01(\x03\x12\r\n\x05slots\x18\x07 \x03(\t\x12\x14\n\x0clane_address\x18\x08 \x01(\t\"3\n\x0bOwnerRecord\x12$\n\x05owner\x18\x01 \x01(\x0b\x32\x15.orchard.env.v1.OwnerB\x1f\n\x1b\x64\x65v.orchard.env.internal.v1P\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,7 +34,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\033dev.orchard.env.internal.v1P\001'
   _globals['_SANDBOXRECORD']._serialized_start=93
-  _globals['_SANDBOXRECORD']._serialized_end=266
-  _globals['_OWNERRECORD']._serialized_start=268
-  _globals['_OWNERRECORD']._serialized_end=319
+  _globals['_SANDBOXRECORD']._serialized_end=288
+  _globals['_OWNERRECORD']._serialized_start=290
+  _globals['_OWNERRECORD']._serialized_end=341
 # @@protoc_insertion_point(module_scope)

@@ -34,6 +34,7 @@ class SandboxRecord(_message.Message):
     QUEUED_FIELD_NUMBER: _builtins.int
     QUEUE_ROUND_FIELD_NUMBER: _builtins.int
     SLOTS_FIELD_NUMBER: _builtins.int
+    LANE_ADDRESS_FIELD_NUMBER: _builtins.int
     agent_address: _builtins.str
     """Where its agent listens (a Unix socket path locally, an address on Kubernetes)."""
     request_key: _builtins.str
@@ -44,6 +45,10 @@ class SandboxRecord(_message.Message):
     """Waiting in the admission queue (PENDING, no creation running anywhere)."""
     queue_round: _builtins.int
     """Its place in the fair admission order, fixed when it joined the queue."""
+    lane_address: _builtins.str
+    """Where its agent serves orchard-env's exec lane (a Unix socket path locally); empty when
+    the agent has none and every call goes to `agent_address`.
+    """
     @_builtins.property
     def sandbox(self) -> _env_pb2.Sandbox:
         """The public sandbox, `expire_time` left out (it is the lease's remaining TTL, read on
@@ -64,10 +69,11 @@ class SandboxRecord(_message.Message):
         queued: _builtins.bool = ...,
         queue_round: _builtins.int = ...,
         slots: _abc.Iterable[_builtins.str] | None = ...,
+        lane_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sandbox", b"sandbox"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adopted_by", b"adopted_by", "agent_address", b"agent_address", "queue_round", b"queue_round", "queued", b"queued", "request_key", b"request_key", "sandbox", b"sandbox", "slots", b"slots"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adopted_by", b"adopted_by", "agent_address", b"agent_address", "lane_address", b"lane_address", "queue_round", b"queue_round", "queued", b"queued", "request_key", b"request_key", "sandbox", b"sandbox", "slots", b"slots"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

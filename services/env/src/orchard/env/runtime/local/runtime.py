@@ -58,6 +58,8 @@ log = logging.getLogger(__name__)
 AGENT_MOUNT = "/.orchard/inagent"
 """Where the agent bundle appears inside every sandbox (read-only)."""
 SOCKET_NAME = "agent.sock"
+LANE_NAME = "agent.lane"
+"""The agent's exec lane (:mod:`orchard.inagent.exec_lane`), beside its gRPC socket."""
 AGENT_EXECUTABLE = "orchard-inagent"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -272,7 +274,7 @@ class LocalRuntime(Runtime):
                 f"the agent bundle is missing: no executable {agent}; run `make inagent-binary` "
                 "(or point agent_bundle / $ORCHARD_INAGENT_BUNDLE at a built bundle)"
             )
-        longest = len(self.config.run_dir) + 1 + 63 + 1 + len(SOCKET_NAME)
+        longest = len(self.config.run_dir) + 1 + 63 + 1 + max(len(SOCKET_NAME), len(LANE_NAME))
         if longest > _MAX_UNIX_PATH:
             raise RuntimeUnavailable(
                 f"run_dir {self.config.run_dir!r} is too long: a sandbox's socket path could "
@@ -385,6 +387,7 @@ class LocalRuntime(Runtime):
             f"unix:{paths.run}/{SOCKET_NAME}",
             self._agent_version,
             network_address=address if spec.ingress_ports else "",
+            lane_address=f"unix:{paths.run}/{LANE_NAME}",
         )
 
     async def _start_fresh(
@@ -511,6 +514,7 @@ class LocalRuntime(Runtime):
             agent_bundle=os.path.realpath(self.config.agent_bundle),
             run_dir=paths.run,
             socket_name=SOCKET_NAME,
+            lane_name=LANE_NAME,
             working_dir="/",
             masked_dirs=key.masked_dirs,
             cgroup_procs=tuple(self._driver().procs_files(state.cgroup_dirs)),
@@ -589,6 +593,7 @@ class LocalRuntime(Runtime):
             agent_bundle=os.path.realpath(self.config.agent_bundle),
             run_dir=state.paths.run,
             socket_name=SOCKET_NAME,
+            lane_name=LANE_NAME,
             working_dir=working_dir,
             masked_dirs=self._masked_dirs(image),
             cgroup_procs=tuple(self._driver().procs_files(state.cgroup_dirs)),

@@ -435,11 +435,14 @@ def give_up_privilege(plan: dict[str, object], last_cap: int) -> None:
 
 
 def agent_flags(plan: dict[str, object]) -> list[str]:
-    """The flags the agent gets from this setup: where it listens and whom it tells."""
+    """The flags the agent gets from this setup: where it listens (gRPC, and the exec lane
+    when the plan names one) and whom it tells."""
     listen_fd = int(plan["listen_dir_fd"])  # type: ignore[call-overload]
+    lane = plan.get("lane_name")
     return [
         "--listen",
         f"unix:/proc/self/fd/{listen_fd}/{plan['socket_name']}",
+        *(("--lane", f"unix:/proc/self/fd/{listen_fd}/{lane}") if lane else ()),
         "--listen-dir-fd",
         str(listen_fd),
         "--ready-fd",

@@ -40,6 +40,7 @@ class AgentLaunch:
     agent_bundle: str
     run_dir: str  # the agent's socket goes here; never mounted into the sandbox
     socket_name: str
+    lane_name: str  # the agent's exec lane, beside its socket; "" for none
     working_dir: str
     masked_dirs: tuple[str, ...]
     cgroup_procs: tuple[str, ...]
