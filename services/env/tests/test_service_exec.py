@@ -17,7 +17,7 @@ import pytest
 from orchard.core.errors import error_info
 from orchard.env.v1 import env_pb2
 from orchard.env.v1 import env_service_pb2 as api
-from orchard.types.v1 import exec_pb2
+from orchard.types.v1 import exec_pb2, files_pb2
 
 
 @pytest.fixture(params=["lane", "grpc"])
@@ -33,8 +33,16 @@ async def test_exec_takes_the_lane_unless_it_is_turned_off(env: Any) -> None:
     if env.app.config.exec_lane:
         assert link.lane is not None and link.lane.address.endswith("agent.lane")
         assert link.lane._writer is not None, "the exec went another way"
+        assert link._channel is None, "a sandbox that only ran commands got a gRPC channel"
     else:
-        assert link.lane is None
+        assert link.lane is None and link._channel is not None
+    # Every other call goes over gRPC (the channel made for it), and exec still works after.
+    stat = await env.stub.StatFile(
+        api.StatFileRequest(sandbox_id=sandbox.id, path="."), metadata=env.md()
+    )
+    assert stat.info.type == files_pb2.FILE_TYPE_DIRECTORY
+    assert link._channel is not None
+    assert (await env.shell(sandbox.id, "echo again")).stdout == b"again\n"
 
 
 async def test_exec_stream_events_in_order(env: Any) -> None:
@@ -229,7 +237,10 @@ async def test_dead_agent_is_unavailable_then_failed(env: Any, runtime: Any) -> 
         assert time.monotonic() < deadline, failed
         await asyncio.sleep(0.05)
     assert failed.failure.reason == "AGENT_EXITED"
-    assert await runtime.list_sandboxes() == []
+    # FAILED is recorded first, then the runtime's resources are released.
+    while await runtime.list_sandboxes():
+        assert time.monotonic() < deadline + 5, await runtime.list_sandboxes()
+        await asyncio.sleep(0.05)
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["Exec", "ExecStream"])

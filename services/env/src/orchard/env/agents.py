@@ -21,7 +21,6 @@ import asyncio
 import functools
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -102,29 +101,62 @@ def _credentialed_stub(channel: grpc.aio.Channel, credential: ServiceCredential)
     return stub
 
 
-@dataclass
 class AgentLink:
     """The way to one sandbox's agent.
 
     ``lock`` serializes this replica's calls to the sandbox: a call holds it from start to
     end, and a streaming call (ExecStream, ReadFile, WriteFile) for as long as it streams.
-    ``closed`` says why the channel was closed, once it is: grpc.aio ends the calls in flight on
+    ``closed`` says why the link was closed, once it is: grpc.aio ends the calls in flight on
     a closing channel by cancelling them, and their callers must not take that for their own
     cancellation. ``lane`` is the agent's exec lane, when it has one and this replica uses it:
-    Exec goes there, every other call to the channel.
+    Exec goes there, every other call to the gRPC channel, which is made on the first such call
+    (a sandbox that only runs commands never costs either end a channel).
     """
 
-    sandbox_id: str
-    address: str
-    channel: grpc.aio.Channel
-    stub: inagent_service_pb2_grpc.AgentServiceStub
-    lock: asyncio.Lock
-    closed: str = ""
-    lane: LaneClient | None = None
+    def __init__(
+        self,
+        sandbox_id: str,
+        address: str,
+        lock: asyncio.Lock,
+        *,
+        credential: ServiceCredential | None = None,
+        lane: LaneClient | None = None,
+    ) -> None:
+        self.sandbox_id = sandbox_id
+        self.address = address
+        self.lock = lock
+        self.lane = lane
+        self.closed = ""
+        self._credential = credential
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: inagent_service_pb2_grpc.AgentServiceStub | None = None
+
+    @property
+    def stub(self) -> inagent_service_pb2_grpc.AgentServiceStub:
+        """The AgentService stub (with orchard-env's credential on every call, when it has
+        one); made, with its channel, on first use."""
+        if self._stub is None:
+            channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+            self._channel = channel
+            self._stub = (
+                inagent_service_pb2_grpc.AgentServiceStub(channel)
+                if self._credential is None
+                else _credentialed_stub(channel, self._credential)
+            )
+        return self._stub
+
+    async def close(self) -> None:
+        """Close the lane's connection and the channel, if made; calls in flight on them fail."""
+        if self.lane is not None:
+            self.lane.close()
+        channel, self._channel, self._stub = self._channel, None, None
+        if channel is not None:
+            await channel.close()
 
 
 class AgentLinks:
-    """Channels and locks by sandbox id, created on first use, closed when the sandbox goes."""
+    """Links (lanes, channels, locks) by sandbox id, made on first use, closed when the sandbox
+    goes."""
 
     def __init__(
         self,
@@ -164,13 +196,7 @@ class AgentLinks:
             return link
         if link is not None:
             self._close_later(link, "its agent's address changed")
-        channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         credential = None if agent_key is None else ServiceCredential(agent_key, sandbox_id)
-        stub = (
-            inagent_service_pb2_grpc.AgentServiceStub(channel)
-            if credential is None
-            else _credentialed_stub(channel, credential)
-        )
         lane = None
         if lane_address:
             lane = LaneClient(
@@ -179,9 +205,8 @@ class AgentLinks:
         link = AgentLink(
             sandbox_id,
             address,
-            channel,
-            stub,
             link.lock if link is not None else asyncio.Lock(),
+            credential=credential,
             lane=lane,
         )
         self._links[sandbox_id] = link
@@ -197,9 +222,7 @@ class AgentLinks:
         links, self._links = list(self._links.values()), {}
         for link in links:
             link.closed = "the service is stopping"
-            if link.lane is not None:
-                link.lane.close()
-        await asyncio.gather(*(link.channel.close() for link in links), return_exceptions=True)
+        await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
         await asyncio.gather(*self._closing, return_exceptions=True)
 
     def __len__(self) -> int:
@@ -207,9 +230,7 @@ class AgentLinks:
 
     def _close_later(self, link: AgentLink, why: str) -> None:
         link.closed = why
-        if link.lane is not None:
-            link.lane.close()
-        task = asyncio.get_running_loop().create_task(link.channel.close())
+        task = asyncio.get_running_loop().create_task(link.close())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
