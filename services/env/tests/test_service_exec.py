@@ -162,12 +162,7 @@ async def test_cancelled_stream_kills_the_process_group(env: Any, tmp_path: Path
             break
     pid = int(marker.read_text())
     call.cancel()
-    deadline = time.monotonic() + 5
-    while _alive(pid):
-        assert time.monotonic() < deadline, "the command outlived the cancelled call"
-        await asyncio.sleep(0.02)
-    # The lock was released: the sandbox takes the next call at once.
-    assert (await asyncio.wait_for(env.shell(sandbox.id, "echo next"), 5)).stdout == b"next\n"
+    await _killed_and_free(env, sandbox.id, pid, "the cancelled call")
 
 
 @pytest.mark.parametrize("end", ["deadline", "cancel"])
@@ -197,11 +192,17 @@ async def test_an_exec_past_its_deadline_or_cancelled_kills_the_command(
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await call
         assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await _killed_and_free(env, sandbox.id, pid, f"the call's {end}")
+
+
+async def _killed_and_free(env: Any, sandbox_id: str, pid: int, what: str) -> None:
+    """The command ``pid`` dies soon after ``what``, and the sandbox takes the next call at
+    once (the call let go of its lock)."""
     deadline = time.monotonic() + 5
     while _alive(pid):
-        assert time.monotonic() < deadline, f"the command outlived the call's {end}"
+        assert time.monotonic() < deadline, f"the command outlived {what}"
         await asyncio.sleep(0.02)
-    assert (await asyncio.wait_for(env.shell(sandbox.id, "echo next"), 5)).stdout == b"next\n"
+    assert (await asyncio.wait_for(env.shell(sandbox_id, "echo next"), 5)).stdout == b"next\n"
 
 
 def _alive(pid: int) -> bool:
