@@ -178,6 +178,59 @@ async def test_failing_on_start_stops_server(tmp_path: Path) -> None:
     assert not path.exists()
 
 
+async def test_a_deferred_server_binds_nothing_until_opened(tmp_path: Path) -> None:
+    path = tmp_path / "s.sock"
+    events: list[str] = []
+
+    async def on_start(server: GrpcServer) -> None:
+        events.append(f"start:{server.opened}")
+
+    async def on_stop(server: GrpcServer) -> None:
+        events.append(f"stop:{server.opened}")
+
+    config = ServerConfig(listen=[f"unix:{path}"])
+    server = GrpcServer("test", [echo_service()], config, on_start=on_start, deferred=True)
+    server._on_stop = on_stop
+    await server.start()
+    try:
+        assert events == ["start:False"]
+        assert not path.exists() and server.addresses == []
+        await server.set_serving()  # taken when it opens
+        opened = await asyncio.gather(server.open(), server.open())
+        assert opened == [[f"unix:{path}"]] * 2 and server.opened
+        assert await server.open() == [f"unix:{path}"]  # once open, at once
+        async with grpc.aio.insecure_channel(f"unix:{path}") as channel:
+            assert await check(channel, SERVICE) == SERVING
+            assert await channel.unary_unary(f"/{SERVICE}/Echo")(b"hi", timeout=5) == b"hi"
+    finally:
+        await server.stop(grace=0)
+    assert events == ["start:False", "stop:True"]
+    assert not path.exists()
+    with pytest.raises(RuntimeError, match="stopping"):
+        await server.open()
+
+
+async def test_a_deferred_server_stops_unopened_and_retries_a_failed_open(tmp_path: Path) -> None:
+    stopped: list[bool] = []
+
+    async def on_stop(server: GrpcServer) -> None:
+        stopped.append(server.opened)
+
+    async with GrpcServer("test", [], on_stop=on_stop, deferred=True) as server:
+        pass
+    assert stopped == [False]  # on_stop runs though gRPC never opened
+
+    blocker = tmp_path / "s.sock"
+    blocker.write_text("not a socket")
+    config = ServerConfig(listen=[f"unix:{blocker}"])
+    async with GrpcServer("test", [echo_service()], config, deferred=True) as server:
+        with pytest.raises(OSError, match="not a socket"):
+            await server.open()
+        assert not server.opened and server.addresses == []
+        blocker.unlink()
+        assert await server.open() == [f"unix:{blocker}"]
+
+
 async def test_many_concurrent_calls_are_not_cancelled() -> None:
     """Past grpc's default of 1000 pending calls, grpc.aio would cancel some."""
     gate = asyncio.Event()

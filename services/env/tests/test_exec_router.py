@@ -55,7 +55,9 @@ async def test_a_ready_sandbox_routes_to_its_agent(parts: Any, runtime: Any) -> 
     made = await runtime.create(RuntimeSandboxSpec(sandbox_id="sbx-routed", image="host"))
     await put(store, "sbx-routed", READY, agent_address=made.agent_address)
     link = await router.agent("alpha", "sbx-routed")  # read from etcd or the view: both work
-    info = await link.stub.GetAgentInfo(inagent_service_pb2.GetAgentInfoRequest(), timeout=5)
+    info = await (await link.grpc(5)).GetAgentInfo(
+        inagent_service_pb2.GetAgentInfoRequest(), timeout=5
+    )
     assert info.version
     assert await router.dead_reason("sbx-routed") is None
     # Another tenant's id, a missing one: NOT_FOUND, never the link.

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 import pytest
 
+from orchard.env.exec_lane import LaneClient
 from orchard.env.runtime.base import RuntimeResources, RuntimeSandboxSpec
 from orchard.env.runtime.local import LocalRuntime, LocalRuntimeConfig
 from orchard.env.runtime.local.pool import SHELL_ID
@@ -147,11 +148,23 @@ async def test_a_claimed_sandbox_is_the_requests_and_as_isolated_as_a_fresh_one(
     await _until(lambda: len(pooled._pool) >= 1)
     waiting = _shell_pids(pooled)
     bigger = RuntimeResources(memory_bytes=pooled.config.default_resources.memory_bytes * 2)
-    await pooled.create(RuntimeSandboxSpec("bigger", "host", resources=bigger))
+    # (and the agent's gRPC on demand: a claim carries the agent's flags)
+    await pooled.create(
+        RuntimeSandboxSpec("bigger", "host", resources=bigger, agent_grpc_on_demand=True)
+    )
     state = pooled.store.read("bigger")
     assert state is not None and state.pid in waiting
     memory_dir = next(d for d in state.cgroup_dirs if "/memory/" in d)
     assert int(Path(memory_dir, "memory.limit_in_bytes").read_text()) == bigger.memory_bytes
+    assert sorted(os.listdir(state.paths.run)) == ["agent.lane"]
+    lane = LaneClient(f"unix:{state.paths.run}/agent.lane")
+    try:
+        hostname = agent_pb.ExecRequest(command=exec_pb2.Command(argv=["hostname"]))
+        assert (await lane.exec(hostname, 30)).result.stdout == b"bigger\n"
+        await lane.open_grpc(30)
+    finally:
+        lane.close()
+    assert sorted(os.listdir(state.paths.run)) == ["agent.lane", "agent.sock"]
 
 
 async def test_the_pool_refills_and_close_releases_every_shell(tmp_path: Path) -> None:

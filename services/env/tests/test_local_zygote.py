@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from orchard.env.exec_lane import LaneClient
 from orchard.env.runtime.base import RuntimeResources, RuntimeSandboxSpec, SandboxStatus
 from orchard.env.runtime.local import LocalRuntime, LocalRuntimeConfig
 from orchard.env.runtime.local.cgroups import CgroupV1
@@ -130,11 +131,25 @@ async def test_sandboxes_outlive_the_zygote_and_a_new_one_takes_over(
     assert await zr.runtime.status("zy-before") is SandboxStatus.RUNNING
 
 
-async def test_nothing_is_imported_after_the_fork(zr: ZygoteRuntime) -> None:
+@pytest.mark.parametrize("on_demand", [False, True], ids=["grpc-at-start", "grpc-on-demand"])
+async def test_nothing_is_imported_after_the_fork(zr: ZygoteRuntime, on_demand: bool) -> None:
     # ORCHARD_* variables take the agent's pydantic configuration path.
-    spec = RuntimeSandboxSpec("zy-audit", "host", env={"ORCHARD_TASK": "1"})
+    spec = RuntimeSandboxSpec(
+        "zy-audit", "host", env={"ORCHARD_TASK": "1"}, agent_grpc_on_demand=on_demand
+    )
     await zr.runtime.create(spec)
-    address = f"unix:{zr.runtime.config.run_dir}/zy-audit/agent.sock"
+    run = Path(zr.runtime.config.run_dir) / "zy-audit"
+    address = f"unix:{run}/agent.sock"
+    if on_demand:
+        # The lane alone until asked; then gRPC starts in the sandbox, after pivot_root.
+        assert not (run / "agent.sock").exists()
+        lane = LaneClient(f"unix:{run}/agent.lane")
+        try:
+            echo = agent_pb.ExecRequest(command=exec_pb2.Command(argv=["echo", "lane"]))
+            assert (await lane.exec(echo, 30)).result.stdout == b"lane\n"
+            await lane.open_grpc(30)
+        finally:
+            lane.close()
     async with grpc.aio.insecure_channel(address) as channel:
         stub = agent_grpc.AgentServiceStub(channel)
         await stub.GetAgentInfo(agent_pb.GetAgentInfoRequest(), timeout=30)

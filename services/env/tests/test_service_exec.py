@@ -30,18 +30,22 @@ async def test_exec_takes_the_lane_unless_it_is_turned_off(env: Any) -> None:
     result = await env.shell(sandbox.id, "echo hi")
     assert result.stdout == b"hi\n"
     link = env.app.controller.agents._links[sandbox.id]
+    grpc_socket = Path(link.address.removeprefix("unix:"))
     if env.app.config.exec_lane:
         assert link.lane is not None and link.lane.address.endswith("agent.lane")
         assert link.lane._writer is not None, "the exec went another way"
         assert link._channel is None, "a sandbox that only ran commands got a gRPC channel"
+        # Nor did its agent start a gRPC server: it serves only the lane until asked.
+        assert not grpc_socket.exists(), "the agent serves gRPC that nobody asked for"
     else:
         assert link.lane is None and link._channel is not None
+        assert grpc_socket.is_socket()
     # Every other call goes over gRPC (the channel made for it), and exec still works after.
     stat = await env.stub.StatFile(
         api.StatFileRequest(sandbox_id=sandbox.id, path="."), metadata=env.md()
     )
     assert stat.info.type == files_pb2.FILE_TYPE_DIRECTORY
-    assert link._channel is not None
+    assert link._channel is not None and grpc_socket.is_socket()
     assert (await env.shell(sandbox.id, "echo again")).stdout == b"again\n"
 
 

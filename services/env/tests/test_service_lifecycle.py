@@ -145,9 +145,13 @@ async def test_heartbeat_keeps_it_and_expiry_reaps_within_timeout(env: Any, runt
         )
         expire = reply.expire_time.seconds + reply.expire_time.nanos / 1e9
         assert time.time() + 2.5 < expire <= time.time() + 4.5
-    # The dropped one: record gone and runtime reaped within timeout + 2 s.
+    # The dropped one: record gone and runtime reaped within timeout + 2 s; the kept one,
+    # still heartbeating, stays.
     while await runtime.list_sandboxes() != [kept.id]:
         assert time.monotonic() - dropped_at < 4 + 2, await runtime.list_sandboxes()
+        await env.stub.HeartbeatSandbox(
+            api.HeartbeatSandboxRequest(sandbox_id=kept.id), metadata=env.md()
+        )
         await asyncio.sleep(0.05)
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await env.stub.HeartbeatSandbox(

@@ -37,7 +37,9 @@ from orchard.env.runtime.base import (
     SandboxExit,
     SandboxStatus,
 )
+from orchard.env.runtime.local.spawn import read_to_eof
 from orchard.inagent.v1 import inagent_service_pb2, inagent_service_pb2_grpc
+from orchard.inagent.version import __version__ as AGENT_VERSION
 
 AGENT = str(Path(sys.executable).parent / "orchard-inagent")
 
@@ -99,22 +101,36 @@ class UnisolatedProcessRuntime(Runtime):
         lane = f"unix:{home / 'agent.lane'}" if self.exec_lane else ""
         if lane:
             argv += ["--lane", lane]
+        on_demand = bool(lane) and spec.agent_grpc_on_demand
+        ready_read, ready_write = os.pipe2(os.O_CLOEXEC) if on_demand else (-1, -1)
+        if on_demand:
+            # As the local runtime: only the lane until orchard-env opens gRPC over it, and
+            # readiness on a pipe (there is no gRPC to poll).
+            argv += ["--grpc-on-demand", "true", "--ready-fd", str(ready_write)]
         for name, value in spec.env.items():
             argv += ["--set", f"env.{name}={value}"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("ORCHARD_")}
         try:
-            process = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-            )
+            try:
+                process = await asyncio.create_subprocess_exec(
+                    *argv,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.DEVNULL,
+                    stderr=asyncio.subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,
+                    pass_fds=(ready_write,) if on_demand else (),
+                )
+            finally:
+                if on_demand:
+                    os.close(ready_write)
             (home / "agent.json").write_text(json.dumps({"pid": process.pid}))
             self._children[spec.sandbox_id] = process
             address = f"unix:{socket}"
-            version = await self._wait_serving(address, process)
+            if on_demand:
+                version = await self._wait_ready_pipe(ready_read, process)
+            else:
+                version = await self._wait_serving(address, process)
         except BaseException:
             await self.delete(spec.sandbox_id)
             raise
@@ -123,6 +139,17 @@ class UnisolatedProcessRuntime(Runtime):
         self._watchers.add(watcher)
         watcher.add_done_callback(self._watchers.discard)
         return RuntimeSandbox(spec.sandbox_id, address, version, lane_address=lane)
+
+    async def _wait_ready_pipe(self, fd: int, process: asyncio.subprocess.Process) -> str:
+        try:
+            text = await asyncio.wait_for(read_to_eof(fd), self.start_timeout_s)
+        except TimeoutError:
+            raise RuntimeFailure(FailureReason.AGENT_START_TIMEOUT, "agent not serving") from None
+        finally:
+            os.close(fd)
+        if not text.strip():
+            raise RuntimeFailure(FailureReason.AGENT_EXITED, "the agent exited at start")
+        return AGENT_VERSION
 
     async def _wait_serving(self, address: str, process: asyncio.subprocess.Process) -> str:
         deadline = time.monotonic() + self.start_timeout_s

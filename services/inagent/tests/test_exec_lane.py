@@ -1,14 +1,21 @@
 """The exec lane (``--lane``): a real agent runs commands for frames on a Unix socket exactly as
 it does for AgentService.Exec, refuses what gRPC refuses with the same status and reason, kills
-the command of a caller that hangs up, and checks route credentials by the same rules."""
+the command of a caller that hangs up, and checks route credentials by the same rules.
+
+With ``--grpc-on-demand`` the agent serves only its lane (no gRPC server, none of grpc's
+threads, its ready report names the lane) until a lane call ``open_grpc`` starts AgentService
+where it was told to listen; the listen directory's handle is kept only until then."""
 
 from __future__ import annotations
 
 import os
 import secrets
+import signal
 import socket
 import struct
+import subprocess
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +23,7 @@ import grpc
 import pytest
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchard.inagent.credentials import issue_credential
 from orchard.inagent.v1 import exec_lane_pb2 as lane_pb
@@ -208,3 +216,183 @@ def test_the_lane_checks_credentials_as_agent_service_does(
             assert none.HasField("exec")
     finally:
         lane.close()
+
+
+GRPC_THREADS = ("grpc_global_tim", "event_engine")
+"""Name prefixes of the threads grpc's core starts with its first server."""
+
+
+class OnDemandAgent:
+    """An agent started as the local runtime starts one: its sockets in a directory it reaches
+    through an inherited descriptor, readiness on a pipe."""
+
+    def __init__(
+        self, command: list[str], directory: Path, *args: str, env: dict[str, str] | None = None
+    ) -> None:
+        self.directory = directory
+        (directory / "work").mkdir()
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        ready_read, ready_write = os.pipe()
+        self.dir_fd = dir_fd
+        self.log = directory / "agent.log"
+        command = [
+            *command,
+            "--listen",
+            f"unix:/proc/self/fd/{dir_fd}/agent.sock",
+            "--lane",
+            f"unix:/proc/self/fd/{dir_fd}/agent.lane",
+            "--listen-dir-fd",
+            str(dir_fd),
+            "--ready-fd",
+            str(ready_write),
+            "--working-dir",
+            str(directory / "work"),
+            "--grpc-on-demand",
+            "true",
+            *args,
+        ]
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("ORCHARD_")}
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=log,
+                env=clean | (env or {}),
+                pass_fds=(dir_fd, ready_write),
+            )
+        os.close(ready_write)
+        os.close(dir_fd)
+        with os.fdopen(ready_read, "rb") as ready:
+            self.ready_lines = ready.read().decode().splitlines()
+
+    @property
+    def socket(self) -> Path:
+        return self.directory / "agent.sock"
+
+    def grpc_threads(self) -> list[str]:
+        names = []
+        for task in os.listdir(f"/proc/{self.process.pid}/task"):
+            name = Path(f"/proc/{self.process.pid}/task/{task}/comm").read_text().strip()
+            if name.startswith(GRPC_THREADS):
+                names.append(name)
+        return names
+
+    def holds_listen_dir(self) -> bool:
+        return any(
+            os.readlink(f"/proc/{self.process.pid}/fd/{fd}") == str(self.directory)
+            for fd in os.listdir(f"/proc/{self.process.pid}/fd")
+        )
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@pytest.fixture
+def on_demand(procs: Any, tmp_path: Path) -> Iterator[Callable[..., OnDemandAgent]]:
+    """Start agents with ``--grpc-on-demand``; each is stopped at the end of the test."""
+    started: list[OnDemandAgent] = []
+
+    def make(*args: str, env: dict[str, str] | None = None) -> OnDemandAgent:
+        directory = tmp_path / f"on-demand{len(started)}"
+        directory.mkdir()
+        agent = OnDemandAgent(procs.agent_command(), directory, *args, env=env)
+        started.append(agent)
+        return agent
+
+    yield make
+    for agent in started:
+        agent.stop()
+
+
+def _open(lane: Lane, authorization: str = "") -> lane_pb.LaneResponse:
+    request = lane_pb.LaneRequest(open_grpc=lane_pb.OpenGrpcRequest(), authorization=authorization)
+    lane.send_raw(request.SerializeToString())
+    answer = lane.receive()
+    assert answer is not None, "the agent closed the lane"
+    return answer
+
+
+def test_on_demand_the_agent_serves_the_lane_alone_until_asked_to_open_grpc(
+    on_demand: Any,
+) -> None:
+    agent = on_demand()
+    try:
+        assert agent.ready_lines == [f"unix:/proc/self/fd/{agent.dir_fd}/agent.lane"]
+        assert not agent.socket.exists()
+        assert agent.grpc_threads() == []
+        assert agent.holds_listen_dir()  # kept until gRPC has bound there
+        lane = Lane(agent.directory / "agent.lane")
+        echo = lane.call(exec_pb2.Command(argv=["echo", "lane"]))
+        assert echo.exec.result.stdout == b"lane\n"
+        assert agent.grpc_threads() == [] and not agent.socket.exists()
+
+        opened = _open(lane)
+        assert opened.WhichOneof("outcome") == "grpc"
+        assert list(opened.grpc.addresses) == [f"unix:/proc/self/fd/{agent.dir_fd}/agent.sock"]
+        assert agent.socket.exists()
+        assert not agent.holds_listen_dir()  # let go once bound
+        assert agent.grpc_threads() != []
+        with grpc.insecure_channel(f"unix:{agent.socket}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            status = health.Check(health_pb2.HealthCheckRequest(), timeout=10).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+            stub = pb_grpc.AgentServiceStub(channel)
+            reply = stub.Exec(pb.ExecRequest(command=exec_pb2.Command(argv=["echo", "grpc"])))
+            assert reply.result.stdout == b"grpc\n"
+        # Asked again: the same server, at once; the lane still runs commands.
+        assert list(_open(lane).grpc.addresses) == list(opened.grpc.addresses)
+        assert lane.call(exec_pb2.Command(argv=["true"])).HasField("exec")
+        lane.close()
+    finally:
+        agent.stop()
+    assert agent.process.returncode == 0
+
+
+def test_open_grpc_obeys_the_lanes_credential_rules(on_demand: Any) -> None:
+    agent = on_demand(
+        "--set",
+        "require_credential=true",
+        env={"ORCHARD_AGENT_KEY": KEY, "ORCHARD_AGENT_SANDBOX_ID": SANDBOX},
+    )
+    lane = Lane(agent.directory / "agent.lane")
+    try:
+        for authorization in ("", f"Bearer {_credential('sb-other')}", "Basic abc"):
+            refused = _open(lane, authorization)
+            assert refused.WhichOneof("outcome") == "error"
+            assert refused.error.code in (
+                grpc.StatusCode.UNAUTHENTICATED.value[0],
+                grpc.StatusCode.PERMISSION_DENIED.value[0],
+            )
+        assert not agent.socket.exists() and agent.grpc_threads() == []
+        assert _open(lane, f"Bearer {_credential()}").HasField("grpc")
+        assert agent.socket.exists()
+    finally:
+        lane.close()
+
+
+@pytest.mark.parametrize("extra", [(), ("--set", "env.X=1")], ids=["quick", "validated"])
+def test_grpc_on_demand_without_a_lane_is_refused(
+    procs: Any, tmp_path: Path, extra: tuple[str, ...]
+) -> None:
+    result = subprocess.run(
+        [
+            *procs.agent_command(),
+            "--listen",
+            f"unix:{tmp_path / 'a.sock'}",
+            "--grpc-on-demand",
+            "true",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "grpc_on_demand needs a lane" in result.stderr

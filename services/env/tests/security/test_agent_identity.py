@@ -140,11 +140,24 @@ async def test_a_socket_swapped_on_the_host_is_refused(
     env_factory: Any, runtimes: Callable[[], Any], attack: Any, name: str
 ) -> None:
     """Defense in depth: whatever listens at the agent's path (its gRPC socket or its exec
-    lane) must be the sandbox's PID 1."""
+    lane) must be the sandbox's PID 1. Exec goes over the lane; a file call over gRPC, whose
+    server the agent starts when orchard-env first needs it."""
+    from orchard.env.v1 import env_service_pb2
+
     first_runtime = await runtimes()
     first = await env_factory(runtime=first_runtime)
     sandbox = await first.ready(timeout_s=60)
     path = Path(first_runtime.config.run_dir) / sandbox.id / name
+    assert path.exists() == (name == "agent.lane")  # gRPC starts on the first call over it
+    stat = env_service_pb2.StatFileRequest(sandbox_id=sandbox.id, path="/")
+
+    async def call(env: Any) -> Any:
+        if name == "agent.lane":
+            return await env.shell(sandbox.id, "echo hello")
+        return await env.stub.StatFile(stat, metadata=env.md())
+
+    await first.stub.StatFile(stat, metadata=first.md())
+    assert path.exists()
     attack.tried(f"swap the agent's {name} on the host")
     path.rename(path.with_name(f"{name}.real"))
     impostor = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -154,7 +167,7 @@ async def test_a_socket_swapped_on_the_host_is_refused(
     try:
         second = await env_factory(runtime=await runtimes())
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await second.shell(sandbox.id, "echo hello")
+            await call(second)
         assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED, caught.value
         assert "not the agent" in (caught.value.details() or "")
         received = b""
@@ -172,4 +185,5 @@ async def test_a_socket_swapped_on_the_host_is_refused(
         path.with_name(f"{name}.real").rename(path)
     attack.held(f"swap the agent's {name} on the host")
     # The real agent back at its place: the next call checks again and goes through.
+    assert await call(second)
     assert (await second.shell(sandbox.id, "echo hello")).stdout == b"hello\n"

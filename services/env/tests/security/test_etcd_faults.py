@@ -351,12 +351,13 @@ async def test_reconcile_repairs_a_creation_of_this_replica_that_no_task_runs(
 
 
 async def test_agent_version_is_recorded(env: Any, runtime: Any) -> None:
-    """A runtime that does not say which agent it started: the service asks the agent."""
+    """A runtime that does not say which agent it started: the service asks the agent (over
+    gRPC, which an agent with a lane is first asked to start there)."""
     original = runtime.create
 
     async def silent(spec: RuntimeSandboxSpec) -> RuntimeSandbox:
         made: RuntimeSandbox = await original(spec)
-        return RuntimeSandbox(made.sandbox_id, made.agent_address)
+        return RuntimeSandbox(made.sandbox_id, made.agent_address, lane_address=made.lane_address)
 
     runtime.create = silent
     ready = await env.ready()

@@ -185,6 +185,10 @@ class GrpcServer:
 
     Use ``async with`` (or :meth:`start` and :meth:`stop`). ``config`` defaults to
     ``ServerConfig()`` (127.0.0.1 on a free port, no metrics).
+
+    ``deferred``: :meth:`start` runs ``on_start`` without making the gRPC server; the first
+    :meth:`open` makes it, binds and serves (a process that serves its callers another way
+    until asked pays neither grpc's start nor its idle threads' wake-ups).
     """
 
     def __init__(
@@ -196,6 +200,7 @@ class GrpcServer:
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         on_start: ServerHook | None = None,
         on_stop: ServerHook | None = None,
+        deferred: bool = False,
     ) -> None:
         if config is None:
             from orchard.core.config import ServerConfig  # noqa: PLC0415
@@ -208,6 +213,10 @@ class GrpcServer:
         self._on_start = on_start
         self._on_stop = on_stop
         self._server: grpc.aio.Server | None = None
+        self._deferred = deferred
+        self._started = False
+        self._opening = asyncio.Lock()
+        self._serving_wanted: bool | None = None
         self._health: Any = None
         self._addresses: list[str] = []
         self._unix_paths: list[Path] = []
@@ -252,9 +261,45 @@ class GrpcServer:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Bind every address, start serving (health NOT_SERVING), then run ``on_start``."""
-        if self._server is not None:
+        """Bind every address, start serving (health NOT_SERVING), then run ``on_start``;
+        when deferred, only run ``on_start``."""
+        if self._started:
             raise RuntimeError("server already started")
+        self._started = True
+        try:
+            if not self._deferred:
+                await self._open()
+            if self._on_start is not None:
+                await self._on_start(self)
+        except BaseException:
+            await self.stop(grace=0)
+            raise
+        if self._deferred:
+            log.info("started; gRPC on demand", extra={"listen": list(self.config.listen)})
+
+    @property
+    def opened(self) -> bool:
+        """Whether the gRPC server is made and serving (always, once started, unless
+        deferred)."""
+        return self._server is not None
+
+    async def open(self) -> list[str]:
+        """Make, bind and start the gRPC server of a deferred server (at once if it serves
+        already); returns the bound addresses. Health turns SERVING here when the server was
+        declared serving before. OSError when an address cannot be bound (nothing is left
+        bound: a later call tries again); RuntimeError once the server is stopping."""
+        if not self._started:
+            raise RuntimeError("server not started")
+        async with self._opening:
+            if self._draining.is_set():
+                raise RuntimeError("server is stopping")
+            if self._server is None:
+                await self._open()
+                if self._serving_wanted is not None:
+                    await self.set_serving(self._serving_wanted)
+        return self.addresses
+
+    async def _open(self) -> None:
         from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
         from grpc_health.v1.health import aio as health_aio  # noqa: PLC0415
         from grpc_reflection.v1alpha import reflection  # noqa: PLC0415
@@ -293,7 +338,6 @@ class GrpcServer:
             (*self.service_names, HEALTH_SERVICE, reflection.SERVICE_NAME), server
         )
 
-        self._server = server
         try:
             credentials = self._tls_credentials()
             for text in self.config.listen:
@@ -309,11 +353,12 @@ class GrpcServer:
                     self.config.metrics_address, self.metrics.registry
                 )
                 self._metrics_endpoint.start()
-            if self._on_start is not None:
-                await self._on_start(self)
         except BaseException:
-            await self.stop(grace=0)
+            await server.stop(0)
+            self._remove_unix_sockets()
+            self._addresses, self._unix_paths, self._health = [], [], None
             raise
+        self._server = server
         log.info(
             "serving",
             extra={
@@ -378,9 +423,13 @@ class GrpcServer:
     async def set_serving(self, serving: bool = True) -> None:
         """Declare the server ready (SERVING) or not, for ``""`` and every bound service.
 
-        Ignored once a drain has started: from then on health stays NOT_SERVING.
+        Ignored once a drain has started: from then on health stays NOT_SERVING. A deferred
+        server not open yet takes it when it opens.
         """
         if self._health is None:
+            if self._deferred and self._started:
+                self._serving_wanted = serving
+                return
             raise RuntimeError("server not started")
         from grpc_health.v1 import health_pb2  # noqa: PLC0415
 
@@ -408,23 +457,31 @@ class GrpcServer:
     async def _drain(self, grace: float) -> None:
         started = time.monotonic()
         try:
+            if self._deferred:
+                # An open under way finishes first (and is drained); none starts after this.
+                self._draining.set()
+                async with self._opening:
+                    pass
             if self._health is not None:
                 await self._health.enter_graceful_shutdown()
             self._draining.set()
             if self._server is not None:
                 log.info("draining", extra={"grace_period_s": grace})
                 await self._server.stop(grace)
-            if self._on_stop is not None and self._server is not None:
+            if self._on_stop is not None and self._started:
                 await self._on_stop(self)
         finally:
             if self._metrics_endpoint is not None:
                 await asyncio.to_thread(self._metrics_endpoint.stop)
-            for path in self._unix_paths:
-                with contextlib.suppress(FileNotFoundError):
-                    if stat.S_ISSOCK(path.lstat().st_mode):
-                        path.unlink()
+            self._remove_unix_sockets()
             self._stopped.set()
             log.info("stopped", extra={"drain_s": round(time.monotonic() - started, 3)})
+
+    def _remove_unix_sockets(self) -> None:
+        for path in self._unix_paths:
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISSOCK(path.lstat().st_mode):
+                    path.unlink()
 
     async def wait_for_termination(self) -> None:
         """Return once the server has stopped."""
@@ -503,6 +560,7 @@ def run_service(
     on_start: Callable[[C, GrpcServer], Awaitable[None]] | None = None,
     on_stop: Callable[[C, GrpcServer], Awaitable[None]] | None = None,
     ready_on_start: bool = True,
+    deferred: Callable[[C], bool] | None = None,
 ) -> int:
     """Run a service until SIGTERM/SIGINT; return the process exit status.
 
@@ -510,6 +568,8 @@ def run_service(
     server is bound (start background work there), ``on_stop(config, server)`` after the
     drain. With ``ready_on_start`` the server declares itself SERVING once ``on_start``
     returns; otherwise the service calls ``server.set_serving()`` itself when ready.
+    When ``deferred(config)`` is true the gRPC server is made on demand
+    (:meth:`GrpcServer.open`, see ``deferred`` there).
     Command line: ``--config FILE``, ``--set KEY=VALUE`` and ``flags`` (default
     :data:`orchard.core.config.SERVER_FLAGS`).
 
@@ -580,6 +640,7 @@ def run_service(
                     interceptors=interceptors,
                     on_start=hook_start,
                     on_stop=hook_stop,
+                    deferred=deferred is not None and deferred(config),
                 )
                 await server.start()
             except Exception:

@@ -6,7 +6,10 @@ so a restarted service checks again before its first call.
 
 Exec goes over the agent's exec lane when the record names one
 (:mod:`orchard.env.exec_lane`: the same messages in a lean framing, a fraction of gRPC's CPU
-per call); every other call, and Exec to an agent without a lane, over gRPC.
+per call); every other call, and Exec to an agent without a lane, over gRPC. An agent with a
+lane may have started without its gRPC server (orchard-env asks runtimes for that:
+``RuntimeSandboxSpec.agent_grpc_on_demand``): before the link's first gRPC call the agent is
+asked over the lane to start it, and only then is what serves at its gRPC address verified.
 
 Every call on a link carries orchard-env's own route credential for the sandbox
 (:func:`orchard.env.agent_routes.service_credential`, signed with the key the runtime gave the
@@ -110,7 +113,8 @@ class AgentLink:
     a closing channel by cancelling them, and their callers must not take that for their own
     cancellation. ``lane`` is the agent's exec lane, when it has one and this replica uses it:
     Exec goes there, every other call to the gRPC channel, which is made on the first such call
-    (a sandbox that only runs commands never costs either end a channel).
+    (a sandbox that only runs commands never costs either end a channel, nor the agent a gRPC
+    server).
     """
 
     def __init__(
@@ -121,6 +125,7 @@ class AgentLink:
         *,
         credential: ServiceCredential | None = None,
         lane: LaneClient | None = None,
+        verify_grpc: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.sandbox_id = sandbox_id
         self.address = address
@@ -128,14 +133,21 @@ class AgentLink:
         self.lane = lane
         self.closed = ""
         self._credential = credential
+        self._verify_grpc = verify_grpc
         self._channel: grpc.aio.Channel | None = None
         self._stub: inagent_service_pb2_grpc.AgentServiceStub | None = None
 
-    @property
-    def stub(self) -> inagent_service_pb2_grpc.AgentServiceStub:
+    async def grpc(self, deadline_s: float) -> inagent_service_pb2_grpc.AgentServiceStub:
         """The AgentService stub (with orchard-env's credential on every call, when it has
-        one); made, with its channel, on first use."""
+        one), made with its channel on first use: over a lane, the agent is first asked to
+        start its gRPC server, then what serves at its address is verified. Raises
+        ``grpc.aio.AioRpcError`` as a call would, or PERMISSION_DENIED (``AGENT_NOT_VERIFIED``)."""
         if self._stub is None:
+            if self.lane is not None:
+                await self.lane.open_grpc(deadline_s)
+            if self._verify_grpc is not None:
+                await self._verify_grpc()
+                self._verify_grpc = None
             channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
             self._channel = channel
             self._stub = (
@@ -179,14 +191,8 @@ class AgentLinks:
         if link is not None and link.address == address:
             return link
         lane_address = lane_address if self._use_lanes else ""
-        for where in (address, lane_address) if lane_address else (address,):
-            if self._verify is not None and not await _verified(self._verify, sandbox_id, where):
-                raise OrchardError(
-                    EnvReason.AGENT_NOT_VERIFIED,
-                    f"sandbox {sandbox_id!r}: what serves at its agent's address is not the "
-                    "agent its runtime started; nothing was sent to it",
-                    metadata={"sandbox_id": sandbox_id},
-                )
+        # Over a lane, its gRPC address is verified once the agent serves there (AgentLink.grpc).
+        await self._check(sandbox_id, lane_address or address)
         link = self._links.get(sandbox_id)  # another call may have made it meanwhile
         if link is not None and link.address == address:
             return link
@@ -208,9 +214,21 @@ class AgentLinks:
             link.lock if link is not None else asyncio.Lock(),
             credential=credential,
             lane=lane,
+            verify_grpc=functools.partial(self._check, sandbox_id, address) if lane else None,
         )
         self._links[sandbox_id] = link
         return link
+
+    async def _check(self, sandbox_id: str, address: str) -> None:
+        """PERMISSION_DENIED (``AGENT_NOT_VERIFIED``) unless what serves at ``address`` is the
+        sandbox's agent."""
+        if self._verify is not None and not await _verified(self._verify, sandbox_id, address):
+            raise OrchardError(
+                EnvReason.AGENT_NOT_VERIFIED,
+                f"sandbox {sandbox_id!r}: what serves at its agent's address is not the "
+                "agent its runtime started; nothing was sent to it",
+                metadata={"sandbox_id": sandbox_id},
+            )
 
     def drop(self, sandbox_id: str) -> None:
         """Close the sandbox's channel (it is gone); calls in flight on it fail."""

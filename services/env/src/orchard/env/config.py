@@ -394,8 +394,10 @@ class EnvConfig(ServiceConfig):
         default=True,
         description=(
             "Send Exec to a sandbox's agent over its exec lane when the runtime gives it one "
-            "(the same messages in a lean framing: a fraction of gRPC's CPU per call); false: "
-            "every call over gRPC."
+            "(the same messages in a lean framing: a fraction of gRPC's CPU per call), and let "
+            "such an agent start without its gRPC server, which this service starts over the "
+            "lane on its first other call (a sandbox that only runs commands costs no gRPC "
+            "server); false: every call over gRPC, agents serve gRPC from their start."
         ),
     )
 

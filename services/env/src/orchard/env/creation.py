@@ -53,6 +53,7 @@ from orchard.core.etcd import (
 )
 from orchard.env.admission import AdmissionQueue, next_rounds
 from orchard.env.config import EnvConfig
+from orchard.env.exec_lane import LaneClient
 from orchard.env.exec_router import ExecRouter
 from orchard.env.metrics import EnvMetrics
 from orchard.env.owners import OwnerRegistry, owner_not_found
@@ -496,6 +497,8 @@ class CreationWorker:
             raw_sockets=spec.privileges.raw_sockets,
             user_namespaces=spec.privileges.user_namespaces,
             image_trust=self.images.trust(sandbox.tenant),
+            # Over a lane, this service starts the agent's gRPC server when it first needs it.
+            agent_grpc_on_demand=self.config.exec_lane,
         )
 
     async def _create_in_runtime(
@@ -567,7 +570,7 @@ class CreationWorker:
         (delete the runtime sandbox, record FAILED) when the record is gone or no longer
         PENDING, or etcd stays away past the retry bound."""
         sid, key, ckey = record.id, record.key, creating_key(record.tenant, record.id)
-        version = made.agent_version or await self._agent_version(sid, made.agent_address)
+        version = made.agent_version or await self._agent_version(sid, made)
         recorded: list[bool] = []
 
         def to_ready(r: SandboxRecord) -> bool:
@@ -607,15 +610,25 @@ class CreationWorker:
             return
         self.metrics.ready_seconds.observe(time.monotonic() - started)
 
-    async def _agent_version(self, sandbox_id: str, address: str) -> str:
+    async def _agent_version(self, sandbox_id: str, made: RuntimeSandbox) -> str:
         """The version the sandbox's agent reports ("" when it does not answer)."""
-        info = await self._agent_info(sandbox_id, address)
+        info = await self._agent_info(sandbox_id, made)
         return str(info.version) if info is not None else ""
 
-    async def _agent_info(self, sandbox_id: str, address: str) -> Any:
+    async def _agent_info(self, sandbox_id: str, made: RuntimeSandbox) -> Any:
         """The agent's GetAgentInfo answer; None when it does not answer in time or what
-        serves at ``address`` is not the agent the runtime started."""
+        serves at its addresses is not the agent the runtime started. An agent with a lane is
+        first asked over it to start its gRPC server (it may have started without)."""
+        address, lane_address = made.agent_address, made.lane_address
         try:
+            if lane_address and self.config.exec_lane:
+                if not await self.runtime.verify_agent(sandbox_id, lane_address):
+                    return None
+                lane = LaneClient(lane_address)
+                try:
+                    await lane.open_grpc(_AGENT_PROBE_S)
+                finally:
+                    lane.close()
             if not await self.runtime.verify_agent(sandbox_id, address):
                 return None
             async with grpc.aio.insecure_channel(address) as channel:
@@ -652,7 +665,7 @@ class CreationWorker:
         if (
             made is not None
             and await self.runtime.status(sid) is SandboxStatus.RUNNING
-            and await self._agent_info(sid, made.agent_address) is not None
+            and await self._agent_info(sid, made) is not None
         ):
             log.info("finishing a creation whose task ended", extra={"sandbox_id": sid})
             self.start_creation(record, time.monotonic(), made=made)

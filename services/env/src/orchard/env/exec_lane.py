@@ -53,7 +53,33 @@ class LaneClient:
     async def exec(self, request: agent_pb.ExecRequest, deadline_s: float) -> agent_pb.ExecResponse:
         """Run ``request`` in the sandbox within ``deadline_s`` seconds; raises
         ``grpc.aio.AioRpcError`` as gRPC would."""
-        lane_request = lane_pb.LaneRequest(exec=request)
+        response = await self._call(lane_pb.LaneRequest(exec=request), deadline_s)
+        if response.HasField("exec"):
+            return response.exec
+        self.close()
+        raise _rpc_error(grpc.StatusCode.INTERNAL, "the agent's exec lane answered nothing")
+
+    async def open_grpc(self, deadline_s: float) -> list[str]:
+        """Have the agent start its gRPC server (at once if it serves already); its addresses.
+        An agent that predates ``open_grpc`` answers INVALID_ARGUMENT: it served gRPC from its
+        start, so that answer is taken for yes (no addresses)."""
+        try:
+            response = await self._call(
+                lane_pb.LaneRequest(open_grpc=lane_pb.OpenGrpcRequest()), deadline_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                return []
+            raise
+        if response.HasField("grpc"):
+            return list(response.grpc.addresses)
+        self.close()
+        raise _rpc_error(grpc.StatusCode.INTERNAL, "the agent's exec lane answered nothing")
+
+    async def _call(
+        self, lane_request: lane_pb.LaneRequest, deadline_s: float
+    ) -> lane_pb.LaneResponse:
+        """One call: the agent's answer, or its error status raised as gRPC would."""
         if self._authorization is not None:
             lane_request.authorization = self._authorization()
         data = lane_request.SerializeToString()
@@ -93,8 +119,6 @@ class LaneClient:
             raise _rpc_error(
                 grpc.StatusCode.INTERNAL, "the agent's exec lane answered what does not parse"
             ) from None
-        if response.HasField("exec"):
-            return response.exec
         if response.HasField("error"):
             status = response.error
             raise _rpc_error(
@@ -102,8 +126,7 @@ class LaneClient:
                 status.message,
                 grpc.aio.Metadata((_STATUS_DETAILS_KEY, status.SerializeToString())),
             )
-        self.close()
-        raise _rpc_error(grpc.StatusCode.INTERNAL, "the agent's exec lane answered nothing")
+        return response
 
     def close(self) -> None:
         """Close the connection (a call in flight on it fails; the next one reconnects)."""

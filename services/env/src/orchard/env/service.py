@@ -226,11 +226,13 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
         self,
         context: grpc.aio.ServicerContext,
         sandbox_id: str,
-        call: Callable[[AgentLink, float], Awaitable[T]],
+        call: Callable[[Any, float], Awaitable[T]],
     ) -> T:
+        """``call(stub, timeout)`` on the sandbox's agent, under its link's lock."""
         link = await self._link(context, sandbox_id)
         async with link.lock, self._agent_call(link, context):
-            return await call(link, self._timeout(context))
+            timeout = self._timeout(context)
+            return await call(await link.grpc(timeout), timeout)
         raise AssertionError("unreachable")  # the context manager aborts or re-raises
 
     def _exec_metrics(self) -> ExecObservation:
@@ -250,9 +252,9 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
                             agent_pb2.ExecRequest(command=request.command), self._timeout(context)
                         )
                     else:
-                        reply = await link.stub.Exec(
-                            agent_pb2.ExecRequest(command=request.command),
-                            timeout=self._timeout(context),
+                        timeout = self._timeout(context)
+                        reply = await (await link.grpc(timeout)).Exec(
+                            agent_pb2.ExecRequest(command=request.command), timeout=timeout
                         )
                 except (asyncio.CancelledError, grpc.aio.AioRpcError) as exc:
                     await self._agent_failed(link, context, exc)
@@ -264,9 +266,9 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
         with self._exec_metrics():
             link = await self._link(context, request.sandbox_id)
             async with link.lock, self._agent_call(link, context):
-                call = link.stub.ExecStream(
-                    agent_pb2.ExecStreamRequest(command=request.command),
-                    timeout=self._timeout(context),
+                timeout = self._timeout(context)
+                call = (await link.grpc(timeout)).ExecStream(
+                    agent_pb2.ExecStreamRequest(command=request.command), timeout=timeout
                 )
                 try:
                     async for reply in call:
@@ -311,7 +313,8 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
                 yield agent_pb2.WriteFileRequest(data=message.data)
 
         async with link.lock, self._agent_call(link, context):
-            call = link.stub.WriteFile(forward(), timeout=self._timeout(context))
+            timeout = self._timeout(context)
+            call = (await link.grpc(timeout)).WriteFile(forward(), timeout=timeout)
             try:
                 reply = await call
             except asyncio.CancelledError:
@@ -330,11 +333,12 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
     ) -> AsyncIterator[env_service_pb2.ReadFileResponse]:
         link = await self._link(context, request.sandbox_id)
         async with link.lock, self._agent_call(link, context):
-            call = link.stub.ReadFile(
+            timeout = self._timeout(context)
+            call = (await link.grpc(timeout)).ReadFile(
                 agent_pb2.ReadFileRequest(
                     path=request.path, offset=request.offset, limit=request.limit
                 ),
-                timeout=self._timeout(context),
+                timeout=timeout,
             )
             try:
                 async for reply in call:
@@ -351,7 +355,7 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
         reply = await self._unary(
             context,
             request.sandbox_id,
-            lambda link, timeout: link.stub.ListFiles(
+            lambda stub, timeout: stub.ListFiles(
                 agent_pb2.ListFilesRequest(
                     path=request.path, page_size=request.page_size, page_token=request.page_token
                 ),
@@ -368,7 +372,7 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
         reply = await self._unary(
             context,
             request.sandbox_id,
-            lambda link, timeout: link.stub.StatFile(
+            lambda stub, timeout: stub.StatFile(
                 agent_pb2.StatFileRequest(
                     path=request.path, follow_symlinks=request.follow_symlinks
                 ),
@@ -492,6 +496,9 @@ class EnvServicer(env_service_pb2_grpc.EnvServiceServicer):
                 f"{self.controller.runtime.name!r}), so it has no direct route; call Exec and "
                 "the file calls here",
             )
+        # The route is gRPC: an agent started with its lane alone starts its server now.
+        async with link.lock, self._agent_call(link, context):
+            await link.grpc(self._timeout(context))
         route = open_route(key, request.sandbox_id, tenant, link.address, settings.credential_ttl_s)
         response = env_service_pb2.OpenAgentRouteResponse(
             address=route.address, credential=route.credential

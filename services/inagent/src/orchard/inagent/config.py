@@ -59,6 +59,16 @@ class AgentConfig:
     listen_dir_fd: int | None = None
     require_credential: bool = False
     lane: str | None = None
+    grpc_on_demand: bool = False
+
+    def problem(self) -> str | None:
+        """Why these settings do not fit together, or None."""
+        if self.grpc_on_demand and not self.lane:
+            return (
+                "grpc_on_demand needs a lane: the agent's gRPC server starts when asked over "
+                "it (set lane, or leave grpc_on_demand false)"
+            )
+        return self.limits_problem()
 
     def limits_problem(self) -> str | None:
         """Why the output limits do not fit together or in a message, or None."""
@@ -120,6 +130,7 @@ _QUICK_PARSERS: dict[str, ValueParser] = {
     "listen_dir_fd": int_at_least(0),
     "require_credential": parse_bool,
     "lane": any_string,
+    "grpc_on_demand": parse_bool,
 }
 
 
@@ -138,7 +149,7 @@ def load_agent_config(
             server = PlainServerConfig.from_values(section(values, "server"))
             own = {key: value for key, value in values.items() if "." not in key}
             config = AgentConfig(server=server, **own)
-            if config.limits_problem() is None:
+            if config.problem() is None:
                 return config
     from orchard.core.config import config_from_args  # noqa: PLC0415 - pydantic, only if needed
     from orchard.inagent.config_model import AgentConfigModel  # noqa: PLC0415
@@ -177,6 +188,12 @@ AGENT_FLAGS: tuple[ConfigFlag, ...] = (
         "lane",
         "also serve orchard-env's exec lane at ADDRESS (unix:PATH or HOST:PORT)",
         metavar="ADDRESS",
+    ),
+    ConfigFlag(
+        "--grpc-on-demand",
+        "grpc_on_demand",
+        "true: serve only the lane until asked over it to start gRPC (default false)",
+        metavar="BOOL",
     ),
     ConfigFlag(
         "--reap-orphans",

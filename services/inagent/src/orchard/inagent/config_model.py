@@ -104,6 +104,15 @@ class AgentConfigModel(ServiceConfig):
             "under the same credential rules. Unset: no lane, every call is gRPC."
         ),
     )
+    grpc_on_demand: bool = Field(
+        _DEFAULTS.grpc_on_demand,
+        description=(
+            "Serve only the lane at start; the gRPC server (AgentService, health, reflection) "
+            "starts on the lane's `open_grpc` call and then serves until the agent stops. "
+            "Spares a sandbox that only runs commands grpc's start and its idle threads. "
+            "Needs `lane`."
+        ),
+    )
     require_credential: bool = Field(
         _DEFAULTS.require_credential,
         description=(
@@ -124,8 +133,8 @@ class AgentConfigModel(ServiceConfig):
         return value
 
     @model_validator(mode="after")
-    def _check_limits(self) -> Self:
-        problem = self.to_config().limits_problem()
+    def _check_settings(self) -> Self:
+        problem = self.to_config().problem()
         if problem:
             raise ValueError(problem)
         return self

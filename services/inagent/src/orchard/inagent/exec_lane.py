@@ -14,6 +14,9 @@ AgentService rules: a request with ``authorization`` is checked
 (:class:`~orchard.inagent.credentials.CredentialCheck`), one without is served unless the agent
 requires credentials.
 
+The lane also takes ``open_grpc``: an agent started with its gRPC server on demand
+(``--grpc-on-demand``) starts it then, and answers with its addresses once it serves.
+
 A connection carries one call at a time. The caller closing it while a command runs cancels
 the call, which kills the command's process group. A frame over the size limit, or one that is
 not a ``LaneRequest``, is answered with an error and the connection is closed (the stream can
@@ -27,6 +30,7 @@ import contextlib
 import logging
 import os
 import struct
+from collections.abc import Awaitable, Callable
 
 from google.protobuf.message import DecodeError
 
@@ -69,8 +73,10 @@ class ExecLane:
         *,
         required: bool,
         max_frame_bytes: int,
+        open_grpc: Callable[[], Awaitable[list[str]]] | None = None,
     ) -> None:
         self._servicer = servicer
+        self._open_grpc = open_grpc
         self._credentials = credentials
         self._required = required
         self._max_frame_bytes = max_frame_bytes
@@ -141,11 +147,17 @@ class ExecLane:
         try:
             metadata = (("authorization", request.authorization),) if request.authorization else ()
             authorize(self._credentials, metadata, required=self._required)
-            if not request.HasField("exec"):
+            which = request.WhichOneof("call")
+            if which == "open_grpc":
+                if self._open_grpc is None:
+                    raise OrchardError(Reason.UNIMPLEMENTED, "this lane cannot start gRPC")
+                addresses = await self._open_grpc()
+                return lane_pb.LaneResponse(grpc=lane_pb.OpenGrpcResponse(addresses=addresses))
+            if which != "exec":
                 raise OrchardError(
                     Reason.INVALID_ARGUMENT,
-                    "a lane request must carry `exec`",
-                    metadata={"field": "exec"},
+                    "a lane request must carry `exec` or `open_grpc`",
+                    metadata={"field": "call"},
                 )
             call = asyncio.ensure_future(self._servicer.run(request.exec))
             # The caller sends nothing during a call: a read that ends is a hang-up.

@@ -6,7 +6,10 @@
     orchard-inagent --listen unix:/run/orchard/inagent.sock --lane unix:/run/orchard/inagent.lane
 
 Logs are JSON lines on stderr; nothing else is printed. With ``--lane`` the agent also serves
-orchard-env's Exec calls in a lean framing there (:mod:`orchard.inagent.exec_lane`). Health
+orchard-env's Exec calls in a lean framing there (:mod:`orchard.inagent.exec_lane`); with
+``--grpc-on-demand true`` as well, it serves only the lane until a lane call asks it to start
+gRPC (the ready report then names the lane, and the ``--listen-dir-fd`` directory stays open
+until gRPC has bound in it). Health
 turns SERVING once every address is bound (and the address file, if asked for, is written).
 With ``--ready-fd N`` the agent then writes the bound addresses, one per line, to the inherited
 descriptor N and closes it: whoever started it (the local sandbox runtime) learns readiness from
@@ -18,11 +21,13 @@ process group the agent started that is still alive is killed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
 from collections.abc import Sequence
 
+from orchard.core.errors import OrchardError, Reason
 from orchard.core.server import GrpcServer, ServiceBinding, run_service
 from orchard.inagent.config import AGENT_FLAGS, AgentConfig, load_agent_config
 from orchard.inagent.credentials import CredentialCheck, CredentialInterceptor
@@ -51,6 +56,8 @@ class _Agent:
         self.supervisor: ProcessSupervisor | None = None
         self.servicer: AgentServicer | None = None
         self.lane: ExecLane | None = None
+        self.server: GrpcServer | None = None
+        self.config: AgentConfig | None = None
         self.identity_key = identity_key
         self.credentials = CredentialCheck(identity_key, sandbox_id)
         # Its `required` setting arrives with the configuration, after the server's interceptors.
@@ -78,6 +85,7 @@ class _Agent:
         return [ServiceBinding(SERVICE_NAME, self.servicer.register)]
 
     async def on_start(self, config: AgentConfig, server: GrpcServer) -> None:
+        self.server, self.config = server, config
         if config.lane and self.servicer is not None:
             # Bound before the directory handle closes and before anyone hears "ready".
             self.lane = ExecLane(
@@ -85,17 +93,44 @@ class _Agent:
                 self.credentials,
                 required=config.require_credential,
                 max_frame_bytes=config.server.max_message_bytes,
+                open_grpc=self.open_grpc,
             )
             await self.lane.start(config.lane)
-        if config.listen_dir_fd is not None:
-            # Bound: the handle on a directory outside the root must not outlive that.
-            os.close(config.listen_dir_fd)
-        if config.address_file:
-            _write_address_file(config.address_file, server.addresses)
+        if server.opened:
+            self._bound(config, server)
         if config.ready_fd is not None:
             # SERVING before the starter hears of it (run_service's own call is then a no-op).
             await server.set_serving()
-            _report_ready(config.ready_fd, server.addresses)
+            serving = server.addresses if server.opened else [config.lane or ""]
+            _report_ready(config.ready_fd, serving)
+
+    async def open_grpc(self) -> list[str]:
+        """Start the gRPC server of an agent started with it on demand (the lane's
+        ``open_grpc``); its addresses once it serves."""
+        server, config = self.server, self.config
+        if server is None or config is None:
+            raise RuntimeError("the agent has not started")
+        if server.opened:
+            return server.addresses
+        try:
+            addresses = await server.open()
+        except (OSError, RuntimeError) as exc:  # cannot bind; or the agent is stopping
+            raise OrchardError(
+                Reason.UNAVAILABLE, f"the agent cannot start its gRPC server: {exc}"
+            ) from None
+        if config.listen_dir_fd is not None or config.address_file:
+            self._bound(config, server)
+        return addresses
+
+    def _bound(self, config: AgentConfig, server: GrpcServer) -> None:
+        """Once gRPC has bound: let go of the listen directory, write the address file."""
+        if config.listen_dir_fd is not None:
+            # The handle on a directory outside the root must not outlive the binding.
+            with contextlib.suppress(OSError):
+                os.close(config.listen_dir_fd)
+            self.config = config = dataclasses.replace(config, listen_dir_fd=None)
+        if config.address_file:
+            _write_address_file(config.address_file, server.addresses)
 
     async def on_stop(self, config: AgentConfig, server: GrpcServer) -> None:
         if self.lane is not None:
@@ -165,6 +200,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         interceptors=(agent.interceptor,),
         on_start=agent.on_start,
         on_stop=agent.on_stop,
+        deferred=lambda config: config.grpc_on_demand,
     )
 
 

@@ -26,7 +26,7 @@ from google.rpc import status_pb2 as google_dot_rpc_dot_status__pb2
 from orchard.inagent.v1 import inagent_service_pb2 as orchard_dot_inagent_dot_v1_dot_inagent__service__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"orchard/inagent/v1/exec_lane.proto\x12\x12orchard.inagent.v1\x1a\x17google/rpc/status.proto\x1a(orchard/inagent/v1/inagent_service.proto\"S\n\x0bLaneRequest\x12\x15\n\rauthorization\x18\x01 \x01(\t\x12-\n\x04\x65xec\x18\x02 \x01(\x0b\x32\x1f.orchard.inagent.v1.ExecRequest\"p\n\x0cLaneResponse\x12\x30\n\x04\x65xec\x18\x01 \x01(\x0b\x32 .orchard.inagent.v1.ExecResponseH\x00\x12#\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.google.rpc.StatusH\x00\x42\t\n\x07outcomeB\x1a\n\x16\x64\x65v.orchard.inagent.v1P\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"orchard/inagent/v1/exec_lane.proto\x12\x12orchard.inagent.v1\x1a\x17google/rpc/status.proto\x1a(orchard/inagent/v1/inagent_service.proto\"\x97\x01\n\x0bLaneRequest\x12\x15\n\rauthorization\x18\x01 \x01(\t\x12/\n\x04\x65xec\x18\x02 \x01(\x0b\x32\x1f.orchard.inagent.v1.ExecRequestH\x00\x12\x38\n\topen_grpc\x18\x03 \x01(\x0b\x32#.orchard.inagent.v1.OpenGrpcRequestH\x00\x42\x06\n\x04\x63\x61ll\"\x11\n\x0fOpenGrpcRequest\"%\n\x10OpenGrpcResponse\x12\x11\n\taddresses\x18\x01 \x03(\t\"\xa6\x01\n\x0cLaneResponse\x12\x30\n\x04\x65xec\x18\x01 \x01(\x0b\x32 .orchard.inagent.v1.ExecResponseH\x00\x12#\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.google.rpc.StatusH\x00\x12\x34\n\x04grpc\x18\x03 \x01(\x0b\x32$.orchard.inagent.v1.OpenGrpcResponseH\x00\x42\t\n\x07outcomeB\x1a\n\x16\x64\x65v.orchard.inagent.v1P\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,12 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'orchard.inagent.v1.exec_lan
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\026dev.orchard.inagent.v1P\001'
-  _globals['_LANEREQUEST']._serialized_start=125
-  _globals['_LANEREQUEST']._serialized_end=208
-  _globals['_LANERESPONSE']._serialized_start=210
-  _globals['_LANERESPONSE']._serialized_end=322
+  _globals['_LANEREQUEST']._serialized_start=126
+  _globals['_LANEREQUEST']._serialized_end=277
+  _globals['_OPENGRPCREQUEST']._serialized_start=279
+  _globals['_OPENGRPCREQUEST']._serialized_end=296
+  _globals['_OPENGRPCRESPONSE']._serialized_start=298
+  _globals['_OPENGRPCRESPONSE']._serialized_end=335
+  _globals['_LANERESPONSE']._serialized_start=338
+  _globals['_LANERESPONSE']._serialized_end=504
 # @@protoc_insertion_point(module_scope)

@@ -3,8 +3,10 @@
 isort:skip_file
 """
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 from google.rpc import status_pb2 as _status_pb2
 from orchard.inagent.v1 import inagent_service_pb2 as _inagent_service_pb2
 import builtins as _builtins
@@ -32,6 +34,12 @@ class LaneRequest(_message.Message):
     cancelled AgentService.Exec. A frame longer than the agent's limit, or one that does not
     parse, is answered with an error and the connection is closed.
 
+    An agent may be started with its gRPC server on demand (the local runtime does so for
+    orchard-env, which reaches such an agent over the lane first): it serves only the lane until
+    an `open_grpc` call starts AgentService, which then serves until the agent stops. An idle
+    gRPC server costs every sandbox its start and its threads' wake-ups, so a sandbox that only
+    runs commands is spared both.
+
     One call on the lane.
     """
 
@@ -39,6 +47,7 @@ class LaneRequest(_message.Message):
 
     AUTHORIZATION_FIELD_NUMBER: _builtins.int
     EXEC_FIELD_NUMBER: _builtins.int
+    OPEN_GRPC_FIELD_NUMBER: _builtins.int
     authorization: _builtins.str
     """`Bearer <credential>`: a route credential for this sandbox, as the `authorization` metadata
     of an AgentService call carries it. Required where the agent requires credentials.
@@ -47,19 +56,69 @@ class LaneRequest(_message.Message):
     def exec(self) -> _inagent_service_pb2.ExecRequest:
         """The command to run to completion, as AgentService.Exec takes it."""
 
+    @_builtins.property
+    def open_grpc(self) -> Global___OpenGrpcRequest:
+        """Start AgentService if the agent does not serve it yet; answered once it serves."""
+
     def __init__(
         self,
         *,
         authorization: _builtins.str = ...,
         exec: _inagent_service_pb2.ExecRequest | None = ...,
+        open_grpc: Global___OpenGrpcRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["exec", b"exec"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["call", b"call", "exec", b"exec", "open_grpc", b"open_grpc"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["authorization", b"authorization", "exec", b"exec"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["authorization", b"authorization", "call", b"call", "exec", b"exec", "open_grpc", b"open_grpc"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["exec", "open_grpc"]  # noqa: Y015
+    _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_call) -> _WhichOneofReturnType_call | None: ...
+
+Global___LaneRequest: _TypeAlias = LaneRequest  # noqa: Y015
+
+@_typing.final
+class OpenGrpcRequest(_message.Message):
+    """Start the agent's gRPC server (AgentService, health, reflection) where its configuration
+    says it listens. An agent that serves gRPC already answers at once.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___LaneRequest: _TypeAlias = LaneRequest  # noqa: Y015
+Global___OpenGrpcRequest: _TypeAlias = OpenGrpcRequest  # noqa: Y015
+
+@_typing.final
+class OpenGrpcResponse(_message.Message):
+    """The agent serves AgentService."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADDRESSES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Where, as clients dial it (`unix:/PATH` or `HOST:PORT`)."""
+
+    def __init__(
+        self,
+        *,
+        addresses: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenGrpcResponse: _TypeAlias = OpenGrpcResponse  # noqa: Y015
 
 @_typing.final
 class LaneResponse(_message.Message):
@@ -69,6 +128,7 @@ class LaneResponse(_message.Message):
 
     EXEC_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    GRPC_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def exec(self) -> _inagent_service_pb2.ExecResponse:
         """The command's result, as AgentService.Exec returns it."""
@@ -77,17 +137,22 @@ class LaneResponse(_message.Message):
     def error(self) -> _status_pb2.Status:
         """The status AgentService.Exec would have ended in (code, message, an ErrorInfo detail)."""
 
+    @_builtins.property
+    def grpc(self) -> Global___OpenGrpcResponse:
+        """The answer to `open_grpc`."""
+
     def __init__(
         self,
         *,
         exec: _inagent_service_pb2.ExecResponse | None = ...,
         error: _status_pb2.Status | None = ...,
+        grpc: Global___OpenGrpcResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "exec", b"exec", "outcome", b"outcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "exec", b"exec", "grpc", b"grpc", "outcome", b"outcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "exec", b"exec", "outcome", b"outcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "exec", b"exec", "grpc", b"grpc", "outcome", b"outcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["exec", "error"]  # noqa: Y015
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["exec", "error", "grpc"]  # noqa: Y015
     _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
 

@@ -129,6 +129,11 @@ class RuntimeSandboxSpec:
     """What the image may name on the host (the operator's ``images`` settings for the
     sandbox's tenant); None: the caller is the operator (any path the runtime does not
     protect, and the host image)."""
+    agent_grpc_on_demand: bool = False
+    """The caller opens the agent's gRPC server over its exec lane (the lane's ``open_grpc``)
+    before its first gRPC call, so the agent may start with the lane alone: a sandbox that
+    only runs commands then costs no gRPC server. Runtimes that give agents no lane ignore it
+    (their agents serve gRPC from the start)."""
 
 
 @dataclass(frozen=True)

@@ -573,6 +573,8 @@ class LocalRuntime(Runtime):
         env.update(spec.env)
         # sandbox_init adds where the agent listens (the run directory, never mounted inside).
         argv = [f"{AGENT_MOUNT}/{AGENT_EXECUTABLE}", "--working-dir", working_dir]
+        if spec.agent_grpc_on_demand:
+            argv += ["--grpc-on-demand", "true"]  # its lane is always given (LANE_NAME)
         agent_own = {name: value for name, value in env.items() if name.startswith("ORCHARD_")}
         if agent_own:
             # The agent reads ORCHARD_* as its own settings and hides them from commands, so a

@@ -21,7 +21,7 @@ from typing import Any
 from orchard.env.runtime.base import FailureReason, RuntimeFailure
 from orchard.env.runtime.local.process import open_pidfd, process_start_time
 
-__all__ = ["AgentLaunch", "StartedSandbox", "start_sandbox_process"]
+__all__ = ["AgentLaunch", "StartedSandbox", "read_to_eof", "start_sandbox_process"]
 
 SANDBOX_INIT = Path(__file__).with_name("sandbox_init.py")
 SHELL_READY = b"#shell\n"  # sandbox_init.SHELL_READY (that module is a script: not imported)
@@ -69,7 +69,7 @@ class StartedSandbox:
     async def wait_ready(self, timeout_s: float) -> list[str]:
         """The agent's addresses once it serves; :class:`RuntimeFailure` otherwise."""
         try:
-            text = await asyncio.wait_for(_read_to_eof(self.ready_fd), timeout_s)
+            text = await asyncio.wait_for(read_to_eof(self.ready_fd), timeout_s)
         except TimeoutError:
             raise RuntimeFailure(
                 FailureReason.AGENT_START_TIMEOUT,
@@ -140,7 +140,8 @@ async def _read_line(fd: int) -> bytes:
     return bytes(data)
 
 
-async def _read_to_eof(fd: int) -> bytes:
+async def read_to_eof(fd: int) -> bytes:
+    """What the pipe ``fd`` carries until its writers close it, read on the event loop."""
     loop = asyncio.get_running_loop()
     chunks: list[bytes] = []
     done: asyncio.Future[None] = loop.create_future()
