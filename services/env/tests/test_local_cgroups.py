@@ -29,7 +29,8 @@ import grpc
 import pytest
 
 from orchard.env.runtime.base import RuntimeResources, RuntimeSandboxSpec
-from orchard.env.runtime.local import LocalRuntime, LocalRuntimeConfig
+from orchard.env.runtime.local import LocalRuntime, LocalRuntimeConfig, snapshots
+from orchard.env.runtime.local import runtime as local_runtime_module
 from orchard.env.runtime.local.cgroups import CgroupV1, CgroupV2, _mounts
 from orchard.inagent.v1 import inagent_service_pb2 as agent_pb
 from orchard.inagent.v1 import inagent_service_pb2_grpc as agent_grpc
@@ -268,9 +269,21 @@ async def runtime(tmp_path: Path) -> Any:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def _in_layers(state: Any, name: str) -> Path:
+    """Where a sandbox's overlay finds ``name``: its upper layer, else its snapshot layers."""
+    for layer in (state.paths.upper, *state.snapshot_layers):
+        if Path(layer, name).exists():
+            return Path(layer, name)
+    raise AssertionError(f"{name} is in no layer of {state.sandbox_id}")
+
+
+@pytest.mark.parametrize("snapshot", [True, False], ids=["shared-snapshot", "copy-per-fork"])
 async def test_a_fork_copies_a_source_that_writes_all_along_without_tearing(
-    runtime: LocalRuntime, monkeypatch: pytest.MonkeyPatch
+    runtime: LocalRuntime, monkeypatch: pytest.MonkeyPatch, snapshot: bool
 ) -> None:
+    if not snapshot:
+        limit = {"fork_snapshot_max_bytes": 0}
+        monkeypatch.setattr(runtime, "config", runtime.config.model_copy(update=limit))
     source = RuntimeSandboxSpec("source", "host", resources=RuntimeResources(cpu_millis=400))
     await runtime.create(source)
     state = runtime.store.read("source")
@@ -284,18 +297,20 @@ async def test_a_fork_copies_a_source_that_writes_all_along_without_tearing(
         assert time.monotonic() < deadline, "the writer did not start"
         await asyncio.sleep(0.05)
     frozen_during_copy = []
-    copy = runtime._copy_upper
+    copy = snapshots.copy_tree
 
     async def observed_copy(*args: Any) -> None:
         frozen_during_copy.append(runtime._driver().is_frozen(state.cgroup_dirs))
         await copy(*args)
 
-    monkeypatch.setattr(runtime, "_copy_upper", observed_copy)
+    monkeypatch.setattr(snapshots, "copy_tree", observed_copy)
+    monkeypatch.setattr(local_runtime_module, "copy_tree", observed_copy)
     for index in range(4):
         await runtime.fork("source", RuntimeSandboxSpec(f"fork-{index}", "host"))
         forked = runtime.store.read(f"fork-{index}")
         assert forked is not None
-        content = Path(forked.paths.upper, "data").read_bytes()
+        assert len(forked.snapshot_layers) == (1 if snapshot else 0)
+        content = _in_layers(forked, "data").read_bytes()
         assert len(content) == 4 << 20
         assert len(set(content)) == 1, f"fork {index}: torn copy, {len(set(content))} letters"
         assert not runtime._driver().is_frozen(state.cgroup_dirs)

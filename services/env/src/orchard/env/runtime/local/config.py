@@ -170,6 +170,16 @@ class LocalRuntimeConfig(BaseModel):
         "request and starts the agent. Refilled in the background after each create; released "
         "at close. Creates of other images, with a disk limit, and forks start afresh. 0: off.",
     )
+    fork_snapshot_max_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=0,
+        description="Forks made at once from one source share one copy of its writable layer: "
+        "a read-only snapshot in memory (a tmpfs under state_dir/snapshots) that each mounts "
+        "below its own empty upper layer, instead of a copy per fork. This bounds the memory "
+        "all snapshots together may hold (the service's; each goes with the last sandbox using "
+        "it); a fork whose snapshot would not fit, or with a disk limit, copies the layer into "
+        "its own upper layer on disk, as with 0.",
+    )
     pool_image: str = Field(
         "",
         description="The image pooled sandboxes are built for, from start (start returns with "

@@ -15,6 +15,7 @@ watches each PID 1 through a pidfd on the event loop (one reader per sandbox, no
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import marshal
@@ -24,7 +25,7 @@ import stat
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from orchard.env.images import ImageResolver, ResolvedImage
 from orchard.env.images.trust import real_paths
@@ -47,6 +48,14 @@ from orchard.env.runtime.local.disk import make_layer_disk, release_layer_disk
 from orchard.env.runtime.local.network import SandboxNetworks
 from orchard.env.runtime.local.pool import SHELL_ID, PoolKey, Shell, ShellPool, new_shell_id
 from orchard.env.runtime.local.process import open_pidfd, peer_pid, signal_pidfd
+from orchard.env.runtime.local.snapshots import (
+    copy_tree,
+    drop_snapshot,
+    make_snapshot,
+    snapshot_dirs,
+    snapshot_needs,
+    snapshot_size,
+)
 from orchard.env.runtime.local.spawn import AgentLaunch, StartedSandbox, start_sandbox_process
 from orchard.env.runtime.local.state import SandboxPaths, SandboxState, StateStore
 from orchard.env.runtime.local.zygote import AgentZygote
@@ -196,10 +205,11 @@ async def _readable(fd: int, timeout_s: float) -> bool:
 
 @dataclass
 class _FreezeHold:
-    """A source sandbox frozen for the forks copying it."""
+    """A source sandbox frozen for the forks copying it, and the snapshot they share."""
 
     frozen: asyncio.Future[None]
     users: int = 0
+    snapshot: asyncio.Future[str | None] | None = None
 
 
 class LocalRuntime(Runtime):
@@ -221,6 +231,9 @@ class LocalRuntime(Runtime):
         self._pidfds: dict[str, int] = {}  # sandbox id → pidfd of its PID 1, while running
         self._deleting: set[str] = set()
         self._freezes: dict[str, _FreezeHold] = {}  # source id → its freeze while forks copy
+        # Snapshot layers in use by no state yet (a fork being made), by how many users.
+        self._pins: collections.Counter[str] = collections.Counter()
+        self._snapshot_bytes: dict[str, int] = {}  # snapshot → the memory it may hold
         self._pool = ShellPool(0, self._build_shell, self._discard_shell)  # sized at start
         self._exits: asyncio.Queue[SandboxExit | None] = asyncio.Queue()
         self._started = False
@@ -249,6 +262,10 @@ class LocalRuntime(Runtime):
         # Pooled sandboxes of an earlier run ended with it: remove what is left of them.
         for shell_id in await self._dead_shells():
             await self.delete(shell_id)
+        # Snapshots no sandbox uses any more (their last fork went with an earlier run).
+        await self._release_snapshots(snapshot_dirs(self._snapshots_dir))
+        for snapshot in snapshot_dirs(self._snapshots_dir):
+            self._snapshot_bytes[snapshot] = snapshot_size(snapshot)
         self._pool = ShellPool(self.config.pool_size, self._build_shell, self._discard_shell)
         if self.config.pool_size and self.config.pool_image:
             await self._pool.pin(await self._pool_key(self.config.pool_image))
@@ -355,7 +372,7 @@ class LocalRuntime(Runtime):
         if snapshot_of is None and not paths.disk_bytes:
             started = await self._claim_shell(spec, image, state, resources)
         if started is None:
-            started = await self._start_fresh(spec, image, state, resources, snapshot_of)
+            started, state = await self._start_fresh(spec, image, state, resources, snapshot_of)
         try:
             self._pidfds[sandbox_id] = started.pidfd
             self.store.write(state.with_process(started.pid, started.start_time))
@@ -397,8 +414,9 @@ class LocalRuntime(Runtime):
         state: SandboxState,
         resources: RuntimeResources,
         snapshot_of: SandboxState | None,
-    ) -> StartedSandbox:
-        """Make the sandbox's directories and cgroup and start its PID 1 (not yet ready)."""
+    ) -> tuple[StartedSandbox, SandboxState]:
+        """Make the sandbox's directories and cgroup and start its PID 1 (not yet ready); the
+        state as recorded (a fork's names the snapshot layers it mounts)."""
         paths, cgroups = state.paths, self._driver()
         self.store.write(state)  # first, so that a crash from here on leaves a findable record
         os.makedirs(paths.workspace, mode=0o700)
@@ -408,10 +426,24 @@ class LocalRuntime(Runtime):
             os.mkdir(directory, 0o755)
         os.makedirs(paths.run, mode=0o755)
         if snapshot_of is not None:
-            await self._copy_frozen(snapshot_of, paths)
+            # Pinned until the state names them: the source's own layers, should the source go
+            # meanwhile, and the new snapshot (_copy_frozen pins it for this fork).
+            layers = snapshot_of.snapshot_layers
+            self._pin(layers)
+            try:
+                snapshot = await self._copy_frozen(snapshot_of, paths)
+                if snapshot:
+                    layers = (snapshot, *layers)
+                state = replace(state, snapshot_layers=layers)
+                self.store.write(state)
+            except BaseException:
+                self._unpin(layers)
+                await asyncio.shield(self._release_snapshots(layers))
+                raise
+            self._unpin(layers)
         cgroups.create(state.sandbox_id, resources)
         launch = self._launch(spec, image, state)
-        return await self._start_process(launch)
+        return await self._start_process(launch), state
 
     async def _start_process(self, launch: AgentLaunch) -> StartedSandbox:
         if self._zygote is not None:
@@ -589,7 +621,7 @@ class LocalRuntime(Runtime):
         return AgentLaunch(
             hostname=spec.sandbox_id,
             root=state.paths.root,
-            lower_dirs=image.lower_dirs,
+            lower_dirs=(*state.snapshot_layers, *image.lower_dirs),
             upper_dir=state.paths.upper,
             work_dir=state.paths.work,
             agent_bundle=os.path.realpath(self.config.agent_bundle),
@@ -609,16 +641,16 @@ class LocalRuntime(Runtime):
     async def fork(self, source_id: str, spec: RuntimeSandboxSpec) -> RuntimeSandbox:
         """Start ``spec`` over a copy of the source's writable layer taken now.
 
-        The fork's overlay is the source image's layers under an upper layer that starts as a
-        copy of the source's (``cp -a --reflink=auto``: whiteouts, opaque directories, owners,
-        modes and extended attributes kept; copy-on-write where the file system can). The copy
-        is the fork's upper rather than a lower layer of its own: overlayfs refuses a lower
-        layer inside another one (ELOOP), which every directory is for the host image (``/``).
-        The source's cgroup is frozen while the copy runs and thawed after (also when it fails),
-        so the copy is the file system of one instant: no file arrives half-written by a process
-        that was writing it. Its agent answers again once thawed. On a v1 host without the
-        freezer hierarchy the source keeps running and a file it writes meanwhile may arrive
-        torn. Processes are not copied.
+        The source's cgroup is frozen while the copy is made and thawed after (also when it
+        fails), so the copy is the file system of one instant: no file arrives half-written by
+        a process that was writing it. Its agent answers again once thawed. Forks of one source
+        made at once share one freeze and one copy: a read-only snapshot on a tmpfs of its own
+        (``snapshots.py``; up to ``fork_snapshot_max_bytes``), which each fork mounts as a layer
+        between the image's layers (and the snapshots its source has, for a fork of a fork) and
+        its own empty upper layer. A larger layer is copied into each fork's upper layer
+        (``cp -a --reflink=auto``). On a v1 host without the freezer hierarchy each fork copies
+        while the source keeps running, and a file it writes meanwhile may arrive torn.
+        Processes are not copied.
         """
         self._require_started()
         _check_id(source_id)
@@ -641,13 +673,14 @@ class LocalRuntime(Runtime):
                 await asyncio.shield(self._delete_locked(sandbox_id))
                 raise
 
-    async def _copy_frozen(self, source: SandboxState, paths: SandboxPaths) -> None:
-        """Copy the source's upper layer with the source frozen, then thaw it."""
+    async def _copy_frozen(self, source: SandboxState, paths: SandboxPaths) -> str | None:
+        """With the source frozen: the snapshot its forks share (made by the first of them),
+        or None when its layer was copied into ``paths``' upper layer instead."""
         source_id, dirs, cgroups = source.sandbox_id, source.cgroup_dirs, self._driver()
         if not cgroups.can_freeze(dirs):
             log.warning("sandbox %s: no freezer; copying it while it runs", source_id)
-            await self._copy_upper(source.paths, paths)
-            return
+            await copy_tree(source.paths.upper, paths.upper)
+            return None
         # Forks of one source at once share one freeze; the last to finish thaws.
         hold = self._freezes.get(source_id)
         if hold is None:
@@ -662,7 +695,18 @@ class LocalRuntime(Runtime):
                 raise RuntimeFailure(
                     FailureReason.INTERNAL, f"cannot freeze sandbox {source_id} to copy it: {exc}"
                 ) from None
-            await self._copy_upper(source.paths, paths)
+            if paths.disk_bytes:
+                # Its disk limit covers every file it has: the copy goes onto its own disk.
+                await copy_tree(source.paths.upper, paths.upper)
+                return None
+            if hold.snapshot is None:
+                hold.snapshot = asyncio.ensure_future(self._snapshot(source))
+            snapshot = await asyncio.shield(hold.snapshot)
+            if snapshot is None:
+                await copy_tree(source.paths.upper, paths.upper)
+            else:
+                self._pin((snapshot,))  # for the caller, until its state names it
+            return snapshot
         finally:
             hold.users -= 1
             if hold.users == 0:
@@ -670,27 +714,69 @@ class LocalRuntime(Runtime):
                 if not hold.frozen.done():
                     hold.frozen.cancel()
                 cgroups.thaw(dirs)  # also when the copy failed or the fork was cancelled
+                await self._end_snapshot(hold.snapshot)
 
-    @staticmethod
-    async def _copy_upper(source: SandboxPaths, paths: SandboxPaths) -> None:
-        """Copy the source's upper layer into the new sandbox's (still empty) upper layer."""
-        process = await asyncio.create_subprocess_exec(
-            "cp",
-            "-a",
-            "--reflink=auto",
-            "--",
-            f"{source.upper}/.",
-            paths.upper,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        _, stderr = await process.communicate()
-        if process.returncode != 0:
-            raise RuntimeFailure(
-                FailureReason.INTERNAL,
-                f"copying the source's file system failed: {stderr.decode(errors='replace')}",
-            )
+    async def _snapshot(self, source: SandboxState) -> str | None:
+        """A snapshot of the (frozen) source's upper layer, pinned until its freeze ends; None
+        when it would take all snapshots together over ``fork_snapshot_max_bytes``."""
+        size, inodes = await asyncio.to_thread(snapshot_needs, source.paths.upper)
+        if sum(self._snapshot_bytes.values()) + size > self.config.fork_snapshot_max_bytes:
+            return None
+        reservation = f"making:{id(source)}:{time.monotonic_ns()}"
+        self._snapshot_bytes[reservation] = size  # counted while it is made
+        try:
+            snapshot = await make_snapshot(self._snapshots_dir, source.paths.upper, size, inodes)
+        finally:
+            del self._snapshot_bytes[reservation]
+        self._snapshot_bytes[snapshot] = size
+        self._pin((snapshot,))
+        return snapshot
+
+    async def _end_snapshot(self, made: asyncio.Future[str | None] | None) -> None:
+        """A freeze's snapshot once its forks are made: unpinned, and dropped when none of them
+        recorded it (they all failed); one still being made is stopped (and removed)."""
+        if made is None:
+            return
+        if not made.done():
+            made.cancel()
+            return
+        if made.cancelled() or made.exception() is not None:
+            return
+        snapshot = made.result()
+        if snapshot is not None:
+            self._unpin((snapshot,))
+            await self._release_snapshots((snapshot,))
+
+    @property
+    def _snapshots_dir(self) -> str:
+        return os.path.join(self.config.state_dir, "snapshots")
+
+    def _pin(self, layers: Sequence[str]) -> None:
+        self._pins.update(layers)
+
+    def _unpin(self, layers: Sequence[str]) -> None:
+        self._pins.subtract(layers)
+        for layer in layers:
+            if self._pins[layer] <= 0:
+                del self._pins[layer]
+
+    async def _release_snapshots(self, layers: Sequence[str]) -> None:
+        """Drop those of ``layers`` that no sandbox's state names and no fork being made
+        holds. A drop that fails is logged (the next start tries again)."""
+        candidates = [layer for layer in layers if layer not in self._pins]
+        if not candidates:
+            return
+        states = await asyncio.to_thread(self.store.all)
+        used = {layer for state in states for layer in state.snapshot_layers}
+        for layer in candidates:
+            if layer in used:
+                continue
+            try:
+                await asyncio.to_thread(drop_snapshot, layer)
+            except OSError as exc:
+                log.warning("cannot remove the fork snapshot %s: %s", layer, exc)
+            else:
+                self._snapshot_bytes.pop(layer, None)
 
     async def delete(self, sandbox_id: str) -> None:
         self._require_started()
@@ -731,6 +817,8 @@ class LocalRuntime(Runtime):
             for directory in (paths.workspace, paths.run):
                 await asyncio.to_thread(remove_tree, directory)
             self.store.remove(sandbox_id)
+            if state is not None and state.snapshot_layers:
+                await self._release_snapshots(state.snapshot_layers)
         finally:
             self._deleting.discard(sandbox_id)
 

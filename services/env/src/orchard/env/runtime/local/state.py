@@ -66,6 +66,9 @@ class SandboxState:
     start_time: int = 0  # its start time (clock ticks after boot): guards against pid reuse
     memory_limit_bytes: int = 0
     labels: dict[str, str] = field(default_factory=dict)
+    snapshot_layers: tuple[str, ...] = ()
+    """Read-only layers between the image and the upper layer, topmost first: the frozen
+    copies of the sources a fork descends from (see ``LocalRuntime.fork``)."""
 
     def with_process(self, pid: int, start_time: int) -> SandboxState:
         return replace(self, pid=pid, start_time=start_time)
@@ -78,6 +81,7 @@ class SandboxState:
         data = json.loads(text)
         data["paths"] = SandboxPaths(**data["paths"])
         data["cgroup_dirs"] = tuple(data["cgroup_dirs"])
+        data["snapshot_layers"] = tuple(data.get("snapshot_layers", ()))
         return cls(**data)
 
 
@@ -111,6 +115,10 @@ class StateStore:
     def remove(self, sandbox_id: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.path(sandbox_id).unlink()
+
+    def all(self) -> list[SandboxState]:
+        """Every readable state."""
+        return [state for state in map(self.read, self.ids()) if state is not None]
 
     def ids(self) -> list[str]:
         try:
