@@ -114,6 +114,7 @@ experiment: setup inagent-binary ## the learning experiment (EXPERIMENT=recipes/
 
 bench: setup inagent-binary gui-browser ## run the benchmarks; results in bench/results/*.json
 	$(BIN)/python bench/inagent_bench.py
+	$(BIN)/python bench/agent_start_bench.py
 	$(BIN)/python bench/env_bench.py
 	$(BIN)/python bench/exec_cpu_bench.py --json bench/results/exec-cpu.json
 	$(BIN)/python bench/rollout_bench.py
