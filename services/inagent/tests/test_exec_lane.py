@@ -354,6 +354,30 @@ def test_on_demand_the_agent_serves_the_lane_alone_until_asked_to_open_grpc(
     assert agent.process.returncode == 0
 
 
+def test_concurrent_open_grpc_calls_share_one_server_and_close_the_directory_once(
+    on_demand: Any,
+) -> None:
+    agent = on_demand()
+    lanes = [Lane(agent.directory / "agent.lane") for _ in range(4)]
+    try:
+        request = lane_pb.LaneRequest(open_grpc=lane_pb.OpenGrpcRequest()).SerializeToString()
+        for lane in lanes:  # all asked before any answer is read
+            lane.send_raw(request)
+        answers = [lane.receive() for lane in lanes]
+        assert all(a is not None and a.HasField("grpc") for a in answers), answers
+        assert not agent.holds_listen_dir()
+        # Every descriptor the agent still needs is intact: each lane and gRPC still serve.
+        for n, lane in enumerate(lanes):
+            result = lane.call(exec_pb2.Command(argv=["echo", str(n)])).exec.result
+            assert result.stdout == f"{n}\n".encode()
+        with grpc.insecure_channel(f"unix:{agent.socket}") as channel:
+            stub = pb_grpc.AgentServiceStub(channel)
+            assert stub.GetAgentInfo(pb.GetAgentInfoRequest(), timeout=10).version
+    finally:
+        for lane in lanes:
+            lane.close()
+
+
 def test_open_grpc_obeys_the_lanes_credential_rules(on_demand: Any) -> None:
     agent = on_demand(
         "--set",

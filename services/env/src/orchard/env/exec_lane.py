@@ -60,17 +60,10 @@ class LaneClient:
         raise _rpc_error(grpc.StatusCode.INTERNAL, "the agent's exec lane answered nothing")
 
     async def open_grpc(self, deadline_s: float) -> list[str]:
-        """Have the agent start its gRPC server (at once if it serves already); its addresses.
-        An agent that predates ``open_grpc`` answers INVALID_ARGUMENT: it served gRPC from its
-        start, so that answer is taken for yes (no addresses)."""
-        try:
-            response = await self._call(
-                lane_pb.LaneRequest(open_grpc=lane_pb.OpenGrpcRequest()), deadline_s
-            )
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                return []
-            raise
+        """Have the agent start its gRPC server (at once if it serves already); its addresses,
+        as the agent names them."""
+        request = lane_pb.LaneRequest(open_grpc=lane_pb.OpenGrpcRequest())
+        response = await self._call(request, deadline_s)
         if response.HasField("grpc"):
             return list(response.grpc.addresses)
         self.close()

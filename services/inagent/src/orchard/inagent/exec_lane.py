@@ -73,7 +73,7 @@ class ExecLane:
         *,
         required: bool,
         max_frame_bytes: int,
-        open_grpc: Callable[[], Awaitable[list[str]]] | None = None,
+        open_grpc: Callable[[], Awaitable[list[str]]],
     ) -> None:
         self._servicer = servicer
         self._open_grpc = open_grpc
@@ -149,8 +149,6 @@ class ExecLane:
             authorize(self._credentials, metadata, required=self._required)
             which = request.WhichOneof("call")
             if which == "open_grpc":
-                if self._open_grpc is None:
-                    raise OrchardError(Reason.UNIMPLEMENTED, "this lane cannot start gRPC")
                 addresses = await self._open_grpc()
                 return lane_pb.LaneResponse(grpc=lane_pb.OpenGrpcResponse(addresses=addresses))
             if which != "exec":

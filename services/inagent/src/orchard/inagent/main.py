@@ -97,7 +97,7 @@ class _Agent:
             )
             await self.lane.start(config.lane)
         if server.opened:
-            self._bound(config, server)
+            self._bound(server)
         if config.ready_fd is not None:
             # SERVING before the starter hears of it (run_service's own call is then a no-op).
             await server.set_serving()
@@ -107,8 +107,8 @@ class _Agent:
     async def open_grpc(self) -> list[str]:
         """Start the gRPC server of an agent started with it on demand (the lane's
         ``open_grpc``); its addresses once it serves."""
-        server, config = self.server, self.config
-        if server is None or config is None:
+        server = self.server
+        if server is None:
             raise RuntimeError("the agent has not started")
         if server.opened:
             return server.addresses
@@ -118,17 +118,20 @@ class _Agent:
             raise OrchardError(
                 Reason.UNAVAILABLE, f"the agent cannot start its gRPC server: {exc}"
             ) from None
-        if config.listen_dir_fd is not None or config.address_file:
-            self._bound(config, server)
+        # Concurrent callers all get here; the configuration is read again after the await, so
+        # only the first closes the directory (a second close could hit a reused descriptor).
+        self._bound(server)
         return addresses
 
-    def _bound(self, config: AgentConfig, server: GrpcServer) -> None:
+    def _bound(self, server: GrpcServer) -> None:
         """Once gRPC has bound: let go of the listen directory, write the address file."""
+        config = self.config
+        assert config is not None
         if config.listen_dir_fd is not None:
             # The handle on a directory outside the root must not outlive the binding.
+            self.config = dataclasses.replace(config, listen_dir_fd=None)
             with contextlib.suppress(OSError):
                 os.close(config.listen_dir_fd)
-            self.config = config = dataclasses.replace(config, listen_dir_fd=None)
         if config.address_file:
             _write_address_file(config.address_file, server.addresses)
 

@@ -234,6 +234,7 @@ class LocalRuntime(Runtime):
         # Snapshot layers in use by no state yet (a fork being made), by how many users.
         self._pins: collections.Counter[str] = collections.Counter()
         self._snapshot_bytes: dict[str, int] = {}  # snapshot → the memory it may hold
+        self._snapshot_bytes_making = 0  # of the snapshots being copied now
         self._pool = ShellPool(0, self._build_shell, self._discard_shell)  # sized at start
         self._exits: asyncio.Queue[SandboxExit | None] = asyncio.Queue()
         self._started = False
@@ -720,14 +721,14 @@ class LocalRuntime(Runtime):
         """A snapshot of the (frozen) source's upper layer, pinned until its freeze ends; None
         when it would take all snapshots together over ``fork_snapshot_max_bytes``."""
         size, inodes = await asyncio.to_thread(snapshot_needs, source.paths.upper)
-        if sum(self._snapshot_bytes.values()) + size > self.config.fork_snapshot_max_bytes:
+        held = sum(self._snapshot_bytes.values()) + self._snapshot_bytes_making
+        if held + size > self.config.fork_snapshot_max_bytes:
             return None
-        reservation = f"making:{id(source)}:{time.monotonic_ns()}"
-        self._snapshot_bytes[reservation] = size  # counted while it is made
+        self._snapshot_bytes_making += size  # counted while it is copied
         try:
             snapshot = await make_snapshot(self._snapshots_dir, source.paths.upper, size, inodes)
         finally:
-            del self._snapshot_bytes[reservation]
+            self._snapshot_bytes_making -= size
         self._snapshot_bytes[snapshot] = size
         self._pin((snapshot,))
         return snapshot
